@@ -1,0 +1,259 @@
+"""`KVQuantConfig`: one declarative, validated, serialisable description of a KV-cache scheme.
+
+A config says what is stored for each token of the MLA cache (the NoPE latent and the RoPE key),
+with which scales, and how decode consumes it (query precision, PV pipeline, prefill). It is
+validated on construction: an unknown field or value raises one `ConfigError` naming the field and
+the allowed values, before any compute. Width-dependent checks (block sizes that must divide the
+latent width, int4 needing an even width) run in `check_dims`, which the quantizer calls first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError, unknown_choice
+from .quant.dtypes import ELEMENT_FORMATS, get_element_format
+from .quant.scales import SCALE_FORMATS
+
+GRANULARITIES = ("per_tensor_dynamic", "per_tensor_static", "per_channel", "per_token", "per_token_block")
+QUERY_MODES = ("bf16", "fp8_e4m3")
+PV_MODES = ("bf16", "fp8_scale_fused", "fp8_naive")
+PREFILL_MODES = ("bf16", "quantized")
+
+
+@dataclass(frozen=True)
+class KVQuantConfig:
+    """How the MLA latent cache is quantized and how decode reads it.
+
+    Defaults are the SnapMLA paper configuration (FP8 e4m3 latent, one fp32 scale per token, BF16
+    RoPE pre-divided by that scale, FP8 query per token-head, scale-fused FP8 PV, BF16 prefill).
+    """
+
+    nope_dtype: str = "fp8_e4m3"
+    """Storage of the NoPE latent (kv_lora_rank wide): bf16 | fp16 | fp8_e4m3 | fp8_e5m2 | int8 | int4."""
+    rope_dtype: str = "bf16"
+    """Storage of the shared RoPE key (qk_rope_head_dim wide); same choices."""
+    nope_granularity: str = "per_token"
+    """Which elements share a scale in the latent (ignored for 16-bit dtypes)."""
+    rope_granularity: str = "per_token"
+    """Which elements share a scale in the RoPE part (ignored for 16-bit dtypes or rope_prescale)."""
+    block_size: int = 128
+    """Channels per scale for per_token_block (128 in DeepSeek-V3.2); must divide the part's width."""
+    token_group: int | None = None
+    """Tokens per scale for per_channel (KIVI groups); None = one scale per channel over all tokens."""
+    nope_scale: float | None = None
+    """Fixed latent scale for per_tensor_static (given, or filled by `snapquant.calibrate`)."""
+    rope_scale: float | None = None
+    """Fixed RoPE scale for per_tensor_static."""
+    scale_format: str = "fp32"
+    """fp32 | pow2 (rounded up to a power of two) | e8m0 (one exponent byte)."""
+    rope_prescale: bool = True
+    """SnapMLA pre-scaled domain alignment: store bf16(rope / s) with s the latent's per-token scale."""
+    query: str = "fp8_e4m3"
+    """bf16 | fp8_e4m3 (per token-head scale over the absorbed NoPE query; RoPE query pre-scaled)."""
+    pv: str = "fp8_scale_fused"
+    """bf16 | fp8_scale_fused (SnapMLA) | fp8_naive (P cast straight to FP8, V scale kept outside)."""
+    prefill: str = "bf16"
+    """bf16 (attend to fresh activations, as in serving) | quantized (attend to the quantized latent)."""
+    pv_block: int = 64
+    """Tokens per online-softmax block; P is quantized per row per block (64 = the page size)."""
+    name: str | None = field(default=None, compare=False)
+    """Label used in tables; presets set it. Not part of equality."""
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        for f in ("nope_dtype", "rope_dtype"):
+            get_element_format(getattr(self, f), field=f)
+        for f in ("nope_granularity", "rope_granularity"):
+            _choice(f, getattr(self, f), GRANULARITIES)
+        _choice("scale_format", self.scale_format, SCALE_FORMATS)
+        _choice("query", self.query, QUERY_MODES)
+        _choice("pv", self.pv, PV_MODES)
+        _choice("prefill", self.prefill, PREFILL_MODES)
+        _positive_int("block_size", self.block_size)
+        _positive_int("pv_block", self.pv_block)
+        if self.token_group is not None:
+            _positive_int("token_group", self.token_group)
+        for f in ("nope_scale", "rope_scale"):
+            v = getattr(self, f)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      and math.isfinite(v) and v > 0):
+                raise ConfigError(f"{f}={v!r} is not valid; expected a positive finite float or null")
+        if not isinstance(self.rope_prescale, bool):
+            raise ConfigError(f"rope_prescale={self.rope_prescale!r} is not valid; allowed values: true, false")
+        if self.rope_prescale:
+            if not self.nope_format.is_quantized:
+                raise ConfigError(
+                    f"rope_prescale=true needs a quantized nope_dtype (RoPE is divided by the latent's scale); "
+                    f"nope_dtype={self.nope_dtype!r} has no scale. Set rope_prescale: false."
+                )
+            if self.nope_granularity != "per_token":
+                raise ConfigError(
+                    f"rope_prescale=true needs nope_granularity='per_token' (one latent scale per token to "
+                    f"divide RoPE by); got nope_granularity={self.nope_granularity!r}."
+                )
+            if self.rope_format.is_quantized:
+                raise ConfigError(
+                    f"rope_prescale=true stores RoPE in 16 bits in the latent's scaled domain; rope_dtype must be "
+                    f"one of bf16, fp16, got {self.rope_dtype!r}."
+                )
+
+    def check_dims(self, kv_lora_rank: int, rope_dim: int) -> None:
+        """Width-dependent validation; raises ConfigError naming the field."""
+        for part, width in (("nope", kv_lora_rank), ("rope", rope_dim)):
+            if not isinstance(width, int) or width <= 0:
+                raise ConfigError(f"{part} width must be a positive int, got {width!r}")
+            fmt = self.part_format(part)
+            if not fmt.is_quantized or (part == "rope" and self.rope_prescale):
+                continue
+            if fmt.bits == 4 and width % 2:
+                raise ConfigError(
+                    f"{part}_dtype='int4' packs two values per byte and needs an even width; {part} width is {width}"
+                )
+            if self.part_granularity(part) == "per_token_block" and width % self.block_size:
+                raise ConfigError(
+                    f"block_size={self.block_size} does not divide the {part} width {width} "
+                    f"({part}_granularity='per_token_block'); choose a divisor of {width}"
+                )
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def nope_format(self):
+        return get_element_format(self.nope_dtype)
+
+    @property
+    def rope_format(self):
+        return get_element_format(self.rope_dtype)
+
+    def part_format(self, part: str):
+        return self.nope_format if part == "nope" else self.rope_format
+
+    def part_granularity(self, part: str) -> str:
+        return self.nope_granularity if part == "nope" else self.rope_granularity
+
+    def part_static_scale(self, part: str) -> float | None:
+        return self.nope_scale if part == "nope" else self.rope_scale
+
+    @property
+    def is_identity(self) -> bool:
+        """True when nothing is quantized: the patched model must reproduce the original exactly."""
+        return (not self.nope_format.is_quantized and not self.rope_format.is_quantized
+                and self.query == "bf16" and self.pv == "bf16")
+
+    @property
+    def causal_consistent(self) -> bool:
+        """True when a token's stored value never depends on later tokens (per-token-like scales).
+
+        Then quantized prefill gives exactly what step-by-step decode with the cache gives.
+        """
+        for part in ("nope", "rope"):
+            if not self.part_format(part).is_quantized or (part == "rope" and self.rope_prescale):
+                continue
+            g = self.part_granularity(part)
+            if g in ("per_tensor_dynamic", "per_channel"):
+                return False
+        return True
+
+    def label(self) -> str:
+        return self.name or self.short_description()
+
+    def short_description(self) -> str:
+        def part(p: str) -> str:
+            fmt = self.part_format(p)
+            if not fmt.is_quantized:
+                return fmt.name + ("/prescaled" if p == "rope" and self.rope_prescale else "")
+            return f"{fmt.name}/{self.part_granularity(p)}"
+
+        return f"nope={part('nope')} rope={part('rope')} scale={self.scale_format} q={self.query} pv={self.pv}"
+
+    def replace(self, **changes: Any) -> KVQuantConfig:
+        _check_keys(changes)
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVQuantConfig:
+        if not isinstance(d, dict):
+            raise ConfigError(f"KVQuantConfig expects a mapping, got {type(d).__name__}")
+        _check_keys(d)
+        return cls(**d)
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    @classmethod
+    def from_json(cls, s: str) -> KVQuantConfig:
+        return cls.from_dict(json.loads(s))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, s: str) -> KVQuantConfig:
+        return cls.from_dict(yaml.safe_load(s))
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write `snapquant_config.json` into a directory (or to a .json/.yaml file path)."""
+        p = Path(path)
+        if p.suffix in (".yaml", ".yml"):
+            p.write_text(self.to_yaml())
+        elif p.suffix == ".json":
+            p.write_text(self.to_json(indent=2))
+        else:
+            p.mkdir(parents=True, exist_ok=True)
+            p = p / "snapquant_config.json"
+            p.write_text(self.to_json(indent=2))
+        return p
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> KVQuantConfig:
+        """Load from a directory holding `snapquant_config.json`, or a .json / .yaml file."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "snapquant_config.json"
+        if not p.exists():
+            raise ConfigError(f"no snapquant config at {p}")
+        text = p.read_text()
+        return cls.from_yaml(text) if p.suffix in (".yaml", ".yml") else cls.from_json(text)
+
+
+FIELD_NAMES = tuple(f.name for f in fields(KVQuantConfig))
+
+# Allowed values per axis, for sweep grids and error messages.
+AXES: dict[str, tuple] = {
+    "nope_dtype": tuple(ELEMENT_FORMATS),
+    "rope_dtype": tuple(ELEMENT_FORMATS),
+    "nope_granularity": GRANULARITIES,
+    "rope_granularity": GRANULARITIES,
+    "scale_format": tuple(SCALE_FORMATS),
+    "rope_prescale": (True, False),
+    "query": QUERY_MODES,
+    "pv": PV_MODES,
+    "prefill": PREFILL_MODES,
+}
+
+
+def _check_keys(d: dict[str, Any]) -> None:
+    for k in d:
+        if k not in FIELD_NAMES:
+            raise unknown_choice("KVQuantConfig field", k, FIELD_NAMES)
+
+
+def _choice(field_name: str, value: object, allowed) -> None:
+    if value not in allowed:
+        raise unknown_choice(field_name, value, allowed)
+
+
+def _positive_int(field_name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{field_name}={value!r} is not valid; expected a positive integer")
