@@ -1,0 +1,153 @@
+"""KVQuantConfig validation, serialisation, presets and byte counts."""
+
+import json
+
+import pytest
+import torch
+
+import snapquant as sq
+from snapquant import ConfigError, KVQuantConfig
+
+
+@pytest.mark.parametrize("name", sorted(sq.PRESETS))
+def test_every_preset_round_trips_yaml_and_json(name, tmp_path):
+    cfg = sq.PRESETS[name]
+    assert KVQuantConfig.from_yaml(cfg.to_yaml()) == cfg
+    assert KVQuantConfig.from_json(cfg.to_json()) == cfg
+    assert KVQuantConfig.from_pretrained(cfg.save_pretrained(tmp_path / name)) == cfg
+    assert KVQuantConfig.from_pretrained(cfg.save_pretrained(tmp_path / f"{name}.yaml")) == cfg
+    assert json.loads(cfg.to_json())["name"] == name
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("bf16", 1152), ("snapmla", 644), ("snapmla_kv_only", 644), ("ds_v32", 656), ("ds_model1", 648),
+     ("per_tensor_fp8", 576), ("per_tensor_fp8_dynamic", 576), ("rope_fp8_per_token", 584),
+     ("e5m2_per_token", 644), ("int8_per_token", 644), ("int4_kivi", 360)],
+)
+def test_bytes_per_token_at_deepseek_dims(name, expected):
+    assert sq.bytes_per_token(sq.PRESETS[name]) == expected
+
+
+def test_bytes_per_token_other_dims():
+    assert sq.bytes_per_token(sq.PRESETS["snapmla"], kv_lora_rank=256, rope_dim=32) == 256 + 4 + 64
+    assert sq.bytes_per_token(sq.PRESETS["ds_v32"], 256, 32) == 256 + 2 * 4 + 64
+    # Group-amortised scales are fractional: 512 channels x 4 B per 48 tokens.
+    cfg = sq.PRESETS["int4_kivi"].replace(token_group=48)
+    assert sq.bytes_per_token(cfg) == pytest.approx(256 + 32 + 512 * 4 / 48 + 64 * 4 / 48)
+
+
+@pytest.mark.parametrize("name", sorted(sq.PRESETS))
+def test_stored_bytes_match_bytes_per_token(name):
+    """QuantizedKV.nbytes is what a cache holds; it must agree with the formula (per-token-like formats)."""
+    cfg = sq.PRESETS[name]
+    B, T = 2, 96  # T a multiple of the KIVI group so amortised scales divide evenly
+    kv = sq.quantize_kv(torch.randn(B, T, 512), torch.randn(B, T, 64), cfg)
+    expected = sq.bytes_per_token(cfg)
+    if cfg.nope_granularity.startswith("per_tensor"):
+        # per-tensor scales are O(1): 2 fp32 scales for the whole tensor
+        assert kv.nbytes == expected * B * T + 4 * 2
+    else:
+        assert kv.nbytes == pytest.approx(expected * B * T)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"nope_dtype": "fp8_e4m4"}, "nope_dtype"),
+        ({"rope_dtype": "int3"}, "rope_dtype"),
+        ({"nope_granularity": "per_row"}, "nope_granularity"),
+        ({"scale_format": "e4m3"}, "scale_format"),
+        ({"query": "fp8_e5m2"}, "query"),
+        ({"pv": "fp8"}, "pv"),
+        ({"prefill": "fp8"}, "prefill"),
+        ({"block_size": 0}, "block_size"),
+        ({"token_group": -3}, "token_group"),
+        ({"nope_scale": -1.0}, "nope_scale"),
+        ({"nope_scale": float("nan")}, "nope_scale"),
+        ({"rope_prescale": "yes"}, "rope_prescale"),
+        ({"nope_granularity": "per_channel"}, "nope_granularity"),  # prescale needs per-token latent scales
+        ({"rope_dtype": "fp8_e4m3"}, "rope_dtype"),  # prescaled RoPE is 16-bit
+        ({"nope_dtype": "bf16"}, "nope_dtype"),  # nothing to prescale by
+    ],
+)
+def test_bad_values_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        KVQuantConfig(**kwargs)
+
+
+def test_unknown_value_lists_allowed_values_and_suggests():
+    with pytest.raises(ConfigError) as e:
+        KVQuantConfig(nope_dtype="fp8_e4m2")
+    msg = str(e.value)
+    assert "allowed values" in msg and "fp8_e4m3" in msg and "int4" in msg and "did you mean" in msg
+
+
+def test_unknown_field_is_rejected():
+    with pytest.raises(ConfigError, match="nope_dtyp"):
+        KVQuantConfig.from_dict({"nope_dtyp": "int8"})
+    with pytest.raises(ConfigError, match="KVQuantConfig field"):
+        KVQuantConfig.from_yaml("granularity: per_token\n")
+    with pytest.raises(ConfigError, match="pv_mode"):
+        sq.PRESETS["snapmla"].replace(pv_mode="bf16")
+
+
+def test_width_dependent_errors_before_compute():
+    cfg = sq.PRESETS["ds_v32"]
+    with pytest.raises(ConfigError, match="block_size=128 does not divide the nope width 96"):
+        sq.quantize_kv(torch.randn(3, 96), torch.randn(3, 64), cfg)
+    with pytest.raises(ConfigError, match="block_size=128 does not divide the nope width 96"):
+        sq.bytes_per_token(cfg, kv_lora_rank=96)
+    kivi = sq.PRESETS["int4_kivi"]
+    with pytest.raises(ConfigError, match="int4.*even width; rope width is 63"):
+        sq.quantize_kv(torch.randn(3, 64), torch.randn(3, 63), kivi)
+
+
+def test_per_tensor_static_needs_a_scale():
+    cfg = sq.PRESETS["per_tensor_fp8"].replace(nope_scale=None)
+    with pytest.raises(ConfigError, match="nope_scale"):
+        sq.quantize_kv(torch.randn(4, 64), torch.randn(4, 16), cfg)
+    lat, rope = torch.randn(8, 64) * 3, torch.randn(8, 16) * 50
+    cal = sq.calibrate(cfg, lat, rope)
+    assert cal.nope_scale == pytest.approx(float(lat.abs().max()) / 448)
+    assert cal.rope_scale == pytest.approx(float(rope.abs().max()) / 448)  # every static part is (re)calibrated
+    p99 = sq.calibrate(cfg, lat, rope, percentile=99.0)
+    assert p99.nope_scale < cal.nope_scale
+    with pytest.raises(ConfigError, match="percentile"):
+        sq.calibrate(cfg, lat, rope, percentile=0)
+
+
+def test_resolve_config_accepts_names_dicts_files(tmp_path):
+    assert sq.resolve_config("snapmla") is sq.PRESETS["snapmla"]
+    assert sq.resolve_config({"query": "bf16"}).query == "bf16"
+    p = sq.PRESETS["ds_v32"].save_pretrained(tmp_path / "x.yaml")
+    assert sq.resolve_config(str(p)) == sq.PRESETS["ds_v32"]
+    with pytest.raises(ConfigError, match="did you mean 'snapmla'"):
+        sq.resolve_config("snapmlaa")
+
+
+def test_register_and_load_presets(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text("my_int8_kv:\n  nope_dtype: int8\n  query: bf16\n  pv: bf16\n")
+    try:
+        assert sq.load_presets(f) == ["my_int8_kv"]
+        assert sq.PRESETS["my_int8_kv"].nope_dtype == "int8"
+        assert sq.PRESETS["my_int8_kv"].name == "my_int8_kv"
+        with pytest.raises(ConfigError, match="already exists"):
+            sq.load_presets(f)
+    finally:
+        sq.PRESETS.pop("my_int8_kv", None)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("broken:\n  pv: nope\n")
+    with pytest.raises(ConfigError, match="bad.yaml: preset 'broken': pv='nope'"):
+        sq.load_presets(bad)
+
+
+def test_semantic_properties():
+    assert sq.PRESETS["bf16"].is_identity
+    assert not sq.PRESETS["snapmla"].is_identity
+    assert sq.PRESETS["snapmla"].causal_consistent
+    assert sq.PRESETS["ds_v32"].causal_consistent
+    assert sq.PRESETS["per_tensor_fp8"].causal_consistent  # static scale: frozen
+    assert not sq.PRESETS["per_tensor_fp8_dynamic"].causal_consistent
+    assert not sq.PRESETS["int4_kivi"].causal_consistent
