@@ -99,7 +99,7 @@ def test_width_dependent_errors_before_compute():
     with pytest.raises(ConfigError, match="block_size=128 does not divide the nope width 96"):
         sq.bytes_per_token(cfg, kv_lora_rank=96)
     kivi = sq.PRESETS["int4_kivi"]
-    with pytest.raises(ConfigError, match="int4.*even width; rope width is 63"):
+    with pytest.raises(ConfigError, match=r"int4.*even width; rope width is 63"):
         sq.quantize_kv(torch.randn(3, 64), torch.randn(3, 63), kivi)
 
 
@@ -139,7 +139,7 @@ def test_register_and_load_presets(tmp_path):
         sq.PRESETS.pop("my_int8_kv", None)
     bad = tmp_path / "bad.yaml"
     bad.write_text("broken:\n  pv: nope\n")
-    with pytest.raises(ConfigError, match="bad.yaml: preset 'broken': pv='nope'"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml: preset 'broken': pv='nope'"):
         sq.load_presets(bad)
 
 

@@ -51,7 +51,7 @@ def np_snapmla(latent: np.ndarray, rope: np.ndarray):
     subnormals give finite quotients and pre-scaled RoPE stays in bf16 range), code = e4m3(x/s),
     rope~ = bf16(r/s)."""
     latent = latent.astype(np.float32)
-    amax = np.abs(latent).max(axis=-1, keepdims=True) if latent.shape[-2] else np.zeros(latent.shape[:-1] + (1,))
+    amax = np.abs(latent).max(axis=-1, keepdims=True) if latent.shape[-2] else np.zeros((*latent.shape[:-1], 1))
     s = (amax.astype(np.float32) / np.float32(448.0)).astype(np.float32)
     s = np.where(amax == 0, np.float32(1.0), np.maximum(s, np.float32(2.0**-86))).astype(np.float32)
     codes = np_round_e4m3((latent / s).astype(np.float32))
@@ -98,6 +98,8 @@ def test_lengths_zero_and_one(T):
         kv = sq.quantize_kv(latent, rope, sq.PRESETS["snapmla"])
         codes, s, rope_t = np_snapmla(latent.numpy(), rope.numpy())
         np.testing.assert_array_equal(kv.latent.codes_f32().numpy(), codes)
+        np.testing.assert_array_equal(kv.latent.scale.numpy(), s)
+        np.testing.assert_array_equal(kv.rope.data.float().numpy(), rope_t)
 
 
 def test_zero_token_gets_unit_scale_and_exact_zero():

@@ -94,7 +94,7 @@ def test_softmax_scale_is_used():
 def _literal_fused_decode(q_nope, q_rope, sigma, codes, s, rope_t, tau, L, block=64):
     """numerics.md's SnapMLA decode for ONE head and ONE request, written out scalar-block by block
     with explicit Python state, independent of the vectorised reference."""
-    m_old, l, pi_old = -math.inf, 0.0, 1.0
+    m_old, l_sum, pi_old = -math.inf, 0.0, 1.0
     acc = torch.zeros(codes.shape[-1])
     for start in range(0, L, block):
         c = codes[start:min(start + block, L)]
@@ -109,9 +109,9 @@ def _literal_fused_decode(q_nope, q_rope, sigma, codes, s, rope_t, tau, L, block
         p_hat = (f / pi_new).to(torch.float8_e4m3fn).float()
         beta = 2.0 ** (m_old - m_new) * pi_old / pi_new if m_old != -math.inf else 0.0
         acc = beta * acc + p_hat @ c
-        l = beta * l + float(e.sum()) / pi_new
+        l_sum = beta * l_sum + float(e.sum()) / pi_new
         m_old, pi_old = m_new, pi_new
-    return acc / l, (m_old + math.log2(l * pi_old)) * math.log(2)
+    return acc / l_sum, (m_old + math.log2(l_sum * pi_old)) * math.log(2)
 
 
 @pytest.mark.parametrize("L", [1, 64, 100, 200])
