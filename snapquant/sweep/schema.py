@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ CODE_EXEC_PATTERNS = (r"^humaneval", r"^mbpp", r"^ds1000", r"^cruxeval", r"^pseu
 # KVQuantConfig fields a grid may vary. `name` is a label, not an axis.
 GRID_AXES = tuple(f for f in FIELD_NAMES if f != "name")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+TaskChecker = Callable[[list[str], bool, list[str]], list[str]]
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class TaskSpec:
     """Metric shown in tables (default: the task's first metric)."""
     gen_kwargs: dict[str, Any] | None = None
     """Generation overrides for generate_until tasks (e.g. max_gen_toks)."""
+    metadata: dict[str, Any] | None = None
+    """lm-eval task metadata (e.g. max_seq_lengths, num_samples for snapquant's long-context tasks)."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,8 @@ class SweepSpec:
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> SweepSpec:
+    def from_yaml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None,
+                  task_checker: TaskChecker | None = None) -> SweepSpec:
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"sweep config {p} does not exist")
@@ -172,12 +176,25 @@ class SweepSpec:
         data.setdefault("name", p.stem)
         if overrides:
             data.update(overrides)
-        return cls.from_dict(data, source=str(p))
+        return cls.from_dict(data, source=str(p), task_checker=task_checker)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], source: str | None = None) -> SweepSpec:
+    def from_dict(cls, data: Mapping[str, Any], source: str | None = None,
+                  task_checker: TaskChecker | None = None) -> SweepSpec:
+        """Build and validate. `task_checker(names, allow_code_execution, include_path)` returns
+        problems with task names (unknown, or code-executing without permission), reported together
+        with every other problem of the file."""
         errs: list[str] = []
         spec = _build(dict(data), errs)
+        if task_checker is not None:
+            raw = data.get("tasks") or []
+            raw = [raw] if isinstance(raw, (str, dict)) else raw
+            names = [t if isinstance(t, str) else t.get("name") for t in raw if isinstance(t, (str, dict))]
+            inc = data.get("include_path") or ()
+            inc = [inc] if isinstance(inc, str) else list(inc)
+            errs += task_checker([n for n in names if isinstance(n, str)],
+                                 bool(data.get("allow_code_execution", False)),
+                                 [str(Path(p).resolve()) for p in inc if Path(p).is_dir()])
         if errs:
             where = f" in {source}" if source else ""
             lines = "\n".join(f"  - {e}" for e in errs)
@@ -271,9 +288,9 @@ def _build_tasks(raw: Any, errs: list[str]) -> tuple[TaskSpec, ...]:
         fs = t.get("num_fewshot")
         if fs is not None:
             _check_int(errs, f"tasks[{i}] ({t['name']}).num_fewshot", fs, minimum=0)
-        gk = t.get("gen_kwargs")
-        if gk is not None and not isinstance(gk, dict):
-            errs.append(f"tasks[{i}] ({t['name']}).gen_kwargs: expected a mapping")
+        for k in ("gen_kwargs", "metadata"):
+            if t.get(k) is not None and not isinstance(t[k], dict):
+                errs.append(f"tasks[{i}] ({t['name']}).{k}: expected a mapping")
         if not bad:
             out.append(TaskSpec(**t))
     names = [t.name for t in out]

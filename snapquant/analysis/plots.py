@@ -1,0 +1,131 @@
+"""Figures from sweep results (matplotlib, Agg backend, each saved as PNG and PDF).
+
+- `plot_accuracy_vs_bytes`: one panel per task, primary metric (± stderr) against cache bytes per
+  token per layer; the baseline is drawn as a horizontal reference line.
+- `plot_task_deltas`: per task, each cell's delta to the baseline with its paired-bootstrap 95% CI;
+  filled markers are significant under the paired test, hollow ones are not.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: CI and clusters have no display
+import matplotlib.pyplot as plt
+
+from .tables import SweepTable
+
+
+def save_figure(fig, out_dir: str | Path, stem: str, points: list[dict] | None = None) -> list[Path]:
+    """Write `stem`.png and `stem`.pdf (temp name, then rename), plus `stem`.csv of the plotted numbers."""
+    import os
+
+    import pandas as pd
+
+    from ..sweep.store import atomic_write_text
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    if points is not None:
+        paths.append(atomic_write_text(out / f"{stem}.csv", pd.DataFrame(points).to_csv(index=False)))
+    for ext in ("png", "pdf"):
+        final = out / f"{stem}.{ext}"
+        tmp = out / f".tmp-{stem}.{ext}"
+        fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight")
+        os.replace(tmp, final)
+        paths.append(final)
+    plt.close(fig)
+    return paths
+
+
+def _grid(n: int) -> tuple[int, int]:
+    cols = min(3, max(1, n))
+    return math.ceil(n / cols), cols
+
+
+def plot_accuracy_vs_bytes(table: SweepTable, out_dir: str | Path, stem: str = "accuracy_vs_bytes") -> list[Path]:
+    tasks = table.tasks
+    if not tasks:
+        raise ValueError("no task scores in these results: nothing to plot")
+    nr, nc = _grid(len(tasks))
+    fig, axes = plt.subplots(nr, nc, figsize=(4.6 * nc, 3.6 * nr), squeeze=False)
+    bpt = dict(zip(table.cells["label"], table.cells["bytes_per_token"], strict=True))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    points = []
+    for ax, task in zip(axes.flat, tasks, strict=False):
+        sel = table.long[table.long["task"] == task]
+        for i, (_, row) in enumerate(sel.iterrows()):
+            x = bpt.get(row["label"])
+            if x is None or not math.isfinite(row["value"]):
+                continue
+            points.append({"task": task, "label": row["label"], "metric": row["metric"], "bytes_per_token": x,
+                           "value": row["value"], "stderr": row["stderr"]})
+            se = row["stderr"] if math.isfinite(row["stderr"]) else 0.0
+            marker = "s" if row["is_baseline"] else "o"
+            ax.errorbar([x], [row["value"]], yerr=[se], fmt=marker, color=colors[i % len(colors)], capsize=3,
+                        label=row["label"])
+            if row["is_baseline"]:
+                ax.axhline(row["value"], color="grey", lw=0.8, ls="--")
+        ax.set_title(f"{task}")
+        ax.set_xlabel("cache bytes / token / layer")
+        ax.set_ylabel(sel["metric"].iloc[0] if len(sel) else "")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, max(1, len(labels))), fontsize=8,
+               bbox_to_anchor=(0.5, -0.02 - 0.04 * math.ceil(len(labels) / 4)))
+    fig.suptitle("Score vs KV-cache size (square = baseline)")
+    fig.tight_layout()
+    return save_figure(fig, out_dir, stem, points)
+
+
+def plot_task_deltas(table: SweepTable, out_dir: str | Path, stem: str = "task_deltas") -> list[Path]:
+    if table.baseline is None:
+        raise ValueError("per-task deltas need a baseline cell (bf16) in the results")
+    tasks = table.tasks
+    variants = [lbl for lbl, b in zip(table.cells["label"], table.cells["is_baseline"], strict=True) if not b]
+    if not tasks or not variants:
+        raise ValueError("need at least one task and one non-baseline cell to plot deltas")
+    nr, nc = _grid(len(tasks))
+    fig, axes = plt.subplots(nr, nc, figsize=(4.6 * nc, 0.45 * len(variants) * nr + 1.6 * nr), squeeze=False)
+    points = []
+    for ax, task in zip(axes.flat, tasks, strict=False):
+        sel = table.long[(table.long["task"] == task) & (~table.long["is_baseline"])].set_index("label")
+        for y, lbl in enumerate(variants):
+            if lbl not in sel.index:
+                continue
+            row = sel.loc[lbl]
+            d, lo, hi = row["delta"], row["ci_low"], row["ci_high"]
+            if not math.isfinite(d):
+                continue
+            points.append({"task": task, "label": lbl, "metric": row["metric"], "delta": d, "ci_low": lo,
+                           "ci_high": hi, "p_value": row["p_value"], "significant": bool(row["significant"])})
+            xerr = [[d - lo], [hi - d]] if math.isfinite(lo) and math.isfinite(hi) else None
+            face = "C3" if row["significant"] else "white"
+            ax.errorbar([d], [y], xerr=xerr, fmt="o", color="C3", mfc=face, capsize=3)
+        ax.axvline(0, color="grey", lw=0.8)
+        ax.xaxis.set_major_locator(plt.MaxNLocator(5))
+        ax.set_yticks(range(len(variants)))
+        ax.set_yticklabels(variants, fontsize=8)
+        ax.invert_yaxis()
+        metric = sel["metric"].iloc[0] if len(sel) else ""
+        ax.set_title(f"{task}: delta {metric} vs {table.baseline}", fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    fig.suptitle("Delta vs baseline, 95% paired-bootstrap CI (filled = significant)")
+    fig.tight_layout()
+    return save_figure(fig, out_dir, stem, points)
+
+
+def plot_all(table: SweepTable, out_dir: str | Path) -> list[Path]:
+    """Every sweep figure that the results support."""
+    paths = plot_accuracy_vs_bytes(table, out_dir)
+    if table.baseline is not None and len(table.cells) > 1:
+        paths += plot_task_deltas(table, out_dir)
+    return paths

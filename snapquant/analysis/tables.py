@@ -1,0 +1,231 @@
+"""Benchmark tables from sweep results: a tidy DataFrame, and Markdown / LaTeX renderings.
+
+Rows are cells (presets or grid points), columns are tasks. Each entry is the task's primary
+metric as `value ± stderr`, followed by the delta to the baseline row (bf16 by default) and a `*`
+when the paired test on the same samples says the difference is real (p < alpha, per task and
+cell, uncorrected for multiple comparisons: the caption says so). The last columns are the cache
+bytes per token per layer and, when measured, decode fidelity (mean KL, top-1 agreement).
+Markdown and LaTeX are written here rather than through DataFrame.to_markdown/to_latex so the
+output does not depend on the optional `tabulate` / `jinja2` packages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ..sweep.store import atomic_write_text, from_json_number
+from .results import baseline_of
+from .significance import PairedTest, pair_samples, paired_test
+
+
+@dataclass
+class SweepTable:
+    long: pd.DataFrame
+    """One row per (cell, task): label, task, metric, value, stderr, delta, p_value, significant, ..."""
+    cells: pd.DataFrame
+    """One row per cell: label, cell_id, is_baseline, bytes per token, fidelity summary."""
+    baseline: str | None
+    alpha: float
+
+    # ------------------------------------------------------------------ views
+    def wide(self, what: str = "value") -> pd.DataFrame:
+        """Numeric cells x tasks frame of `what` (value, stderr, delta, p_value)."""
+        if self.long.empty:
+            return pd.DataFrame(index=self.cells["label"])
+        w = self.long.pivot(index="label", columns="task", values=what)
+        return w.reindex(index=list(self.cells["label"]), columns=self.tasks)
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(dict.fromkeys(self.long["task"])) if not self.long.empty else []
+
+    def headers(self) -> list[str]:
+        metrics = dict(zip(self.long["task"], self.long["metric"], strict=False))
+        cols = ["cell"] + [f"{t} ({metrics[t]})" for t in self.tasks] + ["B/token"]
+        if self._has_fidelity():
+            cols += ["KL mean", "top-1"]
+        return cols
+
+    def rows(self, latex: bool = False) -> list[list[str]]:
+        out = []
+        for _, c in self.cells.iterrows():
+            row = [str(c["label"]) + (" (baseline)" if c["is_baseline"] else "")]
+            for t in self.tasks:
+                sel = self.long[(self.long["label"] == c["label"]) & (self.long["task"] == t)]
+                row.append(_entry(sel.iloc[0], self.alpha, latex) if len(sel) else "")
+            row.append(_num(c["bytes_per_token"], 4))
+            if self._has_fidelity():
+                row += [_num(c.get("kl_mean"), 3), _num(c.get("top1_agree"), 4)]
+            out.append(row)
+        return out
+
+    def display(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows(), columns=self.headers())
+
+    def _has_fidelity(self) -> bool:
+        return "kl_mean" in self.cells and self.cells["kl_mean"].notna().any()
+
+    def caption(self) -> str:
+        base = f"delta vs {self.baseline!r}" if self.baseline else "no baseline row"
+        return (f"value ± stderr ({base}); * = paired test p < {self.alpha} on the same samples "
+                f"(exact McNemar for 0/1 metrics, paired bootstrap otherwise; uncorrected). "
+                f"B/token = cache bytes per token per layer at the model's dims.")
+
+    # ------------------------------------------------------------------ renderings
+    def to_markdown(self) -> str:
+        head = self.headers()
+        lines = ["| " + " | ".join(_md(h) for h in head) + " |",
+                 "|" + "|".join(":---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+        lines += ["| " + " | ".join(_md(x) for x in r) + " |" for r in self.rows()]
+        return "\n".join(lines) + "\n\n" + self.caption() + "\n"
+
+    def to_latex(self) -> str:
+        head = self.headers()
+        spec = "l" + "r" * (len(head) - 1)
+        body = [" & ".join(_tex(h) for h in head) + r" \\", r"\midrule"]
+        for r in self.rows(latex=True):
+            body.append(" & ".join([_tex(r[0]), *r[1:]]) + r" \\")
+        return "\n".join([
+            r"\begin{table}[t]", r"\centering", r"\small", rf"\begin{{tabular}}{{{spec}}}", r"\toprule",
+            *body, r"\bottomrule", r"\end{tabular}", rf"\caption{{{_tex(self.caption())}}}", r"\end{table}",
+        ]) + "\n"
+
+    def save(self, out_dir: str | Path, stem: str = "table") -> dict[str, Path]:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        files = {
+            "markdown": atomic_write_text(out / f"{stem}.md", self.to_markdown()),
+            "latex": atomic_write_text(out / f"{stem}.tex", self.to_latex()),
+            "csv": atomic_write_text(out / f"{stem}.csv", self.long.to_csv(index=False)),
+            "cells_csv": atomic_write_text(out / f"{stem}_cells.csv", self.cells.to_csv(index=False)),
+        }
+        return files
+
+
+def build_table(
+    results: list[dict[str, Any]],
+    baseline: str | None = None,
+    *,
+    alpha: float = 0.05,
+    metrics: dict[str, str] | None = None,
+    bootstrap_iters: int = 10_000,
+    seed: int = 0,
+) -> SweepTable:
+    """Tidy frames of a sweep's results with deltas and paired tests against the baseline cell.
+
+    `metrics` overrides the primary metric per task (default: what the cell records as primary).
+    """
+    base = baseline_of(results, baseline)
+    rows, cell_rows = [], []
+    for r in results:
+        cell_rows.append(_cell_row(r))
+        for task, tres in r.get("tasks", {}).items():
+            metric = (metrics or {}).get(task) or tres.get("primary_metric") or next(iter(tres.get("metrics", {})), None)
+            if metric is None or metric not in tres.get("metrics", {}):
+                continue
+            m = tres["metrics"][metric]
+            row = {"label": r["label"], "cell_id": r["cell_id"], "task": task, "metric": metric,
+                   "value": from_json_number(m.get("value")), "stderr": from_json_number(m.get("stderr")),
+                   "higher_is_better": m.get("higher_is_better"), "n_samples": tres.get("n_samples"),
+                   "is_baseline": base is not None and r["cell_id"] == base["cell_id"]}
+            row.update(_compare(r, base, task, metric, m.get("aggregation"), row["value"], bootstrap_iters, seed))
+            rows.append(row)
+    long = pd.DataFrame(rows, columns=[
+        "label", "cell_id", "task", "metric", "value", "stderr", "delta", "p_value", "significant", "test",
+        "n_paired", "ci_low", "ci_high", "higher_is_better", "n_samples", "is_baseline"])
+    cells = pd.DataFrame(cell_rows)
+    if base is not None:  # baseline first, then the sweep's order
+        cells = pd.concat([cells[cells["cell_id"] == base["cell_id"]], cells[cells["cell_id"] != base["cell_id"]]])
+        cells["is_baseline"] = cells["cell_id"] == base["cell_id"]
+    cells = cells.reset_index(drop=True)
+    return SweepTable(long, cells, base["label"] if base else None, alpha)
+
+
+def _compare(r: dict, base: dict | None, task: str, metric: str, aggregation: str | None, value: float,
+             iters: int, seed: int) -> dict[str, Any]:
+    empty = {"delta": math.nan, "p_value": math.nan, "significant": False, "test": None, "n_paired": 0,
+             "ci_low": math.nan, "ci_high": math.nan}
+    if base is None or r["cell_id"] == base["cell_id"] or task not in base.get("tasks", {}):
+        return empty
+    bm = base["tasks"][task].get("metrics", {}).get(metric)
+    if bm is None:
+        return empty
+    out = dict(empty, delta=value - from_json_number(bm.get("value")))
+    a, b = pair_samples(base.get("samples", {}).get(task, []), r.get("samples", {}).get(task, []), metric)
+    if a:
+        t: PairedTest = paired_test(a, b, aggregation, iters=iters, seed=seed)
+        out.update(p_value=t.p_value, significant=bool(t.significant()), test=t.test, n_paired=t.n,
+                   ci_low=t.ci_low, ci_high=t.ci_high)
+    return out
+
+
+def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
+    bpt = r.get("bytes_per_token", {})
+    row = {"label": r["label"], "cell_id": r["cell_id"], "source": r.get("source"),
+           "is_baseline": bool(r.get("is_baseline")),
+           "bytes_per_token": bpt.get("per_layer", bpt.get("deepseek_per_layer")),
+           "ratio_vs_bf16": bpt.get("ratio_vs_bf16", bpt.get("deepseek_ratio_vs_bf16")),
+           "deepseek_bytes_per_token": bpt.get("deepseek_per_layer"),
+           "kv": r.get("kv_description"), "total_s": r.get("timing", {}).get("total_s")}
+    fid = r.get("fidelity") or {}
+    mode = fid.get("decode") or fid.get("prefill")
+    if isinstance(mode, dict):
+        row.update(kl_mean=from_json_number(mode.get("kl_mean")), kl_p99=from_json_number(mode.get("kl_p99")),
+                   top1_agree=from_json_number(mode.get("top1_agree")),
+                   ppl_delta=from_json_number(mode.get("ppl_delta")))
+    return row
+
+
+# ---------------------------------------------------------------------- formatting
+def _decimals(stderr: float, value: float) -> int:
+    if stderr and math.isfinite(stderr) and stderr > 0:
+        return int(min(6, max(1, 1 - math.floor(math.log10(stderr)))))
+    if value and math.isfinite(value):
+        return int(min(6, max(1, 3 - math.floor(math.log10(abs(value))))))
+    return 3
+
+
+def _entry(row: pd.Series, alpha: float, latex: bool) -> str:
+    v, se = row["value"], row["stderr"]
+    if not math.isfinite(v):
+        return "n/a"
+    k = _decimals(se, v)
+    pm = r" $\pm$ " if latex else " ± "
+    s = f"{v:.{k}f}" + (f"{pm}{se:.{k}f}" if math.isfinite(se) else "")
+    d = row["delta"]
+    if not row["is_baseline"] and d is not None and math.isfinite(d):
+        star = ("$^{*}$" if latex else "*") if row["significant"] else ""
+        ds = f"{d:+.{k}f}"
+        if latex:
+            ds = ds.replace("-", "$-$", 1)
+        s += f" ({ds}{star})"
+    return s
+
+
+def _num(v: Any, sig: int) -> str:
+    if v is None:
+        return ""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    if not math.isfinite(f):
+        return ""
+    return f"{f:.0f}" if f.is_integer() and abs(f) >= 1 else f"{f:.{sig}g}"
+
+
+def _md(s: str) -> str:
+    return str(s).replace("|", r"\|")
+
+
+_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "±": r"$\pm$"}
+
+
+def _tex(s: str) -> str:
+    return "".join(_TEX.get(ch, ch) for ch in str(s))

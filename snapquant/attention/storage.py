@@ -1,0 +1,439 @@
+"""Per-layer storage of the quantized MLA latent cache: ragged token rows, real codes and scales.
+
+`LatentStore` is the narrow interface the attention code and the HF cache layer use:
+
+    append(latent [B,S,r], rope [B,S,d], valid [B,S])   quantize and store the valid new tokens
+    segments() -> [Segment]                              what the decode backend reads (QuantizedKV views)
+    dequantize() -> (latent [B,L,r], rope [B,L,d])       ragged rows in fp32 (prefill on a non-empty cache)
+    nbytes(), truncate(new_lengths), index_select(idx)   bytes, crop, beam reorder / batch select / repeat
+
+so a paged store (pages of 64 tokens + block table) can replace `DenseLatentStore` without touching the
+attention code. Rows are *ragged*: request b keeps exactly its `lengths[b]` valid tokens at rows
+`[0, lengths[b])`; padding tokens are never stored (as in a serving engine), so decode needs only
+per-request lengths.
+
+What is stored, per `KVQuantConfig` (numerics.md):
+- per_token / per_token_block parts: codes + one scale row per token (the paper's 644 B/token layout).
+- identity configs (`config.is_identity`): the activations in the model's own dtype, unrounded, so a
+  patched fp32 model reproduces the stock one; in a bf16 model this is exactly the 1152 B/token cache.
+- per_tensor_static: codes + the config's scale. per_tensor_dynamic and per_channel without token
+  groups are not causal-consistent (the scale would drift as tokens arrive): the scale is computed
+  once from the first append (the prefill; padding excluded) and then frozen, as HF's QuantizedCache
+  does; later tokens are quantized with it and saturate if they exceed it.
+- per_channel with `token_group` G (KIVI): tokens wait in a residual window in the model's dtype until G
+  of them (per request) are there, then the group is quantized with one scale per channel. Decode
+  reads two segments (quantized groups, raw residual); attention merges them by their LSE.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..config import KVQuantConfig
+from ..errors import ConfigError, ShapeError
+from ..quant.dtypes import ELEMENT_FORMATS, ElementFormat
+from ..quant.quantizer import QuantizedKV, quantize_kv
+from ..quant.scales import get_scale_format
+from ..quant.tensor import QuantizedTensor
+
+# Unregistered passthrough format for fp32 activations: identity configs keep an fp32 model's latent
+# exactly (configs cannot name it, so it never appears in sweeps).
+FP32_PASSTHROUGH = ElementFormat("fp32", "passthrough", 32, torch.float32)
+
+_MIN_CAPACITY = 64  # rows are allocated in multiples of a 64-token page
+
+
+def native_format(dtype: torch.dtype) -> ElementFormat:
+    """The passthrough format that stores activations of `dtype` without rounding."""
+    if dtype == torch.float32:
+        return FP32_PASSTHROUGH
+    if dtype == torch.bfloat16:
+        return ELEMENT_FORMATS["bf16"]
+    if dtype == torch.float16:
+        return ELEMENT_FORMATS["fp16"]
+    raise ShapeError(f"unsupported activation dtype {dtype}; expected float32, bfloat16 or float16")
+
+
+@dataclass
+class Segment:
+    """A run of cached tokens the backend reads as one `QuantizedKV`.
+
+    Request b's rows `[0, lengths[b])` of `kv` hold its cache positions `[offset[b], offset[b] + lengths[b])`.
+    """
+
+    kv: QuantizedKV
+    lengths: torch.Tensor
+    offset: torch.Tensor
+
+
+class _Part:
+    """Codes and scales of one cache part (latent or RoPE) over ragged rows `[B, capacity, ...]`.
+
+    layout: "none" (16-bit, no scale), "row" (scale row per token), "shared" (one frozen scale
+    tensor, broadcast over tokens), "group" (one scale row per `group` tokens).
+    """
+
+    def __init__(self, fmt: ElementFormat, layout: str, width: int, granularity: str, scale_fmt, group: int = 1):
+        self.fmt, self.layout, self.width, self.granularity = fmt, layout, width, granularity
+        self.scale_fmt = scale_fmt
+        self.group = group
+        self.codes: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None  # row: [B, cap, nb]; group: [B, cap/G, w]; shared: [1|B, 1, nb]
+
+    # ------------------------------------------------------------------ allocation
+    def ensure(self, batch: int, capacity: int, like_codes: torch.Tensor, like_scale: torch.Tensor | None) -> None:
+        """Grow the row buffers to `capacity` tokens (keeping what is stored)."""
+        if self.codes is None:
+            self.codes = like_codes.new_zeros(batch, 0, like_codes.shape[-1])
+            if self.layout in ("row", "group") and like_scale is not None:
+                self.scale = like_scale.new_zeros(batch, 0, like_scale.shape[-1])
+        if self.codes.shape[1] < capacity:
+            self.codes = _grow(self.codes, capacity)
+            if self.layout == "row":
+                self.scale = _grow(self.scale, capacity)
+            elif self.layout == "group":
+                self.scale = _grow(self.scale, capacity // self.group)
+
+    # ------------------------------------------------------------------ views
+    def view(self, n_rows: int) -> QuantizedTensor:
+        batch = self.codes.shape[0]
+        data = self.codes[:, :n_rows]
+        if self.layout == "none":
+            return QuantizedTensor(data, None, self.fmt, None, self.granularity, self.width, token_group=1)
+        if self.layout == "row":
+            return QuantizedTensor(data, self.scale[:, :n_rows], self.fmt, self.scale_fmt, self.granularity,
+                                   self.width, token_group=1)
+        if self.layout == "group":
+            n_groups = math.ceil(n_rows / self.group)
+            return QuantizedTensor(data, self.scale[:, :n_groups], self.fmt, self.scale_fmt, self.granularity,
+                                   self.width, token_group=self.group)
+        scale = self.scale
+        if scale.shape[0] not in (1, batch):
+            raise ShapeError(f"frozen scale of shape {tuple(scale.shape)} does not match batch {batch}")
+        return QuantizedTensor(data, scale, self.fmt, self.scale_fmt, self.granularity, self.width, token_group=None)
+
+    def nbytes(self, lengths: torch.Tensor) -> int:
+        """Bytes held for `lengths[b]` tokens per request (capacity slack is not counted)."""
+        if self.codes is None:
+            return 0
+        tokens = int(lengths.sum())
+        n = tokens * self.codes.shape[-1] * self.codes.element_size()
+        if self.layout == "row":
+            n += tokens * self.scale.shape[-1] * self.scale.element_size()
+        elif self.layout == "group":
+            groups = int((lengths // self.group).sum())
+            n += groups * self.scale.shape[-1] * self.scale.element_size()
+        elif self.layout == "shared" and self.scale is not None:
+            n += self.scale.numel() * self.scale.element_size()
+        return n
+
+    def index_select(self, idx: torch.Tensor) -> None:
+        if self.codes is None:
+            return
+        self.codes = self.codes.index_select(0, idx.to(self.codes.device))
+        if self.scale is not None and (self.layout != "shared" or self.scale.shape[0] > 1):
+            self.scale = self.scale.index_select(0, idx.to(self.scale.device))
+
+
+def _grow(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    cap = max(_MIN_CAPACITY, t.shape[1])
+    while cap < capacity:
+        cap *= 2
+    cap = math.ceil(cap / _MIN_CAPACITY) * _MIN_CAPACITY
+    out = t.new_zeros(t.shape[0], cap, *t.shape[2:])
+    out[:, : t.shape[1]] = t
+    return out
+
+
+def _part_layout(config: KVQuantConfig, part: str) -> str:
+    fmt = config.part_format(part)
+    if not fmt.is_quantized or (part == "rope" and config.rope_prescale):
+        return "none"
+    gran = config.part_granularity(part)
+    if gran in ("per_token", "per_token_block"):
+        return "row"
+    if gran == "per_channel" and config.token_group is not None:
+        return "group"
+    return "shared"  # per_tensor_static / per_tensor_dynamic / per_channel over the whole sequence
+
+
+class DenseLatentStore:
+    """Ragged dense rows `[B, capacity, ...]` grown by doubling (the reference storage)."""
+
+    def __init__(self, config: KVQuantConfig, kv_lora_rank: int, rope_dim: int, act_dtype: torch.dtype):
+        config.check_dims(kv_lora_rank, rope_dim)
+        self.config = config
+        self.r, self.d = kv_lora_rank, rope_dim
+        self.act_dtype = act_dtype
+        self.identity = config.is_identity
+        self.lengths: torch.Tensor | None = None  # [B] stored tokens per request
+        if self.identity:
+            fmt = native_format(act_dtype)
+            self.parts = {p: _Part(fmt, "none", w, "per_token", None) for p, w in (("nope", self.r), ("rope", self.d))}
+        else:
+            sfmt = get_scale_format(config.scale_format)
+            self.parts = {}
+            for p, w in (("nope", self.r), ("rope", self.d)):
+                layout = _part_layout(config, p)
+                group = config.token_group if layout == "group" else 1
+                self.parts[p] = _Part(config.part_format(p), layout, w, config.part_granularity(p),
+                                      sfmt if layout != "none" else None, group)
+        layouts = {p.layout for p in self.parts.values()}
+        self.group = config.token_group if "group" in layouts else None
+        # KIVI residual window: the last `lengths % group` tokens of each request, in the model's dtype.
+        self.residual: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.lengths is None else int(self.lengths.shape[0])
+
+    @property
+    def max_length(self) -> int:
+        return 0 if self.lengths is None or self.lengths.numel() == 0 else int(self.lengths.max())
+
+    def quantized_lengths(self) -> torch.Tensor:
+        """Tokens per request held as codes (all of them except KIVI's residual window)."""
+        if self.group is None:
+            return self.lengths
+        return self.lengths - self.lengths % self.group
+
+    # ------------------------------------------------------------------ append
+    def append(self, latent: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Quantize and store the valid tokens of `latent [B,S,r]`, `rope [B,S,d]` after each request's rows."""
+        B, S = latent.shape[:2]
+        if latent.shape != (B, S, self.r) or rope.shape != (B, S, self.d):
+            raise ShapeError(
+                f"append expects latent [B, S, {self.r}] and rope [B, S, {self.d}], got {tuple(latent.shape)} "
+                f"and {tuple(rope.shape)}"
+            )
+        if self.lengths is None:
+            self.lengths = torch.zeros(B, dtype=torch.long, device=latent.device)
+        elif B != self.batch_size:
+            raise ShapeError(f"append got batch {B} but the cache holds {self.batch_size} requests")
+        if valid is None:
+            counts = torch.full((B,), S, dtype=torch.long, device=latent.device)
+            packed_l, packed_r = latent, rope
+        else:
+            valid = valid.to(device=latent.device, dtype=torch.bool)
+            counts = valid.sum(dim=1)
+            packed_l, packed_r = _compact(latent, rope, valid, counts)
+        if self.group is not None:
+            self._append_grouped(packed_l, packed_r, counts)
+        else:
+            self._write_rows(packed_l, packed_r, counts, self.lengths.clone())
+        self.lengths = self.lengths + counts
+
+    def _quantize(self, latent: torch.Tensor, rope: torch.Tensor) -> QuantizedKV:
+        if self.identity:  # the activations themselves, in the model's dtype (no rounding)
+            fmt = self.parts["nope"].fmt
+            return QuantizedKV(
+                QuantizedTensor(latent.to(fmt.storage_dtype), None, fmt, None, "per_token", self.r, 1),
+                QuantizedTensor(rope.to(fmt.storage_dtype), None, fmt, None, "per_token", self.d, 1),
+                self.config,
+            )
+        frozen = {p: self._frozen_scale(p) for p in ("nope", "rope")}
+        return quantize_kv(latent, rope, self.config, nope_scale=frozen["nope"], rope_scale=frozen["rope"])
+
+    def _frozen_scale(self, part: str) -> torch.Tensor | None:
+        p = self.parts[part]
+        if p.layout != "shared" or p.scale is None:
+            return None
+        return p.scale_fmt.decode(p.scale)
+
+    def _write_rows(self, latent: torch.Tensor, rope: torch.Tensor, counts: torch.Tensor, start: torch.Tensor) -> None:
+        """Quantize `latent [B,N,r]` (first counts[b] rows valid) and write them at rows start[b]..."""
+        B, N = latent.shape[:2]
+        if N == 0:
+            return
+        q = self._quantize(latent, rope)
+        need = int((start + counts).max())
+        keep = torch.arange(N, device=latent.device).view(1, N) < counts.view(B, 1)
+        b_idx, k_idx = keep.nonzero(as_tuple=True)
+        t_idx = start[b_idx] + k_idx
+        for name, qt in (("nope", q.latent), ("rope", q.rope)):
+            part = self.parts[name]
+            part.ensure(B, need, qt.data, qt.scale)
+            part.codes[b_idx, t_idx] = qt.data[b_idx, k_idx]
+            if part.layout == "row":
+                part.scale[b_idx, t_idx] = qt.scale[b_idx, k_idx]
+            elif part.layout == "shared" and part.scale is None:
+                part.scale = qt.scale.clone()  # frozen from the first append (the prefill)
+
+    def _append_grouped(self, latent: torch.Tensor, rope: torch.Tensor, counts: torch.Tensor) -> None:
+        """KIVI: pending = residual ++ new tokens; quantize every complete group of G, keep the rest raw."""
+        B, G = latent.shape[0], self.group
+        dev = latent.device
+        res_count = self.lengths % G
+        if self.residual is None:
+            self.residual = (latent.new_zeros(B, G, self.r).to(self.act_dtype),
+                             rope.new_zeros(B, G, self.d).to(self.act_dtype))
+        total = res_count + counts
+        p_max = int(total.max()) if B else 0
+        pend_l = latent.new_zeros(B, max(p_max, 1), self.r, dtype=self.act_dtype)
+        pend_r = rope.new_zeros(B, max(p_max, 1), self.d, dtype=self.act_dtype)
+        cols = torch.arange(max(p_max, 1), device=dev).view(1, -1)
+        old = cols < res_count.view(B, 1)
+        b_o, k_o = old.nonzero(as_tuple=True)
+        pend_l[b_o, k_o] = self.residual[0][b_o, k_o]
+        pend_r[b_o, k_o] = self.residual[1][b_o, k_o]
+        new = (cols >= res_count.view(B, 1)) & (cols < total.view(B, 1))
+        b_n, k_n = new.nonzero(as_tuple=True)
+        src = k_n - res_count[b_n]
+        pend_l[b_n, k_n] = latent[b_n, src].to(self.act_dtype)
+        pend_r[b_n, k_n] = rope[b_n, src].to(self.act_dtype)
+
+        full = total // G
+        n_full = int(full.max()) if B else 0
+        if n_full:
+            rows = n_full * G
+            # Group-aligned start: the quantized rows end at lengths - res_count (a multiple of G).
+            start = self.lengths - res_count
+            self._write_group_rows(pend_l[:, :rows], pend_r[:, :rows], full * G, start)
+        rem = total - full * G
+        res_l, res_r = self.residual
+        res_l.zero_()
+        res_r.zero_()
+        keep = torch.arange(G, device=dev).view(1, G) < rem.view(B, 1)
+        b_k, k_k = keep.nonzero(as_tuple=True)
+        src = full[b_k] * G + k_k
+        res_l[b_k, k_k] = pend_l[b_k, src]
+        res_r[b_k, k_k] = pend_r[b_k, src]
+
+    def _write_group_rows(self, latent: torch.Tensor, rope: torch.Tensor, counts: torch.Tensor, start: torch.Tensor):
+        """Quantize whole groups: `latent [B, F*G, r]` (first counts[b] rows valid, a multiple of G)."""
+        B, rows = latent.shape[:2]
+        G = self.group
+        F = rows // G
+        # One quantize call on [B*F, G, w]: per_channel over exactly G tokens gives one scale per channel.
+        q = self._quantize(latent.reshape(B * F, G, self.r), rope.reshape(B * F, G, self.d))
+        need = int((start + counts).max())
+        keep = torch.arange(rows, device=latent.device).view(1, rows) < counts.view(B, 1)
+        b_idx, k_idx = keep.nonzero(as_tuple=True)
+        t_idx = start[b_idx] + k_idx
+        gkeep = torch.arange(F, device=latent.device).view(1, F) < (counts // G).view(B, 1)
+        gb, gk = gkeep.nonzero(as_tuple=True)
+        g_dest = start[gb] // G + gk
+        for name, qt in (("nope", q.latent), ("rope", q.rope)):
+            part = self.parts[name]
+            data = qt.data.reshape(B, rows, qt.data.shape[-1])
+            part.ensure(B, need, data, qt.scale)
+            part.codes[b_idx, t_idx] = data[b_idx, k_idx]
+            if part.layout == "row":
+                scale = qt.scale.reshape(B, rows, qt.scale.shape[-1])
+                part.scale[b_idx, t_idx] = scale[b_idx, k_idx]
+            elif part.layout == "group":
+                scale = qt.scale.reshape(B, F, qt.scale.shape[-1])  # [B*F, 1, w] -> [B, F, w]
+                part.scale[gb, g_dest] = scale[gb, gk]
+            elif part.layout == "shared" and part.scale is None:
+                part.scale = qt.scale.clone()  # frozen from the first complete groups
+
+    # ------------------------------------------------------------------ views
+    def segments(self) -> list[Segment]:
+        """The stored tokens as QuantizedKV views for the decode backend (one, or two with KIVI)."""
+        if self.lengths is None:
+            raise ShapeError("the cache layer is empty: nothing has been appended yet")
+        q_len = self.quantized_lengths()
+        n_rows = int(q_len.max()) if q_len.numel() else 0
+        zero = torch.zeros_like(self.lengths)
+        if self.parts["nope"].codes is None:  # nothing quantized yet (e.g. KIVI before the first full group)
+            segs = [Segment(self._empty_kv(), zero, zero)]
+        else:
+            kv = QuantizedKV(self.parts["nope"].view(n_rows), self.parts["rope"].view(n_rows), self.config,
+                             rope_prescaled=self.config.rope_prescale and not self.identity)
+            segs = [Segment(kv, q_len, zero)]
+        if self.group is not None:
+            res_len = self.lengths - q_len
+            fmt = native_format(self.act_dtype)
+            n = int(res_len.max()) if res_len.numel() else 0
+            res_kv = QuantizedKV(
+                QuantizedTensor(self.residual[0][:, :n], None, fmt, None, "per_token", self.r, 1),
+                QuantizedTensor(self.residual[1][:, :n], None, fmt, None, "per_token", self.d, 1),
+                self.config,
+            )
+            segs.append(Segment(res_kv, res_len, q_len))
+        return segs
+
+    def _empty_kv(self) -> QuantizedKV:
+        fmt = native_format(self.act_dtype)
+        dev = self.lengths.device
+        B = self.batch_size
+        return QuantizedKV(
+            QuantizedTensor(torch.zeros(B, 0, self.r, dtype=self.act_dtype, device=dev), None, fmt, None,
+                            "per_token", self.r, 1),
+            QuantizedTensor(torch.zeros(B, 0, self.d, dtype=self.act_dtype, device=dev), None, fmt, None,
+                            "per_token", self.d, 1),
+            self.config,
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """All stored tokens, ragged: (latent [B, L, r], rope [B, L, d]); rows >= lengths[b] are zero."""
+        B, L = self.batch_size, self.max_length
+        dev = self.lengths.device
+        lat = torch.zeros(B, L, self.r, dtype=dtype, device=dev)
+        rop = torch.zeros(B, L, self.d, dtype=dtype, device=dev)
+        for seg in self.segments():
+            if seg.kv.num_tokens == 0:
+                continue
+            sl, sr = seg.kv.dequantize(dtype)
+            n = sl.shape[1]
+            keep = torch.arange(n, device=dev).view(1, n) < seg.lengths.view(B, 1)
+            b_idx, k_idx = keep.nonzero(as_tuple=True)
+            t_idx = seg.offset[b_idx] + k_idx
+            lat[b_idx, t_idx] = sl[b_idx, k_idx]
+            rop[b_idx, t_idx] = sr[b_idx, k_idx]
+        return lat, rop
+
+    # ------------------------------------------------------------------ bookkeeping
+    def nbytes(self) -> int:
+        if self.lengths is None:
+            return 0
+        q_len = self.quantized_lengths()
+        n = sum(part.nbytes(q_len) for part in self.parts.values())
+        if self.group is not None and self.residual is not None:
+            res = int((self.lengths - q_len).sum())
+            n += res * (self.r + self.d) * self.residual[0].element_size()
+        return n
+
+    def truncate(self, new_lengths: torch.Tensor) -> None:
+        """Keep the first new_lengths[b] tokens of each request (crop)."""
+        if self.lengths is None:
+            return
+        new_lengths = new_lengths.to(self.lengths.device).long()
+        if bool((new_lengths > self.lengths).any()):
+            raise ShapeError("truncate cannot grow the cache")
+        if self.group is not None:
+            q_len = self.quantized_lengths()
+            if bool((new_lengths < q_len).any()):
+                raise ConfigError(
+                    f"cannot crop into a completed token group (token_group={self.group}): its raw values were "
+                    f"replaced by int codes; crop is only possible within the residual window"
+                )
+        self.lengths = new_lengths
+
+    def index_select(self, idx: torch.Tensor) -> None:
+        """Rows of the new batch are rows idx of the old one (beam reorder, batch select, repeat)."""
+        if self.lengths is None:
+            return
+        idx = idx.to(self.lengths.device).long()
+        for part in self.parts.values():
+            part.index_select(idx)
+        if self.residual is not None:
+            self.residual = tuple(t.index_select(0, idx) for t in self.residual)
+        self.lengths = self.lengths.index_select(0, idx)
+
+
+def _compact(latent: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor):
+    """Move each request's valid tokens (in order) to the front: -> [B, max(counts), w], zero-filled."""
+    B, S = valid.shape
+    n_max = int(counts.max()) if B else 0
+    # A stable sort on "is padding" lists each request's valid positions first, in order.
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :n_max]
+    keep = (torch.arange(n_max, device=valid.device).view(1, -1) < counts.view(B, 1)).unsqueeze(-1)
+    lat = torch.gather(latent, 1, order.unsqueeze(-1).expand(B, n_max, latent.shape[-1]))
+    rop = torch.gather(rope, 1, order.unsqueeze(-1).expand(B, n_max, rope.shape[-1]))
+    # where, not multiply: padding rows may hold anything (even NaN) and must become exact zeros.
+    return torch.where(keep, lat, 0.0), torch.where(keep, rop, 0.0)

@@ -1,0 +1,191 @@
+"""Model-level fidelity of a quantized KV cache: how far the next-token distributions move.
+
+Against the unpatched model's distributions on the same tokens (teacher forcing), per position:
+- KL(p_ref || p_quant) in nats: mean, p99 and max over positions;
+- top-1 agreement: share of positions whose argmax token is unchanged;
+- perplexity of the true next tokens under both, and the delta (quant - ref, and relative).
+
+Two modes, because they exercise different paths (numerics.md, "Why per-token matters"):
+- `prefill`: one forward over the whole sequence with `prefill: quantized`, so every position
+  attends to the quantized latent. For causal-consistent configs (per-token scales) this equals
+  step-by-step decode exactly; for per-tensor / per-channel dynamic scales it does not.
+- `decode`: prefill the first `prompt_len` tokens as the config says (BF16 by default, as served),
+  then feed the remaining tokens one at a time through the patched model with its quantized cache;
+  only the decode-step positions are scored. This is what generation sees.
+Both run the patched model through `snapquant.patched` (the patch API of issue 3).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import KVQuantConfig
+from .errors import ConfigError, ShapeError
+
+MODES = ("prefill", "decode")
+
+
+@dataclass
+class FidelityReference:
+    """The unpatched model's view of the fidelity tokens, computed once and reused for every cell."""
+
+    input_ids: torch.Tensor
+    """[N, T] token ids (no padding)."""
+    logprobs: torch.Tensor
+    """[N, T, V] float32 log-softmax of the reference logits at every position (on CPU)."""
+
+
+def default_text_source() -> Path:
+    return Path(__file__).resolve().parent / "tasks" / "data" / "heldout_code.jsonl"
+
+
+def fidelity_tokens(tokenizer: Any, source: str | Path | None, seq_len: int, num_sequences: int) -> torch.Tensor:
+    """[N, T] ids cut from `source` (.txt / .jsonl), default the held-out code the embedded model never saw."""
+    from .analysis.text import load_texts, token_batches
+
+    src = Path(source) if source else default_text_source()
+    if not src.is_file():
+        raise ConfigError(f"fidelity text {src} does not exist; set fidelity.source to a .txt or .jsonl file")
+    return token_batches(tokenizer, load_texts(src), seq_len, num_sequences)
+
+
+@torch.no_grad()
+def fidelity_reference(model: Any, input_ids: torch.Tensor) -> FidelityReference:
+    if input_ids.dim() != 2 or input_ids.shape[1] < 3:
+        raise ShapeError(f"input_ids must be [N, T] with T >= 3, got {tuple(input_ids.shape)}")
+    logits = model(input_ids=input_ids.to(_device(model))).logits
+    return FidelityReference(input_ids.cpu(), torch.log_softmax(logits.float(), dim=-1).cpu())
+
+
+def compare_logprobs(ref: torch.Tensor, quant: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Per-position metrics between two [M, V] log-prob sets, with the true next tokens `targets` [M].
+
+    Computed in float64: KL of near-identical distributions is a difference of close numbers.
+    """
+    if ref.shape != quant.shape or ref.dim() != 2 or targets.shape != ref.shape[:1]:
+        raise ShapeError(f"ref {tuple(ref.shape)}, quant {tuple(quant.shape)} must be [M, V] and targets [M], "
+                         f"got targets {tuple(targets.shape)}")
+    r, q = ref.double(), quant.double()
+    q = torch.log_softmax(q, dim=-1)  # renormalise (no-op for true log-probs; guards fp error)
+    r = torch.log_softmax(r, dim=-1)
+    kl = (r.exp() * (r - q)).sum(-1).clamp_min(0.0)
+    nll_r = -r.gather(-1, targets[:, None]).squeeze(-1)
+    nll_q = -q.gather(-1, targets[:, None]).squeeze(-1)
+    ppl_r, ppl_q = math.exp(float(nll_r.mean())), math.exp(float(nll_q.mean()))
+    return {
+        "kl_mean": float(kl.mean()), "kl_p99": float(torch.quantile(kl, 0.99)) if kl.numel() > 1 else float(kl.max()),
+        "kl_max": float(kl.max()), "top1_agree": float((r.argmax(-1) == q.argmax(-1)).double().mean()),
+        "ppl_ref": ppl_r, "ppl_quant": ppl_q, "ppl_delta": ppl_q - ppl_r, "ppl_rel_delta": ppl_q / ppl_r - 1.0,
+        "n_positions": int(kl.numel()),
+    }
+
+
+def _device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _cache_kw(model: Any) -> str:
+    """transformers >= 5.2x names the forward's cache argument `cache`; 5.15-5.1x `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _returned_cache(out: Any) -> Any:
+    from .analysis.capture import output_cache
+
+    return output_cache(out)
+
+
+@torch.no_grad()
+def prefill_logprobs(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(model(input_ids=ids.to(_device(model))).logits.float(), -1).cpu()
+
+
+@torch.no_grad()
+def decode_logprobs(model: Any, ids: torch.Tensor, prompt_len: int, cache: Any = None) -> torch.Tensor:
+    """Prefill `prompt_len` tokens, then step through the rest one token at a time (teacher forcing).
+
+    Returns [N, T - prompt_len - 1, V] log-probs: the predictions made by the decode steps that
+    consumed tokens prompt_len .. T-2 (each step attends to the cache of all earlier tokens).
+    """
+    N, T = ids.shape
+    if not 0 < prompt_len < T - 1:
+        raise ConfigError(f"fidelity.prompt_len={prompt_len} must be in [1, {T - 2}] for sequences of {T} tokens")
+    dev = _device(model)
+    ids = ids.to(dev)
+    kw = _cache_kw(model)
+    extra = {kw: cache} if cache is not None else {}
+    out = model(input_ids=ids[:, :prompt_len], use_cache=True, **extra)
+    cache = _returned_cache(out)
+    steps = []
+    for t in range(prompt_len, T - 1):
+        pos = torch.full((N, 1), t, device=dev, dtype=torch.long)
+        out = model(input_ids=ids[:, t:t + 1], position_ids=pos, use_cache=True, **{kw: cache})
+        cache = _returned_cache(out)
+        steps.append(torch.log_softmax(out.logits[:, -1].float(), -1).cpu())
+    return torch.stack(steps, dim=1)
+
+
+def fidelity_metrics(
+    model: Any,
+    reference: FidelityReference,
+    config: KVQuantConfig,
+    *,
+    modes: tuple[str, ...] = MODES,
+    prompt_len: int = 32,
+    backend: str | None = None,
+    patcher: Any = None,
+    make_cache: Any = None,
+) -> dict[str, Any]:
+    """Fidelity of `config` on `model` vs the cached unpatched reference; one dict per mode.
+
+    `patcher(model, config[, backend=])` is a context manager (default `snapquant.patched`);
+    `make_cache(model, config)` optionally builds the cache object decode should use.
+    """
+    for m in modes:
+        if m not in MODES:
+            raise ConfigError(f"fidelity mode {m!r} is not valid; allowed values: {', '.join(MODES)}")
+    if patcher is None:
+        from .sweep.evaluate import default_patcher
+
+        patcher = default_patcher()
+
+    def patch(cfg: KVQuantConfig):
+        return patcher(model, cfg) if backend is None else patcher(model, cfg, backend=backend)
+
+    ids, ref = reference.input_ids, reference.logprobs
+    N, T = ids.shape
+    out: dict[str, Any] = {"num_sequences": N, "seq_len": T, "causal_consistent": config.causal_consistent}
+    if "prefill" in modes:
+        with patch(config.replace(prefill="quantized")):
+            lp = prefill_logprobs(model, ids)
+        V = lp.shape[-1]
+        out["prefill"] = compare_logprobs(ref[:, :-1].reshape(-1, V), lp[:, :-1].reshape(-1, V),
+                                          ids[:, 1:].reshape(-1))
+    if "decode" in modes:
+        with patch(config):
+            cache = make_cache(model, config) if make_cache is not None else None
+            lp = decode_logprobs(model, ids, prompt_len, cache)
+        V = lp.shape[-1]
+        # step t consumed token t and predicts token t + 1, for t in [prompt_len, T - 2]
+        out["decode"] = compare_logprobs(ref[:, prompt_len:T - 1].reshape(-1, V), lp.reshape(-1, V),
+                                         ids[:, prompt_len + 1:].reshape(-1))
+        out["decode"]["prompt_len"] = prompt_len
+    return out
+
+
+def fidelity_table(results: dict[str, dict[str, Any]]) -> Any:
+    """{label: fidelity_metrics(...)} -> a pandas DataFrame, one row per (label, mode)."""
+    import pandas as pd
+
+    rows = []
+    for label, res in results.items():
+        for mode in MODES:
+            if mode in res:
+                rows.append({"config": label, "mode": mode, **res[mode]})
+    return pd.DataFrame(rows)

@@ -1,0 +1,21 @@
+"""Triton kernels for MLA decode over a paged latent cache (FP8 SnapMLA, DeepSeek-V3.2, BF16 baseline).
+
+    PagedMLACache      the cache in the kernels' page layout (pages of 64 tokens), with conversions
+                       to and from the contiguous `QuantizedKV` the reference decode reads
+    quantize_append    fused quantize-and-append of new tokens (bit-exact to `quantize_kv`)
+    mla_decode         split-KV absorbed MLA decode with an LSE combine -> (out, lse)
+    supports(config)   whether the kernels implement a config (for the attention backend seam)
+
+CUDA tensors run compiled kernels; CPU tensors run the same kernels in the Triton interpreter
+(slow; for tests at small shapes).
+"""
+
+from .layouts import LAYOUTS, PAGE_SIZE, layout_of, supports, unsupported_reason
+from .mla_decode import mla_decode
+from .paged import PagedMLACache
+from .quantize_append import quantize_append
+
+__all__ = [
+    "LAYOUTS", "PAGE_SIZE", "PagedMLACache", "layout_of", "mla_decode", "quantize_append", "supports",
+    "unsupported_reason",
+]

@@ -1,0 +1,370 @@
+"""`snapquant.patch(model, config)`: run every MLA attention of an HF model over the quantized latent cache.
+
+How (the seams of models/registry.py, per attention module, all reversible):
+1. the module's `forward` is wrapped (instance attribute; accelerate's `_old_forward` when the module is
+   hooked for device_map sharding). The wrapper reads which new tokens are padding from the mask the
+   model built, then calls the family's own forward with a cache proxy in place of the cache;
+2. the proxy's `update(latent, k_rot, layer_idx)` quantizes and stores the new tokens in the layer's
+   `LatentLayer` (creating one in any HF cache, or a throwaway one when there is no cache);
+3. decode steps (S == 1) and, with `prefill: quantized`, every call run *absorbed*: the module sees a
+   config copy whose `_attn_implementation` is snapquant's registered attention function, and its
+   `expand_kv` skips kv_b_proj; that function absorbs W_UK into the query, runs the decode backend
+   over the stored codes and scales, and applies W_UV;
+4. `prefill: bf16` calls with S > 1 run the family's stock attention on the fresh activations (any
+   mask, any attention implementation, bit-identical to the unpatched model), prefixed by the
+   dequantized cache when one exists (chunked prefill, assisted-decoding verification).
+The model config itself is never changed, so HF keeps building the causal / padding masks for its own
+attention implementation (the unregistered-mask trap of hf-lmeval.md cannot drop them).
+
+Identity configs (`bf16`): the cache keeps the activations in the model's dtype and decode runs with
+`round_16bit = (activations are 16-bit)`, so an fp32 model is reproduced to fp32 rounding and a bf16
+model gets exactly the 1152 B/token bf16 cache with bf16 query and P.
+
+`generate` on a patched model creates a `LatentCache` automatically; `model(ids)` converts the
+DynamicCache HF creates in place. Inference only: no gradients flow through the quantized cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .attention.absorbed import absorbed_attention
+from .attention.backends import check_backend_name, resolve_backend
+from .attention.masks import hf_visibility, indices_visibility, standard_visibility, token_validity
+from .cache import LatentCache, LatentLayer, latent_layer_for
+from .config import KVQuantConfig
+from .errors import ConfigError
+from .models.registry import MLAAdapter, find_mla_modules
+from .presets import resolve_config
+
+ATTN_IMPLEMENTATION = "snapquant_mla"
+MIN_TRANSFORMERS = (5, 15)
+_STATE_ATTR = "_snapquant_patch"
+
+
+# ---------------------------------------------------------------------------------------------- state
+@dataclass
+class PatchState:
+    config: KVQuantConfig
+    backend: str
+    hooks: list[_MLAHook] = field(default_factory=list)
+    generate_hooked: bool = False
+
+
+@dataclass
+class _Call:
+    """What one forward call of one attention module needs between its seams."""
+
+    layer: LatentLayer
+    valid: torch.Tensor  # [B, S] real (non-padding) new tokens
+    mode: str  # "absorbed" | "stock"
+    temporary: bool
+    positions: torch.Tensor | None = None  # [B, S] stored row of each new token, -1 = padding
+
+
+class _CacheProxy:
+    """Stands in for the model's cache inside one attention forward; everything else is forwarded."""
+
+    def __init__(self, cache, hook: _MLAHook, call: _Call):
+        self._cache, self._hook, self._call = cache, hook, call
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        call, layer = self._call, self._call.layer
+        if call.mode == "stock":
+            if call.temporary:  # no cache to fill: exactly the stock computation on fresh activations
+                return key_states, value_states
+            past = layer.dense(key_states.dtype) if layer.seen else None
+            self._append(key_states, value_states)
+            if past is None:
+                return key_states, value_states
+            return (torch.cat([past[0][:, None], key_states], dim=2),
+                    torch.cat([past[1][:, None], value_states], dim=2))
+        self._append(key_states, value_states)
+        # Placeholders with HF's key length (DSA code sizes its index mask from them); never read.
+        ph = key_states.new_zeros(()).expand(key_states.shape[0], 1, layer.seen, 1)
+        return ph, ph
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        call, layer = self._call, self._call.layer
+        before = layer.lengths.clone() if layer.lengths is not None else torch.zeros(
+            key_states.shape[0], dtype=torch.long, device=key_states.device)
+        layer.append(key_states[:, 0], value_states[:, 0], call.valid)
+        valid = call.valid.to(before.device)
+        call.positions = torch.where(valid, before[:, None] + valid.long().cumsum(1) - 1,
+                                     torch.full_like(before[:, None], -1))
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return self._call.layer.update_indexer(indexer_key_states)
+
+    def __getattr__(self, name: str):
+        if self._cache is None:
+            raise AttributeError(f"no cache attribute {name!r} (the model was called without a cache)")
+        return getattr(self._cache, name)
+
+
+class _MLAHook:
+    """The per-module patch: forward wrapper, expand_kv bypass, absorbed attention."""
+
+    def __init__(self, module: nn.Module, adapter: MLAAdapter, state: PatchState):
+        self.module, self.adapter, self.state = module, adapter, state
+        self.forward_fn = type(module).forward
+        self.sig = inspect.signature(self.forward_fn)
+        params = self.sig.parameters
+        self.cache_param = "cache" if "cache" in params else "past_key_values"
+        self.dims = adapter.dims(module)
+        self.original_config = module.config
+        self.absorbed_config = copy.copy(module.config)
+        # Set the backing field directly: the property setter would also touch shared sub-configs.
+        self.absorbed_config.__dict__["_attn_implementation_internal"] = ATTN_IMPLEMENTATION
+        self.call: _Call | None = None
+        self._accelerate = hasattr(module, "_hf_hook") and hasattr(module, "_old_forward")
+        self._weights: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> None:
+        m = self.module
+        if self._accelerate:
+            self._prev_old_forward = m._old_forward
+            m._old_forward = self.forward
+        else:
+            m.forward = self.forward
+        m.expand_kv = self.expand_kv
+        m._snapquant_hook = self
+
+    def remove(self) -> None:
+        m = self.module
+        if self._accelerate:
+            m._old_forward = self._prev_old_forward
+        else:
+            m.__dict__.pop("forward", None)
+        m.__dict__.pop("expand_kv", None)
+        m.__dict__.pop("_snapquant_hook", None)
+        m.config = self.original_config
+
+    # ------------------------------------------------------------------ seams
+    def forward(self, *args, **kwargs):
+        m = self.module
+        if self.cache_param == "cache" and "past_key_values" in kwargs and "cache" not in kwargs:
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        bound = self.sig.bind(m, *args, **kwargs)
+        a = bound.arguments
+        hidden = a["hidden_states"]
+        B, S = hidden.shape[:2]
+        cache = a.get(self.cache_param)
+        r, d = self.dims
+        if cache is None:
+            layer, temporary = LatentLayer(self.state.config, r, d), True
+        else:
+            cfg = cache.kv_config if isinstance(cache, LatentCache) else self.state.config
+            _reject_foreign_cache(cache, m.layer_idx)
+            layer, temporary = latent_layer_for(cache, m.layer_idx, cfg, r, d), False
+        cfg = layer.config
+        valid = token_validity(a.get("attention_mask"), B, S, layer.get_seq_length())
+        mode = "absorbed" if (S == 1 or cfg.prefill == "quantized") else "stock"
+        call = _Call(layer, valid.to(hidden.device), mode, temporary)
+        a[self.cache_param] = _CacheProxy(cache, self, call)
+        self.call = call
+        if mode == "absorbed":
+            m.config = self.absorbed_config
+        try:
+            return self.forward_fn(*bound.args, **bound.kwargs)
+        finally:
+            m.config = self.original_config
+            self.call = None
+
+    def expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor):
+        if self.call is not None and self.call.mode == "absorbed":
+            return kv_nope, k_rot  # placeholders from the proxy: absorbed attention reads the store
+        return type(self.module).expand_kv(self.module, kv_nope, k_rot)
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = getattr(self.module.kv_b_proj, "weight", None)
+        if isinstance(w, torch.Tensor) and isinstance(self.module.kv_b_proj, nn.Linear) and w.device.type != "meta" \
+                and w.dtype.is_floating_point and w.element_size() >= 2:
+            return self.adapter.absorb_weights(self.module)  # a view: follows weight updates
+        if self._weights is None:
+            self._weights = self.adapter.absorb_weights(self.module)
+        return self._weights
+
+    def attend(self, query: torch.Tensor, attention_mask, scaling: float | None, kwargs: dict) -> torch.Tensor:
+        call = self.call
+        layer = call.layer
+        B, H, S, D = query.shape
+        T = layer.seen
+        vis = hf_visibility(attention_mask, B, S, T)
+        indices = kwargs.get("indices")
+        if indices is not None:
+            sel = indices_visibility(indices, T)
+            vis = sel & (vis if vis is not None else standard_visibility(torch.ones_like(layer.stored), S))
+        valid = call.valid
+        visibility = None
+        if vis is not None:
+            std = standard_visibility(layer.stored, S)
+            if bool(((vis ^ std) & valid[:, :, None]).any()):
+                hf_pos = layer.hf_positions()  # [B, L]
+                L = hf_pos.shape[1]
+                rows = torch.arange(L, device=hf_pos.device).view(1, -1) < layer.lengths.view(-1, 1)
+                visibility = torch.gather(vis, 2, hf_pos[:, None, :].expand(B, S, L))
+                visibility = visibility & rows[:, None, :] & valid[:, :, None]
+        cfg = layer.config
+        backend = resolve_backend(self.state.backend, cfg, query.device)
+        round_16bit = query.dtype in (torch.bfloat16, torch.float16) if cfg.is_identity else True
+        w_uk, w_uv = self.weights()
+        tau = scaling if scaling is not None else float(self.module.qk_head_dim) ** -0.5
+        return absorbed_attention(
+            query, w_uk, w_uv, layer.store.segments(), call.positions, softmax_scale=tau, config=cfg,
+            backend=backend.fn, round_16bit=round_16bit, visibility=visibility, sinks=kwargs.get("s_aux"),
+        )
+
+
+def _reject_foreign_cache(cache, layer_idx: int) -> None:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise ConfigError(f"a patched model needs an HF Cache object, got {type(cache).__name__}")
+    if layer_idx < len(layers) and "Quantized" in type(layers[layer_idx]).__name__:
+        raise ConfigError(
+            f"cache layer {layer_idx} is HF's {type(layers[layer_idx]).__name__}: HF's QuantizedCache cannot be "
+            f"combined with snapquant.patch (the patched model quantizes the latent itself)"
+        )
+
+
+def _snapquant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function registered as `snapquant_mla`; only patched MLA modules dispatch to it."""
+    hook = getattr(module, "_snapquant_hook", None)
+    if hook is None or hook.call is None or hook.call.mode != "absorbed":
+        raise ConfigError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} is internal to snapquant.patch; do not set it on a model "
+            f"config (got a call from {type(module).__name__})"
+        )
+    if dropout and module.training:
+        raise ConfigError("patched MLA attention is inference-only (attention dropout > 0 in training mode)")
+    if kwargs.get("softcap") is not None:
+        raise ConfigError("attention logit softcapping is not supported by patched MLA attention")
+    return hook.attend(query, attention_mask, scaling, kwargs), None
+
+
+_REGISTERED = False
+
+
+def _register_attention() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _snapquant_attention)
+    # The model config never names this implementation, but register a mask for it anyway: an
+    # unregistered name would silently get mask None (causal mask and padding dropped).
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    _REGISTERED = True
+
+
+# ---------------------------------------------------------------------------------------------- API
+def check_transformers_version() -> None:
+    import transformers
+
+    parts = []
+    for p in transformers.__version__.split(".")[:2]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    if tuple(parts) < MIN_TRANSFORMERS:
+        raise ConfigError(
+            f"transformers {transformers.__version__} is too old for snapquant.patch: MLA models cache the "
+            f"compressed latent only since 5.15 (this needs transformers>=5.15)"
+        )
+
+
+def patch(model: nn.Module, config: KVQuantConfig | str | dict = "snapmla", *, backend: str = "auto") -> nn.Module:
+    """Make every MLA attention of `model` read and write the quantized latent cache. Returns `model`.
+
+    config: a preset name, dict, file path or `KVQuantConfig`. backend: auto | reference | triton
+    (the decode kernel seam; see snapquant.attention.backends). Patching a patched model re-configures it.
+    """
+    check_transformers_version()
+    cfg = resolve_config(config)
+    check_backend_name(backend)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"patch expects a transformers model (nn.Module), got {type(model).__name__}")
+    found = list(find_mla_modules(model))  # raises for non-MLA models and unknown families
+    for _, module, adapter in found:
+        adapter.validate(module)
+        cfg.check_dims(*adapter.dims(module))
+    _register_attention()
+    state: PatchState | None = getattr(model, _STATE_ATTR, None)
+    if state is not None:  # re-configure in place; hooks read the shared state
+        state.config, state.backend = cfg, backend
+        return model
+    state = PatchState(cfg, backend)
+    for _, module, adapter in found:
+        hook = _MLAHook(module, adapter, state)
+        hook.install()
+        state.hooks.append(hook)
+    _hook_generate(model, state)
+    model.__dict__[_STATE_ATTR] = state
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Remove the patch; the model computes exactly what it computed before `patch`."""
+    state: PatchState | None = model.__dict__.pop(_STATE_ATTR, None)
+    if state is None:
+        return model
+    for hook in state.hooks:
+        hook.remove()
+    if state.generate_hooked:
+        model.__dict__.pop("_prepare_cache_for_generation", None)
+    return model
+
+
+@contextmanager
+def patched(model: nn.Module, config: KVQuantConfig | str | dict = "snapmla", *, backend: str = "auto") -> Iterator[nn.Module]:
+    """`with snapquant.patched(model, "snapmla"): ...` patches for the block and restores the previous state."""
+    previous: PatchState | None = getattr(model, _STATE_ATTR, None)
+    prev_cfg = (previous.config, previous.backend) if previous is not None else None
+    patch(model, config, backend=backend)
+    try:
+        yield model
+    finally:
+        if prev_cfg is None:
+            unpatch(model)
+        else:
+            patch(model, prev_cfg[0], backend=prev_cfg[1])
+
+
+def is_patched(model: nn.Module) -> bool:
+    return getattr(model, _STATE_ATTR, None) is not None
+
+
+def patched_config(model: nn.Module) -> KVQuantConfig | None:
+    state = getattr(model, _STATE_ATTR, None)
+    return None if state is None else state.config
+
+
+def _hook_generate(model: nn.Module, state: PatchState) -> None:
+    """Let `generate` build a LatentCache where it would build its default DynamicCache."""
+    original = getattr(model, "_prepare_cache_for_generation", None)
+    if original is None:
+        return
+    from transformers.cache_utils import DynamicCache
+
+    def prepare(*args, **kwargs):
+        result = original(*args, **kwargs)
+        model_kwargs = kwargs.get("model_kwargs")
+        if model_kwargs is None:
+            model_kwargs = next((a for a in args if isinstance(a, dict)), {})
+        for key in ("cache", "past_key_values"):
+            c = model_kwargs.get(key)
+            if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False) and c.get_seq_length() == 0:
+                model_kwargs[key] = LatentCache(state.config, model)
+        return result
+
+    model.__dict__["_prepare_cache_for_generation"] = prepare
+    state.generate_hooked = True

@@ -1,0 +1,21 @@
+"""Ablation sweeps: YAML spec -> cells -> one atomic JSON result per cell -> tables and plots.
+
+- `SweepSpec.from_yaml` / `load_spec`: schema and validation (one error listing every problem).
+- `expand`: presets + grid -> `Cell`s with stable ids (the resume key).
+- `run_sweep` (inline) / `launch` (submitit local or Slurm) / `execute` (both, plus the report).
+- `ResultStore`, `atomic_write_json`: the kill -9 safe result directory.
+- `CellEvaluator`: the pluggable per-cell evaluation; `LmEvalEvaluator` is the default.
+"""
+
+from .api import ExecuteResult, execute, load_spec
+from .grid import Cell, Expansion, expand
+from .launcher import launch
+from .runner import CellEvaluator, SweepReport, load_evaluator, run_sweep
+from .schema import FidelitySpec, GridSpec, LauncherSpec, SweepSpec, TaskSpec
+from .store import ResultStore, atomic_write_json, atomic_write_text
+
+__all__ = [
+    "Cell", "CellEvaluator", "ExecuteResult", "Expansion", "FidelitySpec", "GridSpec", "LauncherSpec",
+    "ResultStore", "SweepReport", "SweepSpec", "TaskSpec", "atomic_write_json", "atomic_write_text", "execute",
+    "expand", "launch", "load_evaluator", "load_spec", "run_sweep",
+]

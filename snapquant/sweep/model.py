@@ -1,0 +1,81 @@
+"""Loading the model a sweep or an analysis runs on: `embedded` or a Hugging Face checkpoint directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def resolve_device(device: str = "auto") -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} but CUDA is not available on this machine; use device: cpu")
+    return device
+
+
+def load_model(
+    model: str,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    device_map: str | dict | None = None,
+    tokenizer: str | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+) -> tuple[Any, Any]:
+    """-> (model in eval mode, tokenizer). `device_map` ("auto") spreads a big model over the visible GPUs."""
+    import torch
+
+    kw = dict(model_kwargs or {})
+    torch_dtype = None if dtype == "auto" else getattr(torch, TORCH_DTYPES[dtype])
+    if model == "embedded":
+        try:
+            from ..embedded import load_embedded  # the shipped trained MLA model (issue 4)
+        except ImportError:
+            raise ConfigError("model: 'embedded' needs snapquant.embedded.load_embedded, missing here") from None
+        try:
+            m, tok = load_embedded(dtype=torch_dtype or torch.float32, device=resolve_device(device))
+        except FileNotFoundError as e:
+            raise ConfigError(f"model: 'embedded': {e}") from None
+        return m.eval(), tok
+
+    path = Path(model)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ConfigError(f"model={model!r}: not 'embedded' and not a checkpoint directory with config.json "
+                          f"(hub names cannot be downloaded here; pass a local path)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if device_map is not None:
+        kw["device_map"] = device_map
+    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype or "auto", **kw)
+    if device_map is None:
+        m = m.to(resolve_device(device))
+    tok = AutoTokenizer.from_pretrained(tokenizer or str(path))
+    return m.eval(), tok
+
+
+def model_info(model: Any) -> dict[str, Any]:
+    """MLA dims and identity of a loaded model, recorded in every cell result."""
+    from ..analysis.capture import mla_attention_modules
+
+    cfg = model.config
+    mods = mla_attention_modules(model)
+    m0 = mods[0]
+    return {
+        "class": type(model).__name__,
+        "model_type": getattr(cfg, "model_type", None),
+        "name_or_path": getattr(cfg, "_name_or_path", None) or getattr(model, "name_or_path", None),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "device": str(next(model.parameters()).device),
+        "kv_lora_rank": int(m0.kv_lora_rank),
+        "qk_rope_head_dim": int(m0.qk_rope_head_dim),
+        "num_heads": int(getattr(m0, "num_heads", getattr(cfg, "num_attention_heads", 0))),
+        "num_mla_layers": len(mods),
+    }

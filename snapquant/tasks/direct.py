@@ -1,0 +1,134 @@
+"""The task suite scored directly with transformers (no lm-eval): same documents, same metrics.
+
+The trainer uses this on the GPU machine, which has no lm-eval; `tests/test_tasks_direct.py`
+checks that it agrees with the lm-eval tasks on the same model. Greedy decoding, left padding.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Sequence
+
+import torch
+
+from . import sq_utils
+
+
+def _stop(text: str, stops: Sequence[str]) -> str:
+    cut = len(text)
+    for s in stops:
+        i = text.find(s)
+        if i != -1:
+            cut = min(cut, i)
+    return text[:cut]
+
+
+@torch.no_grad()
+def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, stops: Sequence[str],
+                    batch_size: int = 16) -> list[str]:
+    """Greedy continuations of `prompts`, cut at the first stop string (as lm-eval's `until`)."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))  # similar lengths per batch
+    out: list[str] = [""] * len(prompts)
+    for b in range(0, len(order), batch_size):
+        idx = order[b:b + batch_size]
+        width = max(len(encoded[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, i in enumerate(idx):
+            n = len(encoded[i])
+            ids[r, width - n:] = torch.tensor(encoded[i])
+            mask[r, width - n:] = 1
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=pad,
+                             eos_token_id=tokenizer.eos_token_id)
+        for r, i in enumerate(idx):
+            text = tokenizer.decode(gen[r, width:].tolist(), skip_special_tokens=True)
+            out[i] = _stop(text, stops)
+    return out
+
+
+def score_kv(model, tokenizer, lengths: Sequence[int] = (1024, 2048, 4096), num_samples: int = 100,
+             seed: int = sq_utils.DEFAULT_SEED, tokenizer_path: str | None = None, batch_size: int = 16) -> dict:
+    scores = {}
+    for n in lengths:
+        rows = sq_utils.kv_rows(n, seed, num_samples, tokenizer_path)
+        preds = greedy_generate(model, tokenizer, [r["prompt"] for r in rows], sq_utils.ANSWER_RESERVE,
+                                ['"', "\n"], batch_size)
+        scores[f"sq_kv_retrieval_{n // 1024}k"] = sum(
+            sq_utils.process_exact_match(r, [p])["exact_match"] for r, p in zip(rows, preds, strict=True)) / len(rows)
+    return scores
+
+
+def score_passkey(model, tokenizer, lengths: Sequence[int] = (1024, 2048, 4096), num_samples: int = 4,
+                  seed: int = sq_utils.DEFAULT_SEED, tokenizer_path: str | None = None, haystack: str = "repeat",
+                  batch_size: int = 16) -> dict:
+    rows = sq_utils.passkey_rows(list(lengths), seed, num_samples, tokenizer_path, haystack)
+    preds = greedy_generate(model, tokenizer, [r["prompt"] for r in rows], sq_utils.ANSWER_RESERVE,
+                            ["\n", "."], batch_size)
+    name = "sq_passkey" if haystack == "repeat" else "sq_passkey_code"
+    hits = [sq_utils.process_passkey(r, [p])["exact_match"] for r, p in zip(rows, preds, strict=True)]
+    out = {name: sum(hits) / len(hits)}
+    for n in lengths:
+        sel = [h for h, r in zip(hits, rows, strict=True) if r["length"] == n]
+        out[f"{name}_{n}"] = sum(sel) / len(sel)
+    return out
+
+
+def score_completion(model, tokenizer, num_samples: int = 200, seed: int = sq_utils.DEFAULT_SEED,
+                     batch_size: int = 16) -> dict:
+    rows = sq_utils.completion_rows(seed, num_samples)
+    preds = greedy_generate(model, tokenizer, [r["context"] for r in rows], 64, ["\n"], batch_size)
+    hits = [sq_utils.process_code_completion(r, [p])["exact_match"] for r, p in zip(rows, preds, strict=True)]
+    return {"sq_code_completion": sum(hits) / len(hits)}
+
+
+@torch.no_grad()
+def score_code_ppl(model, tokenizer, max_length: int = 4096, texts: Sequence[str] | None = None) -> dict:
+    """lm-eval's loglikelihood_rolling metrics: disjoint windows, the first conditioned on EOS."""
+    device = next(model.parameters()).device
+    texts = [r["text"] for r in sq_utils.load_heldout()] if texts is None else list(texts)
+    total_ll, words, nbytes, ntok = 0.0, 0, 0, 0
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        seq = [tokenizer.eos_token_id, *ids]
+        # Window k predicts tokens [start, end) given the previous token(s) of the same window.
+        for start in range(1, len(seq), max_length):
+            end = min(start + max_length, len(seq))
+            inp = torch.tensor([seq[start - 1:end - 1]], device=device)
+            tgt = torch.tensor(seq[start:end], device=device)
+            logits = model(inp).logits[0].float()
+            total_ll += -torch.nn.functional.cross_entropy(logits, tgt, reduction="sum").item()
+        words += len(re.split(r"\s+", text))
+        nbytes += len(text.encode("utf-8"))
+        ntok += len(ids)
+    return {"word_perplexity": math.exp(-total_ll / words), "byte_perplexity": math.exp(-total_ll / nbytes),
+            "bits_per_byte": -total_ll / nbytes / math.log(2), "token_perplexity": math.exp(-total_ll / ntok)}
+
+
+def quick_suite(model, tokenizer, kv_samples: int = 100, passkey_samples: int = 4, completion_samples: int = 200,
+                lengths: Sequence[int] = (1024, 2048, 4096), tokenizer_path: str | None = None,
+                batch_size: int = 16, log=print) -> dict:
+    """All direct scores; `tokenizer_path` must name the tokenizer `tokenizer` was loaded from."""
+    was_training = model.training
+    model.eval()
+    scores: dict = {}
+    t0 = time.time()
+    scores.update(score_code_ppl(model, tokenizer, max_length=max(lengths)))
+    log(f"eval code ppl {time.time() - t0:.0f}s")
+    scores.update(score_kv(model, tokenizer, lengths, kv_samples, tokenizer_path=tokenizer_path,
+                           batch_size=batch_size))
+    log(f"eval kv {time.time() - t0:.0f}s")
+    for hay in ("repeat", "code"):
+        scores.update(score_passkey(model, tokenizer, lengths, passkey_samples, tokenizer_path=tokenizer_path,
+                                    haystack=hay, batch_size=batch_size))
+    log(f"eval passkey {time.time() - t0:.0f}s")
+    if completion_samples:
+        scores.update(score_completion(model, tokenizer, completion_samples, batch_size=batch_size))
+    log(f"eval completion {time.time() - t0:.0f}s")
+    model.train(was_training)
+    return scores

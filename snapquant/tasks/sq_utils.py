@@ -1,0 +1,274 @@
+"""Document builders and scorers for snapquant's offline lm-eval tasks.
+
+lm-eval imports this file by path (`!function sq_utils.NAME` in the YAMLs), so imports are
+absolute. Every `custom_dataset` function receives the task's metadata (the YAML `metadata` merged
+with `TaskManager(metadata=...)`, which overrides it) plus the YAML `dataset_kwargs`:
+
+- `tokenizer`: path or name of the tokenizer that measures context lengths (default: the embedded
+  model's tokenizer, so lengths are exact for it and approximate for others);
+- `num_samples`: documents per length; `sq_seed`: seed of the generated instances;
+- `max_seq_lengths`: lengths in tokens (pass-key and RULER tasks); per-length tasks fix theirs in
+  `dataset_kwargs.context_tokens`.
+Documents are a pure function of (tokenizer, seed, length, index): the same call gives the same docs.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+from typing import Any
+
+from snapquant.data.corpus import load_heldout
+from snapquant.data.synthetic import kv_retrieval_example, passkey_example, seed_rng
+from snapquant.errors import ConfigError
+
+DEFAULT_SEED = 1234
+DEFAULT_LENGTHS = (1024, 2048, 4096)
+# Tokens kept free for the answer: lm-eval left-truncates prompts to max_length - max_gen_toks, so
+# prompts are built to fit `length - ANSWER_RESERVE` and the YAMLs set max_gen_toks to it.
+ANSWER_RESERVE = 16
+PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+# Metric names the length-keyed YAMLs declare; a length outside them has no metric to land in.
+METRIC_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def default_tokenizer_path() -> str:
+    from snapquant.embedded import EMBEDDED_PATH
+
+    return str(EMBEDDED_PATH)
+
+
+@functools.lru_cache(maxsize=8)
+def get_tokenizer(name: str | None = None):
+    """A transformers tokenizer by path or hub name (offline: local paths or cached names)."""
+    from transformers import AutoTokenizer
+
+    path = name or default_tokenizer_path()
+    if Path(path).is_dir() and not (Path(path) / "tokenizer.json").exists() and not any(
+            Path(path).glob("tokenizer*")):
+        raise ConfigError(f"tokenizer={path!r}: folder has no tokenizer files")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def token_counter(tokenizer):
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return count
+
+
+def _tokenizer_name(kwargs: dict[str, Any]) -> str | None:
+    # Same precedence as RULER: explicit tokenizer, then the model path lm-eval passes along.
+    for key in ("tokenizer", "pretrained"):
+        value = kwargs.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def _int(kwargs: dict[str, Any], key: str, default: int) -> int:
+    value = kwargs.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"task metadata {key}={value!r} must be a positive int")
+    return value
+
+
+def _lengths(kwargs: dict[str, Any], default=DEFAULT_LENGTHS) -> list[int]:
+    lengths = kwargs.get("max_seq_lengths", list(default))
+    if isinstance(lengths, int):
+        lengths = [lengths]
+    bad = [x for x in lengths if x not in METRIC_LENGTHS]
+    if bad:
+        raise ConfigError(f"task metadata max_seq_lengths={lengths!r}: {bad} not among the lengths the "
+                          f"task reports ({', '.join(map(str, METRIC_LENGTHS))})")
+    return list(lengths)
+
+
+def _dataset(rows: list[dict]):
+    import datasets
+
+    return {"test": datasets.Dataset.from_list(rows)}
+
+
+# ------------------------------------------------------------------------------ held-out code
+
+def code_ppl_docs(**kwargs: Any):
+    """One document per shipped held-out source file (never trained on)."""
+    return _dataset([{"path": r["path"], "text": r["text"]} for r in load_heldout()])
+
+
+def completion_rows(seed: int = DEFAULT_SEED, num_samples: int = 200, max_context_chars: int = 4000) -> list[dict]:
+    """Next-line completion items: the file up to a line (cut at a line start), target = that line.
+
+    Targets are code lines of 8-100 characters that are not comments, blank, or string-only
+    (docstring) lines, at least 10 lines into the file.
+    """
+    rows = load_heldout()
+    rng = seed_rng("eval", "code_completion", seed)
+    candidates = []
+    for r in rows:
+        lines = r["text"].split("\n")
+        for i, line in enumerate(lines):
+            s = line.strip()
+            if i < 10 or not 8 <= len(s) <= 100 or s.startswith(("#", '"', "'")):
+                continue
+            candidates.append((r["path"], i))
+    if not candidates:
+        raise ConfigError("held-out files yield no completion targets")
+    picks = rng.sample(candidates, min(num_samples, len(candidates)))
+    by_path = {r["path"]: r["text"].split("\n") for r in rows}
+    out = []
+    for path, i in picks:
+        lines = by_path[path]
+        context = "\n".join(lines[:i]) + "\n"
+        if len(context) > max_context_chars:
+            cut = context.find("\n", len(context) - max_context_chars)
+            context = context[cut + 1:]
+        out.append({"path": path, "line": i, "context": context, "target": lines[i]})
+    return out
+
+
+def code_completion_docs(**kwargs: Any):
+    seed = _int(kwargs, "sq_seed", DEFAULT_SEED)
+    return _dataset(completion_rows(seed, _int(kwargs, "num_samples", 200)))
+
+
+def process_code_completion(doc: dict, results: list[str]) -> dict[str, float]:
+    # Whitespace at both ends is ignored: indentation at a prompt boundary is a tokenizer artefact.
+    pred = results[0].split("\n")[0]
+    return {"exact_match": float(pred.strip() == doc["target"].strip())}
+
+
+# ------------------------------------------------------------------------------ key-value lookup
+
+def kv_rows(length: int, seed: int = DEFAULT_SEED, num_samples: int = 100, tokenizer: str | None = None,
+            n_shots: int = 2) -> list[dict]:
+    """Lookup questions whose prompt + answer fit `length - ANSWER_RESERVE` tokens; depths cycle 0..1."""
+    count = token_counter(get_tokenizer(tokenizer))
+    out = []
+    for i in range(num_samples):
+        rng = seed_rng("eval", "kv_retrieval", seed, length, i)
+        depth = (i % 11) / 10
+        ex = kv_retrieval_example(rng, length - ANSWER_RESERVE, count, depth=depth, n_shots=n_shots)
+        out.append({"index": i, "length": length, **ex})
+    return out
+
+
+def kv_retrieval_docs(context_tokens: int | None = None, **kwargs: Any):
+    if context_tokens is None:
+        raise ConfigError("sq_kv_retrieval tasks need dataset_kwargs.context_tokens (the length in tokens)")
+    return _dataset(kv_rows(int(context_tokens), _int(kwargs, "sq_seed", DEFAULT_SEED),
+                            _int(kwargs, "num_samples", 100), _tokenizer_name(kwargs)))
+
+
+def process_exact_match(doc: dict, results: list[str]) -> dict[str, float]:
+    return {"exact_match": float(results[0].strip() == doc["answer"])}
+
+
+# ------------------------------------------------------------------------------------ pass key
+
+def passkey_rows(lengths: list[int], seed: int = DEFAULT_SEED, num_samples: int = 10,
+                 tokenizer: str | None = None, haystack: str = "repeat") -> list[dict]:
+    """`num_samples` questions per (length, depth) pair, depths in PASSKEY_DEPTHS."""
+    count = token_counter(get_tokenizer(tokenizer))
+    lines = None
+    if haystack == "code":
+        lines = [ln + "\n" for r in load_heldout() for ln in r["text"].split("\n")]
+    elif haystack != "repeat":
+        raise ConfigError(f"haystack={haystack!r} is not valid; allowed values: repeat, code")
+    out = []
+    for length in lengths:
+        for depth in PASSKEY_DEPTHS:
+            for i in range(num_samples):
+                rng = seed_rng("eval", "passkey", haystack, seed, length, depth, i)
+                ex = passkey_example(rng, length - ANSWER_RESERVE, count, depth=depth, haystack=lines)
+                out.append({"index": i, "length": length, **ex})
+    # Interleave lengths and depths so that `--limit N` still samples all of them.
+    random.Random(f"passkey-order/{seed}").shuffle(out)
+    return out
+
+
+def passkey_docs(**kwargs: Any):
+    return _dataset(passkey_rows(_lengths(kwargs), _int(kwargs, "sq_seed", DEFAULT_SEED),
+                                 _int(kwargs, "num_samples", 10), _tokenizer_name(kwargs),
+                                 kwargs.get("haystack", "repeat")))
+
+
+def _by_length(doc_length: int, score: float) -> dict[str, float]:
+    # RULER's convention: every declared length gets -1 (ignored by the aggregation) but this doc's.
+    out = {str(n): -1.0 for n in METRIC_LENGTHS}
+    out[str(doc_length)] = score
+    return out
+
+
+def process_passkey(doc: dict, results: list[str]) -> dict[str, float]:
+    pred = results[0].strip().rstrip(".").strip()
+    score = float(pred == doc["answer"])
+    return {"exact_match": score, **_by_length(doc["length"], score)}
+
+
+def aggregate_by_length(values: list[float]) -> float:
+    kept = [v for v in values if v != -1]
+    return sum(kept) / len(kept) if kept else -1.0
+
+
+# ------------------------------------------------------------------------- RULER offline subset
+
+def _ruler_tokenizer_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    kwargs = dict(kwargs)
+    kwargs["tokenizer"] = _tokenizer_name(kwargs) or default_tokenizer_path()
+    kwargs.setdefault("max_seq_lengths", [4096])
+    kwargs["max_seq_lengths"] = _lengths(kwargs, default=(4096,))
+    return kwargs
+
+
+def _import_ruler(module: str):
+    """Import a RULER module without its import-time `nltk.download('punkt_tab')`.
+
+    Only the essay haystack uses punkt, and none of the subset wired here does; offline the download
+    fails anyway (after a network attempt), so it is skipped when punkt_tab is not installed.
+    """
+    import importlib
+
+    import nltk
+
+    try:
+        nltk.data.find("tokenizers/punkt_tab")
+        return importlib.import_module(f"lm_eval.tasks.ruler.{module}")
+    except LookupError:
+        pass
+    original = nltk.download
+    nltk.download = lambda *a, **k: False
+    try:
+        return importlib.import_module(f"lm_eval.tasks.ruler.{module}")
+    finally:
+        nltk.download = original
+
+
+def ruler_niah_single_1(**kwargs: Any):
+    return _import_ruler("niah_utils").niah_single_1(**_ruler_tokenizer_kwargs(kwargs))
+
+
+def ruler_niah_multikey_2(**kwargs: Any):
+    return _import_ruler("niah_utils").niah_multikey_2(**_ruler_tokenizer_kwargs(kwargs))
+
+
+def ruler_niah_multikey_3(**kwargs: Any):
+    return _import_ruler("niah_utils").niah_multikey_3(**_ruler_tokenizer_kwargs(kwargs))
+
+
+def ruler_cwe(**kwargs: Any):
+    return _import_ruler("cwe_utils").get_cw_dataset(**_ruler_tokenizer_kwargs(kwargs))
+
+
+def ruler_fwe(**kwargs: Any):
+    return _import_ruler("fwe_utils").fwe_download(**_ruler_tokenizer_kwargs(kwargs))
+
+
+def process_ruler(doc: dict, results: list[str]) -> dict[str, float]:
+    """RULER's string_match_all (each reference found, case-insensitive), keyed by length."""
+    pred = "\n".join(results[0].strip().split("\x00")).strip()
+    refs = doc["outputs"]
+    score = sum(1.0 for r in refs if r.lower() in pred.lower()) / len(refs)
+    return _by_length(doc["max_length"], score)
