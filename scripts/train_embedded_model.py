@@ -314,13 +314,17 @@ def cmd_train(args: argparse.Namespace) -> None:
     log("train_end", step=step, tokens=tokens_seen, seconds=round(train_s, 1),
         tok_s=round(tokens_seen / max(train_s, 1e-9)), **last)
 
+    del loader  # stop the data workers before evaluating
     val = _val_loss(model, val_tokens, seq_len, device, cuda)
     _save_bf16(model, tok_dir, out)
-    del model, opt, loader
+    log("saved", val_loss=val, files=sorted(f.name for f in out.iterdir()))
+    del model, opt
     if cuda:
         torch.cuda.empty_cache()
-    # Score the shipped artefact: the bf16 weights read back from disk.
-    shipped = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16, attn_implementation="sdpa")
+    # Score the shipped artefact: the bf16 weights read back from disk (computed in fp32 on CPU,
+    # where bf16 matmuls are slow; on the GPU in bf16 as the card says).
+    shipped = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16 if cuda else torch.float32,
+                                                   attn_implementation="sdpa")
     shipped.to(device).eval()
     scores = direct.quick_suite(shipped, tokenizer, kv_samples=args.eval_samples,
                                 passkey_samples=max(1, args.eval_samples // 25),

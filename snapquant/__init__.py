@@ -26,3 +26,26 @@ __all__ = [
     "load_presets", "mla_decode_oracle", "mla_decode_reference", "project_output", "quantize_kv",
     "quantize_query", "register_preset", "resolve_config", "split_kv_b",
 ]
+
+
+# Model patching (issue 3). Imported on first use: it pulls in transformers, which `import snapquant`
+# alone should not pay for.
+_LAZY = {
+    "patch": "patch", "unpatch": "patch", "patched": "patch", "is_patched": "patch", "patched_config": "patch",
+    "LatentCache": "cache", "LatentLayer": "cache",
+}
+__all__ += list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        # Bind the names now: importing submodule `patch` set `snapquant.patch` to the module (which is
+        # made callable in patch.py for the case where it was imported before this ran).
+        for n, m in _LAZY.items():
+            if m == _LAZY[name]:
+                globals()[n] = getattr(module, n)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

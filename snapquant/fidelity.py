@@ -107,7 +107,8 @@ def prefill_logprobs(model: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def decode_logprobs(model: Any, ids: torch.Tensor, prompt_len: int, cache: Any = None) -> torch.Tensor:
+def decode_logprobs(model: Any, ids: torch.Tensor, prompt_len: int, cache: Any = None,
+                    on_step: Any = None) -> torch.Tensor:
     """Prefill `prompt_len` tokens, then step through the rest one token at a time (teacher forcing).
 
     Returns [N, T - prompt_len - 1, V] log-probs: the predictions made by the decode steps that
@@ -122,12 +123,16 @@ def decode_logprobs(model: Any, ids: torch.Tensor, prompt_len: int, cache: Any =
     extra = {kw: cache} if cache is not None else {}
     out = model(input_ids=ids[:, :prompt_len], use_cache=True, **extra)
     cache = _returned_cache(out)
+    if on_step:
+        on_step(1)
     steps = []
     for t in range(prompt_len, T - 1):
         pos = torch.full((N, 1), t, device=dev, dtype=torch.long)
         out = model(input_ids=ids[:, t:t + 1], position_ids=pos, use_cache=True, **{kw: cache})
         cache = _returned_cache(out)
         steps.append(torch.log_softmax(out.logits[:, -1].float(), -1).cpu())
+        if on_step:
+            on_step(1)
     return torch.stack(steps, dim=1)
 
 
@@ -141,11 +146,13 @@ def fidelity_metrics(
     backend: str | None = None,
     patcher: Any = None,
     make_cache: Any = None,
+    on_step: Any = None,
 ) -> dict[str, Any]:
     """Fidelity of `config` on `model` vs the cached unpatched reference; one dict per mode.
 
     `patcher(model, config[, backend=])` is a context manager (default `snapquant.patched`);
-    `make_cache(model, config)` optionally builds the cache object decode should use.
+    `make_cache(model, config)` optionally builds the cache object decode should use;
+    `on_step(n)` is called after each forward pass (progress bars).
     """
     for m in modes:
         if m not in MODES:
@@ -164,13 +171,15 @@ def fidelity_metrics(
     if "prefill" in modes:
         with patch(config.replace(prefill="quantized")):
             lp = prefill_logprobs(model, ids)
+        if on_step:
+            on_step(1)
         V = lp.shape[-1]
         out["prefill"] = compare_logprobs(ref[:, :-1].reshape(-1, V), lp[:, :-1].reshape(-1, V),
                                           ids[:, 1:].reshape(-1))
     if "decode" in modes:
         with patch(config):
             cache = make_cache(model, config) if make_cache is not None else None
-            lp = decode_logprobs(model, ids, prompt_len, cache)
+            lp = decode_logprobs(model, ids, prompt_len, cache, on_step)
         V = lp.shape[-1]
         # step t consumed token t and predicts token t + 1, for t in [prompt_len, T - 2]
         out["decode"] = compare_logprobs(ref[:, prompt_len:T - 1].reshape(-1, V), lp.reshape(-1, V),

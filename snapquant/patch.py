@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,7 +43,7 @@ from .attention.masks import hf_visibility, indices_visibility, standard_visibil
 from .cache import LatentCache, LatentLayer, latent_layer_for
 from .config import KVQuantConfig
 from .errors import ConfigError
-from .models.registry import MLAAdapter, find_mla_modules
+from .models.registry import MLAAdapter, cache_layout, find_mla_modules
 from .presets import resolve_config
 
 ATTN_IMPLEMENTATION = "snapquant_mla"
@@ -76,29 +78,20 @@ class _CacheProxy:
         self._cache, self._hook, self._call = cache, hook, call
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self._hook.layout == "expanded":  # expand_kv already stored the latent and returned the final K/V
+            return key_states, value_states
         call, layer = self._call, self._call.layer
         if call.mode == "stock":
             if call.temporary:  # no cache to fill: exactly the stock computation on fresh activations
                 return key_states, value_states
             past = layer.dense(key_states.dtype) if layer.seen else None
-            self._append(key_states, value_states)
+            self._hook.store_new(key_states, value_states)
             if past is None:
                 return key_states, value_states
             return (torch.cat([past[0][:, None], key_states], dim=2),
                     torch.cat([past[1][:, None], value_states], dim=2))
-        self._append(key_states, value_states)
-        # Placeholders with HF's key length (DSA code sizes its index mask from them); never read.
-        ph = key_states.new_zeros(()).expand(key_states.shape[0], 1, layer.seen, 1)
-        return ph, ph
-
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        call, layer = self._call, self._call.layer
-        before = layer.lengths.clone() if layer.lengths is not None else torch.zeros(
-            key_states.shape[0], dtype=torch.long, device=key_states.device)
-        layer.append(key_states[:, 0], value_states[:, 0], call.valid)
-        valid = call.valid.to(before.device)
-        call.positions = torch.where(valid, before[:, None] + valid.long().cumsum(1) - 1,
-                                     torch.full_like(before[:, None], -1))
+        self._hook.store_new(key_states, value_states)
+        return _placeholder(key_states, layer.seen), _placeholder(key_states, layer.seen)
 
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         return self._call.layer.update_indexer(indexer_key_states)
@@ -107,6 +100,11 @@ class _CacheProxy:
         if self._cache is None:
             raise AttributeError(f"no cache attribute {name!r} (the model was called without a cache)")
         return getattr(self._cache, name)
+
+
+def _placeholder(like: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-stride stand-in for K or V with HF's key length (DSA code sizes its index mask from it); never read."""
+    return like.new_zeros(()).expand(like.shape[0], 1, length, 1)
 
 
 class _MLAHook:
@@ -119,6 +117,7 @@ class _MLAHook:
         params = self.sig.parameters
         self.cache_param = "cache" if "cache" in params else "past_key_values"
         self.dims = adapter.dims(module)
+        self.layout = cache_layout(type(module))
         self.original_config = module.config
         self.absorbed_config = copy.copy(module.config)
         # Set the backing field directly: the property setter would also touch shared sub-configs.
@@ -180,9 +179,38 @@ class _MLAHook:
             self.call = None
 
     def expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor):
-        if self.call is not None and self.call.mode == "absorbed":
-            return kv_nope, k_rot  # placeholders from the proxy: absorbed attention reads the store
-        return type(self.module).expand_kv(self.module, kv_nope, k_rot)
+        expand = type(self.module).expand_kv
+        call = self.call
+        if call is None:
+            return expand(self.module, kv_nope, k_rot)
+        if self.layout == "latent":
+            if call.mode == "absorbed":
+                return kv_nope, k_rot  # placeholders from the proxy: absorbed attention reads the store
+            return expand(self.module, kv_nope, k_rot)
+        # "expanded" layout: expand_kv sees the fresh latent first, so the latent is stored here.
+        layer = call.layer
+        if call.mode == "absorbed":
+            self.store_new(kv_nope, k_rot)
+            return _placeholder(kv_nope, layer.seen), _placeholder(kv_nope, layer.seen)
+        if call.temporary:
+            return expand(self.module, kv_nope, k_rot)
+        past = layer.dense(kv_nope.dtype) if layer.seen else None
+        self.store_new(kv_nope, k_rot)
+        k_new, v_new = expand(self.module, kv_nope, k_rot)
+        if past is None:
+            return k_new, v_new
+        k_old, v_old = expand(self.module, past[0][:, None], past[1][:, None])
+        return torch.cat([k_old, k_new], dim=2), torch.cat([v_old, v_new], dim=2)
+
+    def store_new(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> None:
+        """Append the new tokens' latent `[B, 1, S, r]` and RoPE key to the layer; record their stored rows."""
+        call, layer = self.call, self.call.layer
+        before = layer.lengths.clone() if layer.lengths is not None else torch.zeros(
+            kv_nope.shape[0], dtype=torch.long, device=kv_nope.device)
+        layer.append(kv_nope[:, 0], k_rot[:, 0], call.valid)
+        valid = call.valid.to(before.device)
+        call.positions = torch.where(valid, before[:, None] + valid.long().cumsum(1) - 1,
+                                     torch.full_like(before[:, None], -1))
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = getattr(self.module.kv_b_proj, "weight", None)
@@ -368,3 +396,15 @@ def _hook_generate(model: nn.Module, state: PatchState) -> None:
 
     model.__dict__["_prepare_cache_for_generation"] = prepare
     state.generate_hooked = True
+
+
+class _CallableModule(types.ModuleType):
+    """`snapquant.patch` names both this module and the function: importing the module (e.g. via
+    `from snapquant.patch import ...`) rebinds the package attribute to the module, so the module is
+    made callable and `snapquant.patch(model, config)` works either way."""
+
+    def __call__(self, model: nn.Module, config: KVQuantConfig | str | dict = "snapmla", *, backend: str = "auto"):
+        return patch(model, config, backend=backend)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -133,6 +133,7 @@ def quant_schemes(dtypes: Sequence[str], granularities: Sequence[str]) -> list[t
 
 
 # ---------------------------------------------------------------------- attention error
+@torch.no_grad()
 def attention_output(cap: LayerCapture, latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """The layer's attention output (after o_proj) in float64, from a (possibly quantized) cache.
 

@@ -159,7 +159,10 @@ def _gather_qt(qt: QuantizedTensor, idx: torch.Tensor) -> QuantizedTensor:
     def take(t: torch.Tensor) -> torch.Tensor:
         t = t.expand(B, *t.shape[1:])
         w = t.shape[-1]
-        return torch.gather(t.unsqueeze(1).expand(B, c, T, w), 2, idx.unsqueeze(-1).expand(B, c, K, w)).reshape(B * c, K, w)
+        # gather has no fp8 kernel on CPU: move 8-bit codes as raw bytes (a bit-exact reinterpretation).
+        raw = t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
+        out = torch.gather(raw.unsqueeze(1).expand(B, c, T, w), 2, idx.unsqueeze(-1).expand(B, c, K, w))
+        return out.view(t.dtype).reshape(B * c, K, w)
 
     data = take(qt.data)
     if qt.scale is None:

@@ -4,18 +4,24 @@
                        to and from the contiguous `QuantizedKV` the reference decode reads
     quantize_append    fused quantize-and-append of new tokens (bit-exact to `quantize_kv`)
     mla_decode         split-KV absorbed MLA decode with an LSE combine -> (out, lse)
-    supports(config)   whether the kernels implement a config (for the attention backend seam)
+    supports(config)   whether the kernels implement a config
+    triton_backend     the decode backend `snapquant.attention.backends` calls `triton`; importing
+                       this package registers it (zero-copy over the patch's store)
 
 CUDA tensors run compiled kernels; CPU tensors run the same kernels in the Triton interpreter
 (slow; for tests at small shapes).
 """
 
+from .backend import register as _register
+from .backend import triton_backend
 from .layouts import LAYOUTS, PAGE_SIZE, layout_of, supports, unsupported_reason
 from .mla_decode import mla_decode
 from .paged import PagedMLACache
 from .quantize_append import quantize_append
 
+_register()
+
 __all__ = [
     "LAYOUTS", "PAGE_SIZE", "PagedMLACache", "layout_of", "mla_decode", "quantize_append", "supports",
-    "unsupported_reason",
+    "triton_backend", "unsupported_reason",
 ]

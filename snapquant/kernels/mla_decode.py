@@ -19,6 +19,13 @@ online-softmax block, the reference's pv_block) and follows `snapquant.mla_decod
           beta = alpha pi_old / pi; acc = beta acc + P^ @ c^; l = beta l + sum e / pi
   result  out = acc / l, lse = m + log2(l pi) (per split; natural log when there is one split)
 
+One deliberate difference, in fp8_scale_fused only: pi is floored at
+max(2^-40 * (largest earlier pi, rescaled to the current max), 2^-100). The acc is kept in units of
+the current block's pi, so a block whose peak is far below an earlier one's makes pi_old / pi
+overflow fp32 (or f_max / 448 underflow to 0), and the reference returns inf / NaN there (score
+ranges beyond ~90 in log2 units). The floor changes nothing else: it engages only for blocks
+whose whole contribution is < 2^-34 of the total, and such a block's P then rounds toward 0.
+
 The ds_v32 layout scales each block of `block_size` latent channels separately, so V's scale
 varies along both axes of the PV product: each program then owns one output chunk of block_size
 channels with its own P (and pi), as the reference does, and computes the full-width scores.
@@ -34,6 +41,7 @@ values. Interpreter mode (CPU) holds every narrow value as its exact fp32 value 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -66,6 +74,8 @@ from .paged import PagedMLACache
 _LAYOUT_ID = {"bf16": 0, "snapmla": 1, "ds_v32": 2}
 LOG2E = math.log2(math.e)
 LN2 = tl.constexpr(math.log(2.0))
+PI_REL_FLOOR = tl.constexpr(2.0**-40)
+PI_ABS_FLOOR = tl.constexpr(2.0**-100)
 
 
 @triton.jit
@@ -96,14 +106,14 @@ def _quantize_q(q, sigma, Q_FP8: tl.constexpr, NATIVE: tl.constexpr):
 
 @triton.jit
 def _mla_decode_stage1(
-    Q, LAT, ROPE, SCALE, BT, LENS, O, LSE,
+    Q, LAT, ROPE, SCALE, BT, LENS, O_PART, LSE_PART,
     sm_scale_log2,
     stride_qb, stride_qs, stride_qh,
     stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
     stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
     S: tl.constexpr, H: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
     LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
-    CAUSAL: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
+    NSPLIT, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
     NATIVE: tl.constexpr, QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr,
     LSE_NATURAL: tl.constexpr,
 ):
@@ -150,6 +160,7 @@ def _mla_decode_stage1(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     pi_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    pi_max = tl.full([BLOCK_M], 0.0, tl.float32)  # largest pi so far, in the current max's units
     acc = tl.full([BLOCK_M, BW], 0.0, tl.float32)
     zero_qk = tl.full([BLOCK_M, PAGE], 0.0, tl.float32)
 
@@ -206,7 +217,9 @@ def _mla_decode_stage1(
             f = e * s_v[None, :]
         if P_FP8:
             f_max = rmax(f, 1, NATIVE)
-            pi_new = tl.where(f_max > 0, tl.math.div_rn(f_max, E4M3_MAX), pi_i)
+            pi_floor = tl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
+            pi_new = tl.where(f_max > 0, tl.maximum(tl.math.div_rn(f_max, E4M3_MAX), pi_floor), pi_i)
+            pi_max = tl.maximum(pi_max * alpha, pi_new)
             p_hat = round_e4m3(tl.clamp(tl.math.div_rn(f, pi_new[:, None]), -E4M3_MAX, E4M3_MAX), NATIVE)
             beta = tl.math.div_rn(alpha * pi_i, pi_new)
             acc = mma(operand(p_hat, PV_KIND), operand(v, PV_KIND), acc * beta[:, None], PV_KIND)
@@ -223,9 +236,9 @@ def _mla_decode_stage1(
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i * pi_i)))
     if LSE_NATURAL:
         lse = lse * LN2
-    o_ptr = O + b.to(tl.int64) * stride_ob + rows[:, None] * stride_om + split * stride_os + chunk * BW
+    o_ptr = O_PART + b.to(tl.int64) * stride_ob + rows[:, None] * stride_om + split * stride_os + chunk * BW
     tl.store(o_ptr + offs_w[None, :], out, mask=row_ok[:, None])
-    tl.store(LSE + b.to(tl.int64) * stride_lb + rows * stride_lm + split * stride_ls + chunk, lse, mask=row_ok)
+    tl.store(LSE_PART + b.to(tl.int64) * stride_lb + rows * stride_lm + split * stride_ls + chunk, lse, mask=row_ok)
 
 
 @triton.jit
@@ -233,7 +246,7 @@ def _mla_decode_combine(
     O_PART, LSE_PART, OUT, LSE_OUT,
     stride_pb, stride_pm, stride_ps, stride_lb, stride_lm, stride_ls,
     stride_ob, stride_om, stride_eb,
-    NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, NB: tl.constexpr, BW: tl.constexpr, NATIVE: tl.constexpr,
+    NSPLIT, NSPLIT_P2: tl.constexpr, NB: tl.constexpr, BW: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """out = sum_s w_s out_s / sum_s w_s with w_s = 2^(lse_s - max lse); lse = max + log2(sum w), as ln."""
     b = tl.program_id(0).to(tl.int64)
@@ -257,6 +270,45 @@ def _mla_decode_combine(
     if chunk == 0:
         lse_out = tl.where(total > 0, (mx + tl.log2(tl.where(total > 0, total, 1.0))) * LN2, float("-inf"))
         tl.store(LSE_OUT + b * stride_eb + row, lse_out)
+
+
+@dataclass
+class KernelOperands:
+    """The cache as the decode kernel addresses it: token t of request b is row t % 64 of "page"
+    block_table[b, t // 64], at `page * page_stride + row * token_stride` in each tensor.
+
+    A `PagedMLACache` gives real pages (page_stride = 64 rows). Dense per-request rows `[B, T, ...]`
+    (the patch's store) are pages too: page ids are then token offsets b * T' + 64 i and the page
+    stride is one row (see `snapquant.kernels.backend`), so no copy is made.
+    """
+
+    layout: str
+    latent: torch.Tensor  # fp8, or int16 bits for the bf16 layout
+    rope: torch.Tensor  # int16 bits of bf16
+    scale: torch.Tensor  # fp32; any tensor for the bf16 layout (never read)
+    lat_strides: tuple[int, int]  # (page, row)
+    rope_strides: tuple[int, int]
+    scale_strides: tuple[int, int, int]  # (page, row, block)
+    block_table: torch.Tensor  # [B, max_pages] int32
+    lengths: torch.Tensor  # [B] int32
+    kv_lora_rank: int
+    rope_dim: int
+    num_scale_blocks: int  # 1 for snapmla and bf16
+
+    @property
+    def device(self) -> torch.device:
+        return self.latent.device
+
+    @classmethod
+    def from_paged(cls, cache: PagedMLACache) -> KernelOperands:
+        scale = cache.scale if cache.scale is not None else cache.lengths
+        s_strides = (0, 0, 0) if cache.scale is None else (
+            scale.stride(0), scale.stride(1), scale.stride(2) if scale.dim() == 3 else 0)
+        lat = cache.latent.view(torch.int16) if cache.layout == "bf16" else cache.latent
+        return cls(cache.layout, lat, cache.rope.view(torch.int16), scale,
+                   (cache.latent.stride(0), cache.latent.stride(1)), (cache.rope.stride(0), cache.rope.stride(1)),
+                   s_strides, cache.block_table, cache.lengths, cache.kv_lora_rank, cache.rope_dim,
+                   max(cache.num_scale_blocks, 1))
 
 
 def mla_decode(
@@ -292,17 +344,32 @@ def mla_decode(
     cache = _check_cache(paged_cache)
     config = cache.config if config is None else config
     _check_config(config, cache)
-    q, single = _check_query(q_abs, cache)
+    if check_bounds:
+        cache.check_bounds()
+    return launch_decode(q_abs, KernelOperands.from_paged(cache), softmax_scale, config, num_splits,
+                         causal=causal, block_m=block_m, num_warps=num_warps, num_stages=num_stages)
+
+
+def launch_decode(
+    q_abs: torch.Tensor,
+    ops: KernelOperands,
+    softmax_scale: float,
+    config: KVQuantConfig,
+    num_splits: int | None = None,
+    *,
+    causal: bool = True,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate the query and launch knobs, then run stage 1 (and the combine). `ops` is trusted."""
+    q, single = _check_query(q_abs, ops)
     B, S, H, _ = q.shape
-    r, d, dev = cache.kv_lora_rank, cache.rope_dim, cache.device
+    r, d, dev, nb = ops.kv_lora_rank, ops.rope_dim, ops.device, ops.num_scale_blocks
     if not (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
             and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ShapeError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
-    if check_bounds:
-        cache.check_bounds()
-
     interp = interpreting(dev)
-    nb = max(cache.num_scale_blocks, 1)
     bw = r // nb
     rows = S * H
     if block_m is None:
@@ -310,7 +377,7 @@ def mla_decode(
     _check_pow2("block_m", block_m, 16)
     m_blocks = triton.cdiv(rows, block_m)
     if num_splits is None:
-        num_splits = _default_splits(B * m_blocks * nb, cache.max_pages, dev)
+        num_splits = _default_splits(B * m_blocks * nb, ops.block_table.shape[1], dev)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ShapeError(f"num_splits must be a positive int, got {num_splits!r}")
 
@@ -329,24 +396,19 @@ def mla_decode(
         r_kind = OP_BF16
         qk_kind = (OP_FP8 if bw >= 32 else OP_FP16) if q_fp8 else OP_BF16
         pv_kind = OP_FP8 if p_fp8 else OP_BF16
-    scale = cache.scale if cache.scale is not None else cache.lengths  # never read by the bf16 layout
-    s_strides = (scale.stride(0), scale.stride(1), scale.stride(2) if scale.dim() == 3 else 0) \
-        if cache.scale is not None else (0, 0, 0)
     launch = {}
     if not interp:
         launch = {"num_warps": num_warps or (8 if block_m >= 64 else 4), "num_stages": num_stages or 2}
     q_arg = q.view(torch.int16) if q.dtype == torch.bfloat16 else q
-    lat = cache.latent.view(torch.int16) if cache.layout == "bf16" else cache.latent
     for_device(_mla_decode_stage1, dev)[(B, m_blocks, num_splits * nb)](
-        q_arg, lat, cache.rope.view(torch.int16), scale, cache.block_table, cache.lengths, o_part, lse_part,
+        q_arg, ops.latent, ops.rope, ops.scale, ops.block_table, ops.lengths, o_part, lse_part,
         float(softmax_scale) * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
-        cache.latent.stride(0), cache.latent.stride(1), cache.rope.stride(0), cache.rope.stride(1), *s_strides,
-        cache.block_table.stride(0),
+        *ops.lat_strides, *ops.rope_strides, *ops.scale_strides, ops.block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        S=S, H=H, R=r, D=d, NB=nb, LAYOUT=_LAYOUT_ID[cache.layout], Q_FP8=q_fp8, P_FP8=p_fp8,
-        Q_BITS16=q.dtype == torch.bfloat16, CAUSAL=bool(causal), NSPLIT=num_splits, BLOCK_M=block_m,
+        NSPLIT=num_splits, S=S, H=H, R=r, D=d, NB=nb, LAYOUT=_LAYOUT_ID[ops.layout], Q_FP8=q_fp8, P_FP8=p_fp8,
+        Q_BITS16=q.dtype == torch.bfloat16, CAUSAL=bool(causal), BLOCK_M=block_m,
         PAGE=PAGE_SIZE, NATIVE=not interp, QK_KIND=qk_kind, PV_KIND=pv_kind, R_KIND=r_kind,
         LSE_NATURAL=num_splits == 1, **launch,
     )
@@ -359,8 +421,8 @@ def mla_decode(
             o_part, lse_part, out_v, lse_v,
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-            out_v.stride(0), out_v.stride(1), lse_v.stride(0),
-            NSPLIT=num_splits, NSPLIT_P2=triton.next_power_of_2(num_splits), NB=nb, BW=bw, NATIVE=not interp,
+            out_v.stride(0), out_v.stride(1), lse_v.stride(0), num_splits,
+            NSPLIT_P2=triton.next_power_of_2(num_splits), NB=nb, BW=bw, NATIVE=not interp,
             **({} if interp else {"num_warps": 4}),
         )
     if single:
@@ -381,12 +443,13 @@ def _check_config(config: KVQuantConfig, cache: PagedMLACache) -> None:
     reason = unsupported_reason(config, cache.kv_lora_rank, cache.rope_dim)
     if reason is not None:
         raise ConfigError(f"the Triton decode does not implement config {config.label()!r}: {reason}")
-    if layout_of(config) != cache.layout or config.block_size != cache.config.block_size and cache.layout == "ds_v32":
+    same_blocks = cache.layout != "ds_v32" or config.block_size == cache.config.block_size
+    if layout_of(config) != cache.layout or not same_blocks:
         raise ConfigError(f"config {config.label()!r} reads the {layout_of(config)} layout but the cache holds "
                           f"the {cache.layout} layout of {cache.config.label()!r}")
 
 
-def _check_query(q: object, cache: PagedMLACache) -> tuple[torch.Tensor, bool]:
+def _check_query(q: object, cache: KernelOperands) -> tuple[torch.Tensor, bool]:
     check_tensor("q_abs", q, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=(3, 4), device=cache.device)
     single = q.dim() == 3
     q4 = q.unsqueeze(1) if single else q
@@ -394,8 +457,8 @@ def _check_query(q: object, cache: PagedMLACache) -> tuple[torch.Tensor, bool]:
     r, d = cache.kv_lora_rank, cache.rope_dim
     if D != r + d:
         raise ShapeError(f"q_abs's last dim is {D} but the cache has kv_lora_rank {r} + rope_dim {d} = {r + d}")
-    if B != cache.batch_size:
-        raise ShapeError(f"q_abs has batch {B} but the cache's block_table has {cache.batch_size} rows")
+    if B != cache.block_table.shape[0]:
+        raise ShapeError(f"q_abs has batch {B} but the cache's block_table has {cache.block_table.shape[0]} rows")
     if S < 1 or H < 1:
         raise ShapeError(f"q_abs must have at least one query token and one head, got shape {tuple(q.shape)}")
     return q4, single

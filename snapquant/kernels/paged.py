@@ -187,7 +187,7 @@ class PagedMLACache:
         codes, rope_codes = kv.latent.data, kv.rope.data
         if codes.dim() != 3:
             raise ShapeError(f"kv.latent must be [B, T, r], got {tuple(codes.shape)}")
-        B, T, r = codes.shape
+        B, T, _ = codes.shape
         if kv.rope_prescaled != (layout == "snapmla"):
             raise ShapeError(f"kv.rope_prescaled={kv.rope_prescaled} does not match the {layout} layout")
         if codes.dtype != _LATENT_DTYPE[layout] or rope_codes.dtype != torch.bfloat16:

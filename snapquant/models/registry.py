@@ -14,6 +14,7 @@ missing from an older transformers are simply never matched.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -48,6 +49,13 @@ class MLAAdapter:
                               f"changed the MLA attention layout")
         if self.check is not None:
             self.check(module)
+        if cache_layout(type(module)) is None:
+            import transformers
+
+            raise ConfigError(
+                f"{type(module).__name__} in transformers {transformers.__version__} does not call cache.update and "
+                f"self.expand_kv in its forward; snapquant.patch cannot find the latent-cache seam"
+            )
         if int(module.qk_rope_head_dim) <= 0:
             raise ConfigError(f"{type(module).__name__} (layer {module.layer_idx}) has no RoPE part "
                               f"(qk_rope_head_dim=0); the latent cache needs a RoPE width > 0")
@@ -85,6 +93,20 @@ def dense_weight(linear: nn.Module) -> torch.Tensor:
         eye = torch.eye(n_in, device=device, dtype=dtype)
         out = linear(eye) - linear(torch.zeros_like(eye[:1]))  # remove any bias
     return out.t().contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def cache_layout(cls: type) -> str | None:
+    """'latent' if `cls.forward` caches the latent (cache.update before expand_kv, transformers >= 5.15),
+    'expanded' if it caches per-head K/V (expand_kv first: DSA families before ~5.2x), None if neither."""
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return None
+    i_update, i_expand = src.find(".update("), src.find("self.expand_kv(")
+    if i_update < 0 or i_expand < 0:
+        return None
+    return "latent" if i_update < i_expand else "expanded"
 
 
 def _refuse(reason: str) -> Callable[[nn.Module], None]:

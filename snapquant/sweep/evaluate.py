@@ -208,10 +208,12 @@ class LmEvalEvaluator:
             from ..fidelity import fidelity_metrics
 
             t0 = time.perf_counter()
-            progress.phase("fidelity", None)
+            n_steps = (("prefill" in spec.fidelity.modes) +
+                       ("decode" in spec.fidelity.modes) * (spec.fidelity.seq_len - spec.fidelity.prompt_len))
+            progress.phase("fidelity (forward passes)", n_steps)
             out["fidelity"] = fidelity_metrics(self.model, self.reference, cell.config, modes=spec.fidelity.modes,
                                                prompt_len=spec.fidelity.prompt_len, backend=spec.backend,
-                                               patcher=patcher)
+                                               patcher=patcher, on_step=progress.advance)
             timing["fidelity"] = time.perf_counter() - t0
         out["timing"] = timing
         return out
@@ -287,6 +289,7 @@ class _progress_wrapped:
             orig = getattr(self.lm, name)
 
             def wrapped(requests, *a, _orig=orig, _name=name, **k):
+                k["disable_tqdm"] = True  # our bar replaces lm-eval's per-call tqdm
                 self.progress.phase(f"{self.task} ({_name})", len(requests))
                 out = []
                 for i in range(0, len(requests), self.chunk):

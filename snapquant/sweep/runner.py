@@ -136,10 +136,11 @@ def run_sweep(
     env = environment()
     with _progress(show_progress, console) as prog:
         cell_bar = prog.add_task("cells", total=len(cells), completed=len(report.already_done))
+        sample_bar = _CellBar(prog)  # one row, reset per phase of each cell
         for cell in todo:
             prog.update(cell_bar, description=f"cell {cell.label}")
             try:
-                result = run_cell(cell, spec, evaluator, model_info, env, _CellBar(prog))
+                result = run_cell(cell, spec, evaluator, model_info, env, sample_bar)
             except Exception as e:
                 if fail_fast:
                     raise

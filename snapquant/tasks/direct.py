@@ -59,9 +59,13 @@ def score_kv(model, tokenizer, lengths: Sequence[int] = (1024, 2048, 4096), num_
         rows = sq_utils.kv_rows(n, seed, num_samples, tokenizer_path)
         preds = greedy_generate(model, tokenizer, [r["prompt"] for r in rows], sq_utils.ANSWER_RESERVE,
                                 ['"', "\n"], batch_size)
-        scores[f"sq_kv_retrieval_{n // 1024}k"] = sum(
+        scores[kv_task_name(n)] = sum(
             sq_utils.process_exact_match(r, [p])["exact_match"] for r, p in zip(rows, preds, strict=True)) / len(rows)
     return scores
+
+
+def kv_task_name(length: int) -> str:
+    return f"sq_kv_retrieval_{length // 1024}k" if length % 1024 == 0 else f"sq_kv_retrieval_{length}"
 
 
 def score_passkey(model, tokenizer, lengths: Sequence[int] = (1024, 2048, 4096), num_samples: int = 4,

@@ -1,0 +1,352 @@
+"""Check the Triton MLA kernels on a CUDA GPU at DeepSeek shapes against the PyTorch reference.
+
+    python scripts/check_kernels_gpu.py [--out results/kernels] [--quick] [--no-bench]
+
+What it checks (each case isolated: one failure never stops the others):
+1. quantize-and-append, bit-exact against `snapquant.quantize_kv` run on CPU (snapmla, ds_v32, bf16
+   layouts; r = 512, d = 64; bf16 and fp32 inputs; zero, tiny and huge rows).
+2. decode: every supported combination (query bf16/fp8 x PV bf16/fp8-fused x snapmla/ds_v32 layouts,
+   and the bf16 baseline) at H = 16 with s_q 1 and 2, plus H = 64 / 128, L up to 32K, B up to 128 for
+   the main presets. Requests of variable length (1, 63, 64, 65, ..., L). The kernel runs on the whole
+   batch; the reference (and the float64 oracle) on a subset of requests, gathered from the pages.
+   Tolerances: output rel-L2 <= 1e-3, LSE abs <= 1e-3, and error against float64 within 5% of the
+   reference's own (+1e-6).
+3. the patched tiny model (backend=triton vs backend=reference) when `snapquant.patch` exists.
+4. a do_bench (CUDA graph) timing of fp8 vs bf16 decode at (B=128, H=16, L=4096) and
+   (B=32, H=64, L=8192), with GB/s and TFLOP/s. A sanity number; the benchmark harness is separate.
+
+Writes kernels_check.json, kernels_check.csv and kernels_check.md (GPU, versions, date) to --out.
+Exit status 1 when any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+R, D = 512, 64  # DeepSeek kv_lora_rank, qk_rope_head_dim
+OUT_TOL, LSE_TOL, ORACLE_RATIO = 1e-3, 1e-3, 1.05
+
+
+def environment() -> dict:
+    import triton
+
+    import snapquant
+
+    env = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "python": platform.python_version(), "snapquant": snapquant.__version__,
+    }
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except Exception:  # optional here
+        env["transformers"] = None
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                           cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except Exception:
+        env["git_commit"] = None
+    return env
+
+
+# ------------------------------------------------------------------------------------------ inputs
+def rand_latent(n_tok: int, g: torch.Generator, dev: str, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent [n, R] with per-token magnitudes over 2 decades, RoPE [n, D] with a wider range."""
+    mag = torch.exp(torch.empty(n_tok, 1, device=dev).uniform_(math.log(0.1), math.log(10.0), generator=g))
+    latent = (torch.randn(n_tok, R, device=dev, generator=g) * mag).to(dtype)
+    rope = (torch.randn(n_tok, D, device=dev, generator=g) * 4).to(dtype)
+    return latent, rope
+
+
+def make_lengths(B: int, L: int, g: torch.Generator) -> torch.Tensor:
+    lengths = torch.randint(max(1, L // 2), L + 1, (B,), generator=g)
+    special = [1, 63, 64, 65]
+    lengths[: min(B, len(special))] = torch.tensor(special[: min(B, len(special))])
+    lengths[-1] = L
+    return lengths.to(torch.int32)
+
+
+def build_cache(config, B: int, L: int, g: torch.Generator, dev: str = "cuda"):
+    """A cache filled by the kernel's own quantize-append (checked bit-exact in part 1)."""
+    from snapquant.kernels import PagedMLACache
+
+    cache = PagedMLACache.empty(B, L, R, D, config, device=dev)
+    step = max(1, min(L, (1 << 22) // (B * R)))  # ~4M elements of latent per append
+    for start in range(0, L, step):
+        n = min(step, L - start)
+        lat, rope = rand_latent(B * n, g, dev)
+        cache.append(lat.view(B, n, R), rope.view(B, n, D), check_bounds=False)
+    cache.lengths.copy_(make_lengths(B, L, g).to(dev))
+    return cache
+
+
+def sub_cache(cache, idx: list[int]):
+    from snapquant.kernels import PagedMLACache
+
+    sel = torch.tensor(idx, device=cache.device)
+    return PagedMLACache(cache.latent, cache.scale, cache.rope, cache.block_table[sel].contiguous(),
+                         cache.lengths[sel].contiguous(), cache.config)
+
+
+# ------------------------------------------------------------------------------------------ part 1
+def check_append(name: str, config, in_dtype: torch.dtype, n_tok: int = 4096) -> dict:
+    from snapquant import quantize_kv
+    from snapquant.kernels import PagedMLACache
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lat, rope = rand_latent(n_tok, g, "cuda", in_dtype)
+    lat[0] = 0  # scale 1
+    lat[1] = 1e-30  # scale floor
+    rope[1] = 1e13  # rope / floored scale saturates bf16 (snapmla)
+    lat[2] = 3e4
+    kv = quantize_kv(lat.cpu().view(1, n_tok, R), rope.cpu().view(1, n_tok, D), config)
+    cache = PagedMLACache.empty(1, n_tok + 100, R, D, config, device="cuda")
+    # Scatter tokens over the pages in a random order, with padding slots (-1) in between.
+    perm = torch.randperm(cache.num_pages * 64, generator=torch.Generator().manual_seed(2))[:n_tok]
+    slots = perm.cuda()
+    from snapquant.kernels import quantize_append
+
+    quantize_append(lat, rope, cache, slots)
+    quantize_append(lat[:8], rope[:8], cache, torch.full((8,), -1, device="cuda"))  # skipped
+    p, row = (slots // 64).long(), (slots % 64).long()
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        a, b = a.cpu(), b.cpu()
+        if a.element_size() == 1 and a.is_floating_point():
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        elif a.dtype == torch.bfloat16:
+            a, b = a.view(torch.int16), b.view(torch.int16)
+        return torch.equal(a, b)
+
+    ok = same(cache.latent[p, row], kv.latent.data[0]) and same(cache.rope[p, row], kv.rope.data[0])
+    if cache.scale is not None:
+        s = cache.scale[p, row]
+        ok = ok and same(s.reshape(n_tok, -1), kv.latent.scale[0].reshape(n_tok, -1))
+    return {"part": "append", "case": f"{name} in={str(in_dtype).split('.')[-1]} N={n_tok}",
+            "ok": bool(ok), "detail": "bit-exact" if ok else "bits differ"}
+
+
+# ------------------------------------------------------------------------------------------ part 2
+def decode_configs() -> dict:
+    from snapquant import PRESETS
+
+    snap, ds = PRESETS["snapmla"], PRESETS["ds_v32"]
+    return {
+        "snapmla": snap, "snapmla_kv_only": PRESETS["snapmla_kv_only"], "snapmla_q_fp8": PRESETS["snapmla_q_fp8"],
+        "snapmla_qbf16_pvfp8": snap.replace(query="bf16"),
+        "ds_v32": ds, "ds_v32_q_fp8": ds.replace(query="fp8_e4m3"), "ds_v32_pv_fp8": ds.replace(pv="fp8_scale_fused"),
+        "ds_v32_fp8": ds.replace(query="fp8_e4m3", pv="fp8_scale_fused"), "bf16": PRESETS["bf16"],
+    }
+
+
+def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: int | None) -> dict:
+    from snapquant import mla_decode_oracle, mla_decode_reference
+    from snapquant.kernels import mla_decode
+
+    g = torch.Generator(device="cuda").manual_seed(B * 7 + H * 3 + L + S)
+    cache = build_cache(config, B, L, g)
+    q = (torch.randn(B, S, H, R + D, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    tau = 1 / math.sqrt(192)  # DeepSeek: 1 / sqrt(qk_nope + qk_rope)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out, lse = mla_decode(q, cache, tau, config, num_splits=num_splits)
+    torch.cuda.synchronize()
+    t_kernel = time.perf_counter() - t0
+    idx = sorted({0, min(2, B - 1), min(3, B - 1), B - 1})  # lengths 1, 64, 65, L
+    sub = sub_cache(cache, idx)
+    kv = sub.to_quantized_kv(int(sub.lengths.max()))
+    ref, ref_lse = mla_decode_reference(q[idx], kv, sub.lengths, tau, config)
+    oracle, _ = mla_decode_oracle(q[idx], kv, sub.lengths, tau, config)
+    o, ls = out[idx], lse[idx]
+    rel = ((o - ref).norm() / ref.norm()).item()
+    lse_err = (ls - ref_lse).abs().max().item()
+    cos = 1 - torch.nn.functional.cosine_similarity(o.flatten().double(), ref.flatten().double(), dim=0).item()
+    err_k = ((o.double() - oracle).norm() / oracle.norm()).item()
+    err_r = ((ref.double() - oracle).norm() / oracle.norm()).item()
+    finite = bool(torch.isfinite(out).all() and torch.isfinite(lse).all())
+    ok = finite and rel <= OUT_TOL and lse_err <= LSE_TOL and err_k <= ORACLE_RATIO * err_r + 1e-6
+    return {"part": "decode", "case": f"{name} B={B} H={H} L={L} s_q={S} splits={num_splits or 'auto'}",
+            "ok": ok, "rel_l2": rel, "lse_abs": lse_err, "cos_dist": cos, "err_vs_fp64": err_k,
+            "ref_err_vs_fp64": err_r, "first_call_s": round(t_kernel, 2),
+            "detail": "" if finite else "non-finite output"}
+
+
+# ------------------------------------------------------------------------------------------ part 3
+def check_patched_model() -> list[dict]:
+    """backend=triton vs backend=reference on a patched tiny model (needs snapquant.patch)."""
+    try:
+        import snapquant.patch  # noqa: F401
+    except ImportError:
+        return [{"part": "model", "case": "patched tiny model", "ok": True,
+                 "detail": "skipped: snapquant.patch does not exist yet"}]
+    return [{"part": "model", "case": "patched tiny model", "ok": False,
+             "detail": "snapquant.patch exists but this check is not wired yet (see report)"}]
+
+
+# ------------------------------------------------------------------------------------------ part 4
+def bench(names: list[str], B: int, H: int, L: int) -> list[dict]:
+    import triton
+
+    from snapquant import bytes_per_token
+    from snapquant.kernels import mla_decode
+
+    rows = []
+    configs = decode_configs()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name in names:
+        config = configs[name]
+        try:
+            cache = build_cache(config, B, L, g)
+            cache.lengths.fill_(L)
+            q = (torch.randn(B, H, R + D, device="cuda", generator=g) * 2).to(torch.bfloat16)
+
+            def fn(cache=cache, q=q, config=config):
+                return mla_decode(q, cache, 0.07, config, check_bounds=False)
+
+            fn()
+            try:
+                ms = triton.testing.do_bench_cudagraph(fn, rep=200)
+                how = "cudagraph"
+            except Exception:
+                ms = triton.testing.do_bench(fn, warmup=50, rep=200)
+                how = "do_bench"
+            tokens = B * L
+            gbs = tokens * bytes_per_token(config, R, D) / (ms * 1e-3) / 1e9
+            tflops = 2 * H * tokens * (R + D + R) / (ms * 1e-3) / 1e12
+            rows.append({"part": "bench", "case": f"{name} B={B} H={H} L={L}", "ok": True, "us": ms * 1e3,
+                         "GB/s": gbs, "TFLOP/s": tflops, "detail": how})
+        except Exception as e:
+            rows.append({"part": "bench", "case": f"{name} B={B} H={H} L={L}", "ok": False,
+                         "detail": f"{type(e).__name__}: {e}"[:300]})
+        finally:
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ driver
+def run_case(fn, *args, label: str) -> dict:
+    t0 = time.perf_counter()
+    try:
+        row = fn(*args)
+    except Exception as e:
+        traceback.print_exc()
+        row = {"case": label, "ok": False, "detail": f"{type(e).__name__}: {e}"[:300]}
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    torch.cuda.empty_cache()
+    status = "PASS" if row["ok"] else "FAIL"
+    nums = " ".join(f"{k}={row[k]:.2e}" for k in ("rel_l2", "lse_abs", "err_vs_fp64") if k in row)
+    print(f"[{status}] {row.get('part', '')} {row['case']} {nums} {row.get('detail', '')} ({row['seconds']} s)",
+          flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results/kernels", help="output directory")
+    ap.add_argument("--quick", action="store_true", help="a few cases only (smoke test)")
+    ap.add_argument("--no-bench", action="store_true", help="skip the timing")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: this script checks the compiled kernels on a GPU", file=sys.stderr)
+        return 2
+    from snapquant import PRESETS
+
+    env = environment()
+    print(json.dumps(env, indent=1), flush=True)
+    t_start = time.perf_counter()
+    rows: list[dict] = []
+
+    append_cases = [("snapmla", PRESETS["snapmla"]), ("ds_v32", PRESETS["ds_v32"]), ("bf16", PRESETS["bf16"])]
+    for name, cfg in append_cases:
+        for dtype in (torch.bfloat16, torch.float32):
+            rows.append(run_case(check_append, name, cfg, dtype, label=f"append {name}"))
+            if args.quick:
+                break
+
+    configs = decode_configs()
+    main_four = ["snapmla", "snapmla_kv_only", "ds_v32", "bf16"]
+    shapes = [  # (configs, B, H, L, s_q, num_splits)
+        (list(configs), 128, 16, 4096, 1, None),
+        (list(configs), 64, 16, 4096, 2, None),
+        (["snapmla", "snapmla_kv_only"], 128, 16, 4096, 1, 1),
+        (main_four, 32, 64, 8192, 1, None),
+        (main_four, 8, 128, 32768, 1, None),
+        (main_four, 128, 128, 2048, 2, None),
+        (main_four, 4, 16, 32768, 2, None),
+    ]
+    if args.quick:
+        shapes = [(["snapmla", "snapmla_kv_only", "ds_v32", "bf16"], 16, 16, 1024, 1, None),
+                  (["snapmla"], 4, 128, 4096, 2, None)]
+    for names, B, H, L, S, ns in shapes:
+        for name in names:
+            rows.append(run_case(check_decode, name, configs[name], B, H, L, S, ns,
+                                 label=f"{name} B={B} H={H} L={L} s_q={S}"))
+
+    rows += check_patched_model()
+    if not args.no_bench:
+        for B, H, L in ((128, 16, 4096), (32, 64, 8192)):
+            for row in bench(["snapmla", "snapmla_kv_only", "bf16"], B, H, L):
+                rows.append(row)
+                print(f"[BENCH] {row['case']}: " + (f"{row['us']:.1f} us  {row['GB/s']:.0f} GB/s  "
+                      f"{row['TFLOP/s']:.1f} TFLOP/s" if row["ok"] else row["detail"]), flush=True)
+
+    n_fail = sum(not r["ok"] for r in rows)
+    summary = {"passed": len(rows) - n_fail, "failed": n_fail, "seconds": round(time.perf_counter() - t_start, 1)}
+    print(f"\nSUMMARY: {summary['passed']} passed, {summary['failed']} failed in {summary['seconds']} s")
+    for r in rows:
+        if not r["ok"]:
+            print(f"  FAILED: {r.get('part', '')} {r['case']}: {r.get('detail', '')}")
+    write_outputs(Path(args.out), env, rows, summary)
+    return 1 if n_fail else 0
+
+
+def write_outputs(out: Path, env: dict, rows: list[dict], summary: dict) -> None:
+    """JSON / CSV / markdown, each written to a temporary name and renamed (atomic)."""
+    out.mkdir(parents=True, exist_ok=True)
+    keys = ["part", "case", "ok", "rel_l2", "lse_abs", "cos_dist", "err_vs_fp64", "ref_err_vs_fp64", "us",
+            "GB/s", "TFLOP/s", "seconds", "detail"]
+
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else ("" if v is None else str(v))
+
+    def write(name: str, text: str) -> None:
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out / name)
+
+    write("kernels_check.json", json.dumps({"environment": env, "summary": summary, "rows": rows}, indent=1))
+    import io
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    write("kernels_check.csv", buf.getvalue())
+    md = [f"# Triton MLA kernels on {env['gpu']}", "",
+          f"{env['date']}; torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, "
+          f"transformers {env['transformers']}, commit {env['git_commit']}", "",
+          f"**{summary['passed']} passed, {summary['failed']} failed** in {summary['seconds']} s. Decode "
+          f"tolerances: rel-L2 <= {OUT_TOL}, LSE abs <= {LSE_TOL}, error vs float64 <= {ORACLE_RATIO} x the "
+          "reference's + 1e-6.", "",
+          "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    md += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows]
+    write("kernels_check.md", "\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

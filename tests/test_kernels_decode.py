@@ -1,0 +1,201 @@
+"""Triton MLA decode (snapquant.kernels.mla_decode) against the reference decode, in the interpreter.
+
+The oracle is `snapquant.mla_decode_reference` over the same quantized cache (gathered back from the
+pages). Tolerances, and why:
+- one KV split: the kernel performs the reference's arithmetic step by step; only fp32 summation
+  order differs, which can flip the rounding of an isolated bf16 / e4m3 element of P (a row-local
+  effect). So >= 90% of rows must agree to 1e-5 relative, every row to 1e-2, the whole output
+  to rel-L2 1e-3, and LSE to 1e-4 absolute. Observed: ~2e-7 typical, 1.2e-4 worst (one flip).
+- several splits: each split has its own running max, so every bf16 P element is rounded from a
+  differently scaled value (fp8 P is scale-invariant). Output rel-L2 <= 1e-3 (observed <= 3.3e-4),
+  LSE <= 1e-4 (observed 4e-6); numerics.md's cross-implementation tolerances are 5e-2 and 2e-2.
+- against the float64 oracle the kernel's error must stay within 5% of the reference's own
+  (observed <= 1.2%): split-KV must not add error of its own.
+Unused page slots are filled with NaN, so a read outside the valid tokens fails the test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from snapquant import PRESETS, KVQuantConfig, mla_decode_oracle, mla_decode_reference, quantize_kv
+from snapquant.kernels import PagedMLACache, mla_decode
+
+SNAPMLA = PRESETS["snapmla"]
+DS = PRESETS["ds_v32"]
+CONFIGS: dict[str, KVQuantConfig] = {
+    "snapmla": SNAPMLA,  # fp8 q, fp8 scale-fused P
+    "snapmla_kv_only": PRESETS["snapmla_kv_only"],  # bf16 q, bf16 P
+    "snapmla_q_fp8": PRESETS["snapmla_q_fp8"],  # fp8 q, bf16 P
+    "snapmla_q_bf16_pv_fp8": SNAPMLA.replace(query="bf16"),
+    "ds_v32": DS.replace(block_size=32),  # bf16 q, bf16 P (the preset), 2 blocks at r = 64
+    "ds_v32_q_fp8": DS.replace(block_size=32, query="fp8_e4m3"),
+    "ds_v32_pv_fp8": DS.replace(block_size=32, pv="fp8_scale_fused"),
+    "ds_v32_fp8": DS.replace(block_size=32, query="fp8_e4m3", pv="fp8_scale_fused"),
+    "bf16": PRESETS["bf16"],
+}
+LENGTHS = [1, 63, 64, 65, 130]
+
+
+def poison_unused(cache: PagedMLACache) -> None:
+    """NaN into every slot that no request's valid tokens occupy (latent, scale and rope)."""
+    used = torch.zeros(cache.num_pages, 64, dtype=torch.bool)
+    for b, n in enumerate(cache.lengths.tolist()):
+        for i in range(math.ceil(n / 64)):
+            used[cache.block_table[b, i], : min(64, n - 64 * i)] = True
+    free = ~used
+    if cache.latent.dtype == torch.bfloat16:
+        cache.latent.view(torch.int16)[free] = 0x7FC0
+    else:
+        cache.latent.view(torch.uint8)[free] = 0x7F  # e4m3fn NaN
+    if cache.scale is not None:
+        cache.scale[free] = float("nan")
+    cache.rope.view(torch.int16)[free] = 0x7FC0
+
+
+def make_case(config, lengths, H, S=1, r=64, d=16, q_dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), max(max(lengths), 1)
+    # Per-token magnitudes spread over 2 decades, RoPE with a wider range (numerics.md: outliers);
+    # logits span ~20 (see test_extreme_score_range for the far end).
+    mag = torch.logspace(-1, 1, T)[torch.randperm(T, generator=g)][:, None]
+    latent = torch.randn(B, T, r, generator=g) * mag
+    rope = torch.randn(B, T, d, generator=g) * 4
+    kv = quantize_kv(latent.to(torch.bfloat16), rope.to(torch.bfloat16), config)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    cache = PagedMLACache.from_quantized_kv(kv, lens, shuffle=True, extra_pages=2, generator=g)
+    poison_unused(cache)
+    q = (torch.randn(B, S, H, r + d, generator=g) * 2).to(q_dtype)
+    return q, kv, cache, lens
+
+
+def row_rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a, b = a.reshape(-1, a.shape[-1]).double(), b.reshape(-1, b.shape[-1]).double()
+    return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)
+
+
+def check_against_reference(q, kv, cache, lens, config, num_splits, tau=None, causal=True):
+    r = cache.kv_lora_rank
+    tau = 1 / math.sqrt(q.shape[-1]) if tau is None else tau
+    out, lse = mla_decode(q, cache, tau, config, num_splits=num_splits, causal=causal)
+    ref, ref_lse = mla_decode_reference(q, cache.to_quantized_kv(), lens, tau, config, causal=causal)
+    assert out.shape == ref.shape and lse.shape == ref_lse.shape and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty) and (lse[empty] < 0).all()
+    assert (out[empty] == 0).all()
+    assert (lse[~empty] - ref_lse[~empty]).abs().max() <= 1e-4
+    live = ~empty
+    rel = row_rel(out[live], ref[live])
+    total = ((out - ref).norm() / ref.norm()).item()
+    assert total <= 1e-3, f"rel-L2 {total:.2e}"
+    if num_splits == 1:
+        assert rel.max() <= 1e-2, f"worst row {rel.max():.2e}"
+        assert (rel <= 1e-5).float().mean() >= 0.9, f"rows within 1e-5: {(rel <= 1e-5).float().mean():.2f}"
+    # No worse than the reference itself against exact float64 attention over the same cache.
+    oracle, _ = mla_decode_oracle(q, kv, lens, tau, config, causal=causal)
+    err_k = ((out.double() - oracle).norm() / oracle.norm()).item()
+    err_r = ((ref.double() - oracle).norm() / oracle.norm()).item()
+    assert err_k <= 1.05 * err_r + 1e-6, (err_k, err_r)
+    assert r == out.shape[-1]
+    return out, lse
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("S", [1, 2])
+def test_decode_matrix(name, S):
+    """Every supported combination: query bf16/fp8 x PV bf16/fp8-fused x both fp8 layouts, the bf16
+    baseline; s_q 1 and 2; lengths 1, 63, 64, 65, 130; one split and several."""
+    config = CONFIGS[name]
+    q, kv, cache, lens = make_case(config, LENGTHS, H=4, S=S, seed=S)
+    for splits in (1, 3):
+        check_against_reference(q, kv, cache, lens, config, splits)
+
+
+@pytest.mark.parametrize("H", [1, 2, 16])
+@pytest.mark.parametrize("name", ["snapmla", "snapmla_kv_only", "ds_v32_fp8", "bf16"])
+def test_head_counts(name, H):
+    q, kv, cache, lens = make_case(CONFIGS[name], [1, 65, 100], H=H, S=2 if H == 16 else 1, seed=H)
+    check_against_reference(q, kv, cache, lens, CONFIGS[name], num_splits=2)
+
+
+def test_four_scale_blocks_and_wider_rope():
+    """ds_v32 with 4 blocks per token (as DeepSeek's 512 / 128), r = 128, d = 32."""
+    config = DS.replace(block_size=32, query="fp8_e4m3", pv="fp8_scale_fused")
+    q, kv, cache, lens = make_case(config, [70, 3], H=2, r=128, d=32)
+    check_against_reference(q, kv, cache, lens, config, num_splits=2)
+
+
+@pytest.mark.parametrize("r,d", [(16, 16), (32, 64), (256, 16)])
+def test_widths(r, d):
+    q, kv, cache, lens = make_case(SNAPMLA, [40, 64], H=2, r=r, d=d)
+    check_against_reference(q, kv, cache, lens, SNAPMLA, num_splits=1)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", ["snapmla", "snapmla_kv_only"])
+def test_query_dtypes(name, q_dtype):
+    q, kv, cache, lens = make_case(CONFIGS[name], [5, 70], H=2, q_dtype=q_dtype)
+    check_against_reference(q, kv, cache, lens, CONFIGS[name], num_splits=1)
+
+
+def test_single_token_query_shape_and_default_splits():
+    q, kv, cache, lens = make_case(SNAPMLA, [3, 129], H=4, S=1)
+    q3 = q[:, 0]
+    out, lse = mla_decode(q3, cache, 0.1)  # config from the cache, heuristic num_splits
+    ref, ref_lse = mla_decode_reference(q3, kv, lens, 0.1, SNAPMLA)
+    assert out.shape == (2, 4, 64) and lse.shape == (2, 4)
+    assert ((out - ref).norm() / ref.norm()) <= 1e-3
+    assert (lse - ref_lse).abs().max() <= 1e-4
+
+
+def test_non_causal_multi_token_and_empty_rows():
+    """s_q = 3 non-causal; a request of length 0 and one shorter than s_q (empty causal rows)."""
+    config = CONFIGS["snapmla_kv_only"]
+    q, kv, cache, lens = make_case(config, [0, 2, 66], H=2, S=3)
+    check_against_reference(q, kv, cache, lens, config, num_splits=2, causal=False)
+    out, lse = check_against_reference(q, kv, cache, lens, config, num_splits=2, causal=True)
+    assert torch.isinf(lse[0]).all() and (out[0] == 0).all()  # length 0: nothing visible
+    assert torch.isinf(lse[1, 0]).all()  # length 2, s_q 3: the first query row sees nothing
+
+
+def test_many_splits_exceeding_pages():
+    """More splits than pages: empty splits must contribute nothing."""
+    q, kv, cache, lens = make_case(SNAPMLA, [1, 130], H=2)
+    check_against_reference(q, kv, cache, lens, SNAPMLA, num_splits=7)
+
+
+def test_block_m_tiles_rows():
+    """S * H = 32 rows in two tiles of 16."""
+    config = CONFIGS["snapmla_q_fp8"]
+    q, _, cache, _ = make_case(config, [64, 90], H=16, S=2)
+    tau = 1 / math.sqrt(q.shape[-1])
+    a, la = mla_decode(q, cache, tau, config, num_splits=1, block_m=16)
+    b, lb = mla_decode(q, cache, tau, config, num_splits=1, block_m=32)
+    assert (row_rel(a, b) <= 1e-5).float().mean() >= 0.9 and (la - lb).abs().max() <= 1e-5
+
+
+def test_decode_knob_differs_from_cache_config():
+    """A snapmla cache decoded with kv_only knobs (bf16 q and P) matches the reference with those knobs."""
+    q, kv, cache, lens = make_case(SNAPMLA, [50, 64], H=2)
+    check_against_reference(q, kv, cache, lens, CONFIGS["snapmla_kv_only"], num_splits=1)
+
+
+def test_extreme_score_range_stays_finite():
+    """Logit ranges of ~100 nat: fp8 scale-fused P keeps acc in units of the current block's pi, which
+    overflows in the reference (inf / NaN); the kernel floors pi and must stay close to float64."""
+    config = SNAPMLA
+    q, kv, cache, lens = make_case(config, [200, 130], H=4, S=2)
+    q = q * 8
+    tau = 1 / math.sqrt(q.shape[-1])
+    oracle, oracle_lse = mla_decode_oracle(q, kv, lens, tau, config)
+    _, ref_lse = mla_decode_reference(q, kv, lens, tau, config)
+    assert not torch.isfinite(ref_lse).all()  # the hazard is real for these inputs
+    for splits in (1, 3):
+        out, lse = mla_decode(q, cache, tau, config, num_splits=splits)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert ((out.double() - oracle).norm() / oracle.norm()) <= 5e-2
+        assert (lse.double() - oracle_lse).abs().max() <= 2e-2

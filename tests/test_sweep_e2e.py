@@ -1,0 +1,78 @@
+"""A real sweep end to end: tiny MLA checkpoint, snapquant.patch, lm-eval tasks, fidelity, table, plots.
+
+3 presets x 2 tasks (a rolling log-likelihood task and a generation task) on a random-weight model
+with the embedded model's architecture family and tokenizer, small enough for CI (~30 s).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate (pip install accelerate)")
+
+from snapquant.sweep import SweepSpec, execute  # noqa: E402
+from snapquant.sweep.store import is_valid_cell  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from snapquant.embedded import EMBEDDED_PATH, TINY_ARCH, embedded_config
+
+    if not (EMBEDDED_PATH / "tokenizer.json").is_file():
+        pytest.skip("the embedded tokenizer is not in this checkout")
+    d = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(embedded_config(TINY_ARCH)).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (EMBEDDED_PATH / f).is_file():
+            shutil.copy(EMBEDDED_PATH / f, d / f)
+    return d
+
+
+def test_real_sweep_three_presets_two_tasks(tiny_ckpt, tmp_path):
+    spec = SweepSpec.from_dict({
+        "name": "e2e", "model": str(tiny_ckpt), "dtype": "float32", "device": "cpu", "batch_size": 4,
+        "tasks": [{"name": "sq_code_ppl", "limit": 1},
+                  {"name": "sq_code_completion", "limit": 3, "gen_kwargs": {"max_gen_toks": 4}}],
+        "presets": ["bf16", "snapmla", "per_tensor_fp8"], "bootstrap_iters": 50,
+        "fidelity": {"num_sequences": 2, "seq_len": 24, "prompt_len": 12},
+        "output_dir": str(tmp_path / "out")})
+    res = execute(spec, show_progress=False)
+    assert not res.report.failed, res.report.failed
+    cells = {d["label"]: d for d in (json.loads(p.read_text()) for p in (tmp_path / "out" / "cells").glob("*.json"))}
+    assert set(cells) == {"bf16", "snapmla", "per_tensor_fp8"}
+    for lbl, d in cells.items():
+        assert is_valid_cell(d)
+        assert set(d["tasks"]) == {"sq_code_ppl", "sq_code_completion"}
+        assert d["tasks"]["sq_code_completion"]["primary_metric"] == "exact_match"
+        assert len(d["samples"]["sq_code_completion"]) == 3 and len(d["samples"]["sq_code_ppl"]) == 1
+        assert d["lm_eval"]["sq_code_ppl"]["results"]["sq_code_ppl"]["word_perplexity,none"] > 1
+        assert d["model"]["kv_lora_rank"] == 64 and d["model"]["num_mla_layers"] == 2
+        assert d["env"]["packages"]["lm_eval"] and d["timing"]["task:sq_code_ppl"] > 0
+        assert d["kv_config"]["name"] == lbl
+        fid = d["fidelity"]
+        assert fid["decode"]["n_positions"] == 2 * (24 - 12 - 1) and fid["prefill"]["n_positions"] == 2 * 23
+    # the unquantized cell reproduces the unpatched model; quantized ones move the distributions
+    assert cells["bf16"]["fidelity"]["decode"]["kl_max"] < 1e-9
+    assert cells["bf16"]["fidelity"]["decode"]["top1_agree"] == 1.0
+    assert cells["snapmla"]["fidelity"]["decode"]["kl_mean"] > 1e-12
+    # log-likelihood requests never decode: with BF16 prefill they are bit-identical in every cell
+    ppl = {lbl: d["tasks"]["sq_code_ppl"]["metrics"]["word_perplexity"]["value"] for lbl, d in cells.items()}
+    assert len(set(ppl.values())) == 1
+    assert cells["per_tensor_fp8"]["bytes_per_token"]["per_layer"] == 80  # (64 + 16) fp8 bytes
+    # table and figures were written from these files
+    md = res.files["markdown"].read_text()
+    assert "| bf16 (baseline) |" in md and "sq_code_completion (exact_match)" in md
+    assert {p.name for p in res.plots} >= {"accuracy_vs_bytes.png", "accuracy_vs_bytes.pdf", "task_deltas.pdf"}
+    tab = res.table.long.set_index(["label", "task"])
+    assert tab.loc[("snapmla", "sq_code_ppl"), "delta"] == 0.0
+    # rerun: everything is finished, nothing is evaluated, the model is not even loaded
+    again = execute(spec, show_progress=False, report=False)
+    assert again.report.ran == [] and len(again.report.already_done) == 3
