@@ -8,12 +8,16 @@ What it checks (each case isolated: one failure never stops the others):
 2. decode: every supported combination (query bf16/fp8 x PV bf16/fp8-fused x snapmla/ds_v32 layouts,
    and the bf16 baseline) at H = 16 with s_q 1 and 2, plus H = 64 / 128, L up to 32K, B up to 128 for
    the main presets. Requests of variable length (1, 63, 64, 65, ..., L). The kernel runs on the whole
-   batch; the reference (and the float64 oracle) on a subset of requests, gathered from the pages.
+   batch; the reference (and the float64 oracle) on CPU, on requests of length 1, 64, 65 and L
+   gathered from the pages (on CUDA torch's scalar division is not correctly rounded; see
+   check_decode).
    Tolerances: output rel-L2 <= 1e-3, LSE abs <= 1e-3, and error against float64 within 5% of the
    reference's own (+1e-6).
-3. the patched tiny model (backend=triton vs backend=reference) when `snapquant.patch` exists.
+3. a patched tiny model decoding with backend=triton agrees with backend=reference: logits within
+   2e-3 of the largest reference logit at every step of a 32-step teacher-forced decode.
 4. a do_bench (CUDA graph) timing of fp8 vs bf16 decode at (B=128, H=16, L=4096) and
-   (B=32, H=64, L=8192), with GB/s and TFLOP/s. A sanity number; the benchmark harness is separate.
+   (B=32, H=64, L=8192), with GB/s and TFLOP/s (bytes of each format's cache; FLOPs
+   2 H L (r + d + r)); "+fp8mma" is the opt-in native FP8 MMA variant. A sanity number only.
 
 Writes kernels_check.json, kernels_check.csv and kernels_check.md (GPU, versions, date) to --out.
 Exit status 1 when any check fails.
@@ -58,7 +62,8 @@ def environment() -> dict:
         env["transformers"] = None
     try:
         env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                           cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+                                           cwd=Path(__file__).parent, timeout=10).stdout.strip()
+        env["git_commit"] = env["git_commit"] if len(env["git_commit"]) == 40 else None
     except Exception:
         env["git_commit"] = None
     return env
@@ -66,15 +71,18 @@ def environment() -> dict:
 
 # ------------------------------------------------------------------------------------------ inputs
 def rand_latent(n_tok: int, g: torch.Generator, dev: str, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Latent [n, R] with per-token magnitudes over 2 decades, RoPE [n, D] with a wider range."""
-    mag = torch.exp(torch.empty(n_tok, 1, device=dev).uniform_(math.log(0.1), math.log(10.0), generator=g))
+    """Latent [n, R] with per-token magnitudes in [0.1, 3.2], RoPE [n, D] with a wider range.
+
+    With a unit-variance query this keeps logit ranges within ~50 nat over 32K tokens: wider ranges
+    overflow the reference's fp8 scale-fused P (see snapquant.kernels.mla_decode)."""
+    mag = torch.exp(torch.empty(n_tok, 1, device=dev).uniform_(math.log(0.1), math.log(3.2), generator=g))
     latent = (torch.randn(n_tok, R, device=dev, generator=g) * mag).to(dtype)
     rope = (torch.randn(n_tok, D, device=dev, generator=g) * 4).to(dtype)
     return latent, rope
 
 
-def make_lengths(B: int, L: int, g: torch.Generator) -> torch.Tensor:
-    lengths = torch.randint(max(1, L // 2), L + 1, (B,), generator=g)
+def make_lengths(B: int, L: int, seed: int) -> torch.Tensor:
+    lengths = torch.randint(max(1, L // 2), L + 1, (B,), generator=torch.Generator().manual_seed(seed))
     special = [1, 63, 64, 65]
     lengths[: min(B, len(special))] = torch.tensor(special[: min(B, len(special))])
     lengths[-1] = L
@@ -91,7 +99,7 @@ def build_cache(config, B: int, L: int, g: torch.Generator, dev: str = "cuda"):
         n = min(step, L - start)
         lat, rope = rand_latent(B * n, g, dev)
         cache.append(lat.view(B, n, R), rope.view(B, n, D), check_bounds=False)
-    cache.lengths.copy_(make_lengths(B, L, g).to(dev))
+    cache.lengths.copy_(make_lengths(B, L, B + L).to(dev))
     return cache
 
 
@@ -155,47 +163,107 @@ def decode_configs() -> dict:
 
 
 def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: int | None) -> dict:
+    """Kernel on the whole batch; CPU reference and float64 oracle on requests of length 1, 64, 65, L.
+
+    The reference runs on CPU, the definitive semantics: on CUDA, torch divides a tensor by a Python
+    scalar through the reciprocal, so its scales (amax / 448) can differ by an ulp and values on
+    e4m3 rounding ties round the other way (the kernel divides correctly rounded, as the CPU does)."""
     from snapquant import mla_decode_oracle, mla_decode_reference
     from snapquant.kernels import mla_decode
 
     g = torch.Generator(device="cuda").manual_seed(B * 7 + H * 3 + L + S)
     cache = build_cache(config, B, L, g)
-    q = (torch.randn(B, S, H, R + D, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    q = torch.randn(B, S, H, R + D, device="cuda", generator=g).to(torch.bfloat16)
     tau = 1 / math.sqrt(192)  # DeepSeek: 1 / sqrt(qk_nope + qk_rope)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     out, lse = mla_decode(q, cache, tau, config, num_splits=num_splits)
     torch.cuda.synchronize()
     t_kernel = time.perf_counter() - t0
+    finite = bool(torch.isfinite(out).all() and torch.isfinite(lse[cache.lengths > 0]).all())
+    refs, oracles = [], []
     idx = sorted({0, min(2, B - 1), min(3, B - 1), B - 1})  # lengths 1, 64, 65, L
-    sub = sub_cache(cache, idx)
-    kv = sub.to_quantized_kv(int(sub.lengths.max()))
-    ref, ref_lse = mla_decode_reference(q[idx], kv, sub.lengths, tau, config)
-    oracle, _ = mla_decode_oracle(q[idx], kv, sub.lengths, tau, config)
-    o, ls = out[idx], lse[idx]
-    rel = ((o - ref).norm() / ref.norm()).item()
-    lse_err = (ls - ref_lse).abs().max().item()
-    cos = 1 - torch.nn.functional.cosine_similarity(o.flatten().double(), ref.flatten().double(), dim=0).item()
+    for i in idx:  # one request at a time: each reference runs over its own length only
+        sub = sub_cache(cache, [i])
+        kv = sub.to_quantized_kv(int(sub.lengths.max())).to("cpu")
+        qi, lens = q[i:i + 1].cpu(), sub.lengths.cpu()
+        refs.append(mla_decode_reference(qi, kv, lens, tau, config))
+        oracles.append(mla_decode_oracle(qi, kv, lens, tau, config))
+    ref, ref_lse = torch.cat([r[0] for r in refs]), torch.cat([r[1] for r in refs])
+    oracle, oracle_lse = torch.cat([o[0] for o in oracles]), torch.cat([o[1] for o in oracles])
+    o, ls = out[idx].cpu(), lse[idx].cpu()
+    ok_ref = torch.isfinite(ref).all(-1) & torch.isfinite(ref_lse)  # rows the reference itself computes
+    n_bad_ref = int((~ok_ref).sum())
+    rel = ((o - ref)[ok_ref].norm() / ref[ok_ref].norm()).item()
+    lse_err = (ls - ref_lse)[ok_ref].abs().max().item()
+    cos = 1 - torch.nn.functional.cosine_similarity(o[ok_ref].flatten().double(), ref[ok_ref].flatten().double(),
+                                                    dim=0).item()
     err_k = ((o.double() - oracle).norm() / oracle.norm()).item()
-    err_r = ((ref.double() - oracle).norm() / oracle.norm()).item()
-    finite = bool(torch.isfinite(out).all() and torch.isfinite(lse).all())
-    ok = finite and rel <= OUT_TOL and lse_err <= LSE_TOL and err_k <= ORACLE_RATIO * err_r + 1e-6
+    err_r = ((ref[ok_ref].double() - oracle[ok_ref]).norm() / oracle[ok_ref].norm()).item()
+    err_k_live = ((o[ok_ref].double() - oracle[ok_ref]).norm() / oracle[ok_ref].norm()).item()
+    lse_vs_oracle = (ls.double() - oracle_lse).abs().max().item()
+    ok = (finite and rel <= OUT_TOL and lse_err <= LSE_TOL and err_k_live <= ORACLE_RATIO * err_r + 1e-6
+          and (n_bad_ref == 0 or (err_k <= 5e-2 and lse_vs_oracle <= 2e-2)))
+    detail = "" if finite else "non-finite output"
+    if n_bad_ref:
+        detail += f" reference non-finite on {n_bad_ref} rows (fp8-P overflow); those judged against float64"
     return {"part": "decode", "case": f"{name} B={B} H={H} L={L} s_q={S} splits={num_splits or 'auto'}",
             "ok": ok, "rel_l2": rel, "lse_abs": lse_err, "cos_dist": cos, "err_vs_fp64": err_k,
-            "ref_err_vs_fp64": err_r, "first_call_s": round(t_kernel, 2),
-            "detail": "" if finite else "non-finite output"}
+            "ref_err_vs_fp64": err_r, "first_call_s": round(t_kernel, 2), "detail": detail.strip()}
 
 
 # ------------------------------------------------------------------------------------------ part 3
-def check_patched_model() -> list[dict]:
-    """backend=triton vs backend=reference on a patched tiny model (needs snapquant.patch)."""
-    try:
-        import snapquant.patch  # noqa: F401
-    except ImportError:
-        return [{"part": "model", "case": "patched tiny model", "ok": True,
-                 "detail": "skipped: snapquant.patch does not exist yet"}]
-    return [{"part": "model", "case": "patched tiny model", "ok": False,
-             "detail": "snapquant.patch exists but this check is not wired yet (see report)"}]
+MODEL_TOL = 2e-3  # max |logit difference| / max |reference logit|, at every decode step
+
+
+def teacher_forced_logits(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
+    """Prefill `prefix` tokens, then feed the rest one token per step; logits [B, steps, vocab] fp32."""
+    import warnings
+
+    steps = []
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values -> cache rename in newer transformers
+        warnings.filterwarnings("error", message="snapquant triton backend")  # a silent fallback is a failure
+        out = model(ids[:, :prefix], use_cache=True)
+        past = out.past_key_values
+        for t in range(prefix, ids.shape[1]):
+            out = model(ids[:, t:t + 1], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            steps.append(out.logits[:, -1].float())
+    return torch.stack(steps, 1)
+
+
+def check_patched_model(name: str, config, dtype: torch.dtype, steps: int = 32) -> dict:
+    """A patched tiny DeepSeek-V3 model (kv_lora_rank 64, RoPE 16: kernel widths) decoding with
+    backend=triton agrees with backend=reference at every step of a teacher-forced decode."""
+    from snapquant.models.tiny import tiny_model
+    from snapquant.patch import patch, unpatch
+
+    model = tiny_model("deepseek_v3", kv_lora_rank=64, qk_rope_head_dim=16, dtype=dtype).cuda()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 256, (4, 16 + steps), generator=g).cuda()
+    logits = {}
+    for backend in ("reference", "triton"):
+        patch(model, config, backend=backend)
+        try:
+            logits[backend] = teacher_forced_logits(model, ids, 16)
+        finally:
+            unpatch(model)
+    diff = (logits["triton"] - logits["reference"]).abs().amax(dim=(0, 2))  # per step
+    scale = logits["reference"].abs().amax(dim=(0, 2))
+    worst = (diff / scale).max().item()
+    ok = bool(torch.isfinite(logits["triton"]).all()) and worst <= MODEL_TOL
+    return {"part": "model", "case": f"tiny deepseek_v3 {name} {str(dtype).split('.')[-1]} {steps} steps",
+            "ok": ok, "rel_l2": worst, "detail": f"worst step max|dlogit|/max|logit| = {worst:.2e}"}
+
+
+def model_cases() -> list[tuple]:
+    from snapquant import PRESETS
+
+    ds = PRESETS["ds_v32"].replace(block_size=32)  # kv_lora_rank 64: two blocks of 32
+    return [("snapmla", PRESETS["snapmla"], torch.float32), ("snapmla_kv_only", PRESETS["snapmla_kv_only"], torch.float32),
+            ("snapmla_q_fp8", PRESETS["snapmla_q_fp8"], torch.float32), ("ds_v32(block 32)", ds, torch.float32),
+            ("bf16", PRESETS["bf16"], torch.bfloat16)]
 
 
 # ------------------------------------------------------------------------------------------ part 4
@@ -209,14 +277,14 @@ def bench(names: list[str], B: int, H: int, L: int) -> list[dict]:
     configs = decode_configs()
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in names:
-        config = configs[name]
+        config = configs[name.removesuffix("+fp8mma")]
         try:
             cache = build_cache(config, B, L, g)
             cache.lengths.fill_(L)
-            q = (torch.randn(B, H, R + D, device="cuda", generator=g) * 2).to(torch.bfloat16)
+            q = torch.randn(B, H, R + D, device="cuda", generator=g).to(torch.bfloat16)
 
-            def fn(cache=cache, q=q, config=config):
-                return mla_decode(q, cache, 0.07, config, check_bounds=False)
+            def fn(cache=cache, q=q, config=config, fp8_mma=name.endswith("+fp8mma")):
+                return mla_decode(q, cache, 0.07, config, check_bounds=False, fp8_mma=fp8_mma)
 
             fn()
             try:
@@ -297,10 +365,11 @@ def main() -> int:
             rows.append(run_case(check_decode, name, configs[name], B, H, L, S, ns,
                                  label=f"{name} B={B} H={H} L={L} s_q={S}"))
 
-    rows += check_patched_model()
+    for name, cfg, dtype in model_cases()[: 2 if args.quick else None]:
+        rows.append(run_case(check_patched_model, name, cfg, dtype, label=f"model {name}"))
     if not args.no_bench:
         for B, H, L in ((128, 16, 4096), (32, 64, 8192)):
-            for row in bench(["snapmla", "snapmla_kv_only", "bf16"], B, H, L):
+            for row in bench(["snapmla", "snapmla+fp8mma", "snapmla_kv_only", "bf16"], B, H, L):
                 rows.append(row)
                 print(f"[BENCH] {row['case']}: " + (f"{row['us']:.1f} us  {row['GB/s']:.0f} GB/s  "
                       f"{row['TFLOP/s']:.1f} TFLOP/s" if row["ok"] else row["detail"]), flush=True)

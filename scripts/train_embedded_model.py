@@ -327,10 +327,10 @@ def cmd_train(args: argparse.Namespace) -> None:
                                                    attn_implementation="sdpa")
     shipped.to(device).eval()
     scores = direct.quick_suite(shipped, tokenizer, kv_samples=args.eval_samples,
-                                passkey_samples=max(1, args.eval_samples // 25),
-                                completion_samples=args.eval_samples * 2, lengths=eval_lengths,
+                                passkey_samples=args.eval_passkey_samples,
+                                completion_samples=args.eval_completion_samples, lengths=eval_lengths,
                                 tokenizer_path=str(tok_dir), batch_size=args.eval_batch,
-                                log=lambda m: log("eval_progress", msg=m))
+                                ppl_files=args.eval_ppl_files, log=lambda m: log("eval_progress", msg=m))
     scores["val_loss_fp32_master"] = val
     log("eval", **scores)
     _write_state(out, step, tokens_seen, args, last, scores, n_params, cmeta, train_s)
@@ -531,8 +531,11 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--ckpt-minutes", type=float, default=2.5)
     t.add_argument("--probe-minutes", type=float, default=1.5)
     t.add_argument("--probe-samples", type=int, default=16)
-    t.add_argument("--eval-samples", type=int, default=100)
+    t.add_argument("--eval-samples", type=int, default=100, help="key-value questions per length")
+    t.add_argument("--eval-passkey-samples", type=int, default=4, help="per (length, depth) and haystack")
+    t.add_argument("--eval-completion-samples", type=int, default=200)
     t.add_argument("--eval-batch", type=int, default=25)
+    t.add_argument("--eval-ppl-files", type=int, default=0, help="held-out files for code ppl (0 = all)")
     t.add_argument("--init-from", default=None, help="continue from a saved model folder")
     t.add_argument("--overwrite", action="store_true")
     t.set_defaults(fn=cmd_train)

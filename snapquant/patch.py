@@ -325,6 +325,9 @@ def patch(model: nn.Module, config: KVQuantConfig | str | dict = "snapmla", *, b
     for _, module, adapter in found:
         adapter.validate(module)
         cfg.check_dims(*adapter.dims(module))
+    if backend == "triton":  # an explicit request fails now, not at the first decode step
+        device = next((p.device for p in found[0][1].parameters() if p.device.type != "meta"), torch.device("cpu"))
+        resolve_backend(backend, cfg, device)
     _register_attention()
     state: PatchState | None = getattr(model, _STATE_ATTR, None)
     if state is not None:  # re-configure in place; hooks read the shared state

@@ -113,8 +113,6 @@ def tiny_config(family: str, *, moe: bool = False, q_lora: bool = True, interlea
             kw["mlp_layer_types"] = ["dense"] + ["sparse" if moe else "dense"] * (layers - 1)
     if spec.interleave and interleave is not None:
         kw["rope_interleave"] = interleave
-    if yarn:
-        kw["rope_parameters"] = dict(YARN)
     if family == "longcat_flash":  # two MLA blocks per layer; its own names for the MLP sizes
         kw.update(num_layers=layers, head_dim=8, ffn_hidden_size=128, expert_ffn_hidden_size=32, moe_topk=2,
                   zero_expert_num=1, n_routed_experts=4)
@@ -129,6 +127,9 @@ def tiny_config(family: str, *, moe: bool = False, q_lora: bool = True, interlea
         kw.update(linear_head_dim=16, linear_num_heads=4) if family == "kimi_linear" else None
     kw.update(overrides)
     cls = getattr(_module(family, "configuration"), spec.config_cls)
+    if yarn:  # keep family-specific RoPE fields (e.g. mistral4's llama_4_scaling_beta), switch to YaRN
+        defaults = dict(getattr(cls(**kw), "rope_parameters", None) or {})
+        kw["rope_parameters"] = {**defaults, **YARN}
     return cls(**kw)
 
 

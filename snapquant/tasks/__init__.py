@@ -23,18 +23,19 @@ SQ_TASKS = (
 SQ_GROUPS = ("sq_kv_retrieval", "sq_kv_retrieval_long", "sq_ruler", "sq_offline")
 
 
-def task_manager(tokenizer: str | None = None, **metadata: Any):
-    """An lm-eval `TaskManager` that knows snapquant's tasks (and all of lm-eval's).
+def task_manager(tokenizer: str | None = None, include_defaults: bool = True, **metadata: Any):
+    """An lm-eval `TaskManager` that knows snapquant's tasks (and, by default, all of lm-eval's).
 
     `tokenizer` (a local path or a cached hub name) sizes the synthetic contexts; other keyword
     arguments go to every task's metadata, e.g. `num_samples=20`, `sq_seed=7`,
-    `max_seq_lengths=[1024, 2048]` (pass-key and RULER tasks).
+    `max_seq_lengths=[1024, 2048]` (pass-key and RULER tasks). `include_defaults=False` skips
+    indexing lm-eval's ~15K built-in task files (seconds faster); snapquant's tasks need none of them.
     """
     from lm_eval.tasks import TaskManager
 
     if tokenizer is not None:
         metadata["tokenizer"] = str(tokenizer)
-    return TaskManager(include_path=str(TASK_DIR), metadata=metadata or None)
+    return TaskManager(include_path=str(TASK_DIR), include_defaults=include_defaults, metadata=metadata or None)
 
 
 __all__ = ["SQ_GROUPS", "SQ_TASKS", "TASK_DIR", "task_manager"]

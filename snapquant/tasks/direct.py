@@ -31,7 +31,9 @@ def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: in
     """Greedy continuations of `prompts`, cut at the first stop string (as lm-eval's `until`)."""
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    # Keep the last tokens that fit with the continuation, as lm-eval's HFLM does.
+    keep = model.config.max_position_embeddings - max_new_tokens
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"][-keep:] for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))  # similar lengths per batch
     out: list[str] = [""] * len(prompts)
     for b in range(0, len(order), batch_size):
@@ -92,10 +94,13 @@ def score_completion(model, tokenizer, num_samples: int = 200, seed: int = sq_ut
 
 
 @torch.no_grad()
-def score_code_ppl(model, tokenizer, max_length: int = 4096, texts: Sequence[str] | None = None) -> dict:
+def score_code_ppl(model, tokenizer, max_length: int = 4096, texts: Sequence[str] | None = None,
+                   max_files: int = 0) -> dict:
     """lm-eval's loglikelihood_rolling metrics: disjoint windows, the first conditioned on EOS."""
     device = next(model.parameters()).device
     texts = [r["text"] for r in sq_utils.load_heldout()] if texts is None else list(texts)
+    if max_files:
+        texts = texts[:max_files]
     total_ll, words, nbytes, ntok = 0.0, 0, 0, 0
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -116,13 +121,13 @@ def score_code_ppl(model, tokenizer, max_length: int = 4096, texts: Sequence[str
 
 def quick_suite(model, tokenizer, kv_samples: int = 100, passkey_samples: int = 4, completion_samples: int = 200,
                 lengths: Sequence[int] = (1024, 2048, 4096), tokenizer_path: str | None = None,
-                batch_size: int = 16, log=print) -> dict:
+                batch_size: int = 16, ppl_files: int = 0, log=print) -> dict:
     """All direct scores; `tokenizer_path` must name the tokenizer `tokenizer` was loaded from."""
     was_training = model.training
     model.eval()
     scores: dict = {}
     t0 = time.time()
-    scores.update(score_code_ppl(model, tokenizer, max_length=max(lengths)))
+    scores.update(score_code_ppl(model, tokenizer, max_length=max(lengths), max_files=ppl_files))
     log(f"eval code ppl {time.time() - t0:.0f}s")
     scores.update(score_kv(model, tokenizer, lengths, kv_samples, tokenizer_path=tokenizer_path,
                            batch_size=batch_size))

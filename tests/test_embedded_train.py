@@ -1,0 +1,71 @@
+"""The trainer's whole path on CPU with the tiny architecture: train, save, evaluate, export, install."""
+
+import hashlib
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from snapquant.data.corpus import stdlib_root
+from snapquant.data.tokenizer import load_fast_tokenizer
+from snapquant.embedded import EMBEDDED_PATH, has_weights, load_embedded
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_embedded_model", REPO / "scripts" / "train_embedded_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _mini_corpus(d: Path) -> Path:
+    """A corpus folder in the trainer's format, from a few stdlib modules, with the shipped tokenizer."""
+    tok = load_fast_tokenizer(EMBEDDED_PATH)
+    eos = tok.token_to_id("<|endoftext|>")
+    texts = [(stdlib_root() / p).read_text() for p in ("json/encoder.py", "json/decoder.py", "textwrap.py")]
+    ids = np.asarray([i for t in texts for i in [*tok.encode(t).ids, eos]], dtype=np.uint16)
+    d.mkdir()
+    (d / "train.bin").write_bytes(ids.tobytes())
+    (d / "val.bin").write_bytes(ids[:3000].tobytes())
+    shutil.copytree(EMBEDDED_PATH, d / "tokenizer", ignore=lambda _d, names: [
+        n for n in names if not n.startswith(("tokenizer", "special_tokens"))])
+    meta = {"format": "snapquant-corpus-v1", "dtype": "uint16", "train_tokens": int(ids.size),
+            "train_files": 3, "train_bytes": sum(len(t) for t in texts), "vocab_size": tok.get_vocab_size(),
+            "eos_id": eos, "manifest_sha256": "-", "tokenizer_sha256": "-",
+            "train_bin_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
+            "summary": {"splits": {"train": {"files": 3, "bytes": 1}}, "origins": {}}}
+    (d / "meta.json").write_text(json.dumps(meta))
+    return d
+
+
+def test_tiny_train_export_install(tmp_path):
+    script = _script()
+    corpus = _mini_corpus(tmp_path / "corpus")
+    out, export, inst = tmp_path / "run", tmp_path / "export", tmp_path / "installed"
+    script.main(["train", "--tiny", "--device", "cpu", "--corpus", str(corpus), "--out", str(out),
+                 "--export", str(export), "--steps", "3", "--seq-len", "256", "--batch-size", "2",
+                 "--workers", "0", "--warmup", "2", "--log-every", "1", "--minutes", "10",
+                 "--eval-reserve-s", "0", "--probe-minutes", "1000", "--ckpt-minutes", "1000",
+                 "--eval-samples", "2", "--eval-passkey-samples", "1", "--eval-completion-samples", "1",
+                 "--eval-ppl-files", "1", "--eval-batch", "8"])
+    events = [json.loads(line)["event"] for line in (out / "training_log.jsonl").read_text().splitlines()]
+    assert events[0] == "start" and events.count("step") == 3 and events[-1] == "done"
+    assert {"train_end", "saved", "eval", "export"} <= set(events)
+    state = json.loads((out / "training_state.json").read_text())
+    assert state["steps"] == 3 and state["tokens"] == 3 * 2 * 256
+    assert 0 <= state["bf16_scores"]["sq_kv_retrieval_256"] <= 1 and state["bf16_scores"]["bits_per_byte"] > 0
+    card = (out / "README.md").read_text()
+    assert "## Architecture" in card and "sq_kv_retrieval_256" in card
+    files = sorted(f.name for f in export.iterdir())
+    assert files == ["embedded_meta.tar", "model.safetensors"]
+    assert all((export / f).stat().st_size < 16 * 2**20 for f in files)
+
+    script.main(["install", "--from", str(export), "--to", str(inst)])
+    assert has_weights(inst)
+    model, _tok = load_embedded(dtype="float32", path=inst)
+    assert model.config.num_hidden_layers == 2
+    assert (inst / "README.md").read_text() == card

@@ -1,0 +1,144 @@
+"""Every supported MLA family, tiny random fp32 models, batch 3 with left padding.
+
+- preset bf16 reproduces the unpatched model: prefill and 32 greedy decode steps within 1e-4 of the logit
+  scale, identical greedy tokens; also with `prefill: quantized` (the absorbed S > 1 path);
+- snapmla (and other presets) give the same numbers as an independent reference model (HF's own seam +
+  quantize_kv + mla_decode_reference, tests/test_patch_support.py), and really change the logits;
+- unpatch restores bit-identical logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import snapquant
+from snapquant import PRESETS
+from snapquant.cache import LatentCache
+from snapquant.models.tiny import FAMILIES, family_axes, tiny_model
+from snapquant.models.registry import REFUSED
+
+from test_patch_support import batch_inputs, generate, greedy, reference_copy, rel_diff
+
+SUPPORTED = [f for f in FAMILIES if f not in REFUSED]
+TOL = 1e-4  # max |diff| / max |logit|
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny ops: one thread avoids OpenMP barrier stalls on a shared 2-core box (10 ms per bmm otherwise).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _variants(family: str) -> list[dict]:
+    """Two variants covering every axis value of the family (dense/MoE, q-LoRA on/off, interleave, YaRN)."""
+    ax = family_axes(family)
+    first = dict(moe=ax["moe"][0], q_lora=ax["q_lora"][0], interleave=ax["interleave"][0], yarn=ax["yarn"][0])
+    second = dict(moe=ax["moe"][-1], q_lora=ax["q_lora"][-1], interleave=ax["interleave"][-1], yarn=ax["yarn"][-1])
+    return [first] if first == second else [first, second]
+
+
+CASES = [pytest.param(f, v, id=f"{f}-{'-'.join(f'{k}={x}' for k, x in v.items())}")
+         for f in SUPPORTED for v in _variants(f)]
+
+
+def _run(model, ids, am, steps):
+    """(prefill scores, step scores, tokens, cache): generate for causal LMs, a forward loop otherwise."""
+    prefill, step_scores, toks, cache = greedy(model, ids, am, 0)
+    if hasattr(model, "generate") and hasattr(model, "lm_head"):
+        step_scores, toks, cache = generate(model, ids, am, steps)
+    else:
+        _, step_scores, toks, cache = greedy(model, ids, am, steps)
+    return prefill, step_scores, toks, cache
+
+
+@pytest.mark.parametrize("family,variant", CASES)
+def test_bf16_preset_reproduces_unpatched(family, variant):
+    model = tiny_model(family, **variant)
+    ids, am = batch_inputs()
+    valid = am.bool()
+    p0, s0, t0, _ = _run(model, ids, am, 32)
+    snapquant.patch(model, "bf16")
+    try:
+        p1, s1, t1, cache = _run(model, ids, am, 32)
+        # prefill: the stock computation on fresh activations (identical); decode: absorbed over the cache
+        assert rel_diff(p0[valid], p1[valid]) <= TOL
+        assert rel_diff(s0, s1, s0) <= TOL, f"decode logits differ by {rel_diff(s0, s1, s0):.2e} of the scale"
+        assert torch.equal(t0, t1)
+        assert cache is not None and any(type(layer).__name__ == "LatentLayer" for layer in cache.layers)
+        # prefill: quantized with an identity config runs the absorbed S > 1 path over the stored cache
+        snapquant.patch(model, PRESETS["bf16"].replace(prefill="quantized"))
+        p2, s2, t2, _ = _run(model, ids, am, 4)
+        assert rel_diff(p0[valid], p2[valid]) <= TOL
+        assert rel_diff(s0[:4], s2, s0) <= TOL and torch.equal(t0[:, :4], t2)
+    finally:
+        snapquant.unpatch(model)
+    p3, s3, t3, _ = _run(model, ids, am, 32)
+    assert torch.equal(p0, p3) and torch.equal(s0, s3) and torch.equal(t0, t3), "unpatch must restore exactly"
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_snapmla_matches_independent_reference(family):
+    model = tiny_model(family, **_variants(family)[0])
+    ids, am = batch_inputs()
+    valid = am.bool()
+    base_p, base_s, _, _ = greedy(model, ids, am, 6)
+    ref_p, ref_s, ref_t, _ = greedy(reference_copy(model, "snapmla"), ids, am, 6)
+    with snapquant.patched(model, "snapmla"):
+        p, s, t, cache = greedy(model, ids, am, 6)
+    assert rel_diff(ref_p[valid], p[valid], base_p) <= TOL  # bf16 prefill: stock
+    assert rel_diff(ref_s, s, base_s) <= TOL, f"patched vs reference: {rel_diff(ref_s, s, base_s):.2e}"
+    assert torch.equal(ref_t, t)
+    # quantization is really on: the first decode step moves by far more than the tolerance
+    assert rel_diff(base_s[0], s[0], base_s) > 5 * TOL
+    assert isinstance(cache, LatentCache) or cache is not None
+
+
+CONSISTENCY = [
+    ("deepseek_v3", {}, PRESETS["snapmla"].replace(prefill="quantized")),
+    ("deepseek_v3", {"kv_lora_rank": 128}, PRESETS["ds_v32"]),
+    ("deepseek_v3", {"kv_lora_rank": 128}, PRESETS["ds_model1"]),
+    ("deepseek_v3", {}, PRESETS["rope_fp8_per_token"]),
+    ("deepseek_v3", {}, PRESETS["int8_per_token"]),
+    ("deepseek_v3", {}, PRESETS["e5m2_per_token"]),
+    ("deepseek_v3", {}, PRESETS["snapmla_naive_pv"]),
+    ("deepseek_v3", {}, PRESETS["per_tensor_fp8"]),
+    ("deepseek_v2", {}, PRESETS["snapmla_q_fp8"].replace(prefill="quantized")),
+    # DSA top-k smaller than the context: decode gathers each query's selected rows
+    ("deepseek_v32", {"index_topk": 4}, PRESETS["snapmla"]),
+    ("deepseek_v32", {"index_topk": 4}, PRESETS["snapmla"].replace(prefill="quantized")),
+    ("hy_v4", {"index_topk": 5}, PRESETS["snapmla"]),  # + attention sinks
+    ("longcat_flash", {}, PRESETS["snapmla"].replace(prefill="quantized")),
+    ("kimi_linear", {}, PRESETS["snapmla_kv_only"]),
+]
+
+
+@pytest.mark.parametrize("family,kw,config", CONSISTENCY,
+                         ids=[f"{f}-{c.label()}-{c.prefill}-{kw}" for f, kw, c in CONSISTENCY])
+def test_quantized_presets_match_independent_reference(family, kw, config):
+    model = tiny_model(family, **kw)
+    ids, am = batch_inputs()
+    valid = am.bool()
+    base_p, base_s, _, _ = greedy(model, ids, am, 5)
+    ref_p, ref_s, ref_t, _ = greedy(reference_copy(model, config), ids, am, 5)
+    with snapquant.patched(model, config):
+        p, s, t, _ = greedy(model, ids, am, 5)
+    assert rel_diff(ref_p[valid], p[valid], base_p) <= TOL
+    assert rel_diff(ref_s, s, base_s) <= TOL
+    assert torch.equal(ref_t, t)
+    if config.prefill == "quantized":
+        assert rel_diff(base_p[valid], p[valid], base_p) > 20 * TOL
+
+
+def test_bf16_model_cache_is_the_1152_byte_layout():
+    """In a bf16 model the identity cache is bf16: bytes/token = bytes_per_token(bf16) (1152 at DeepSeek dims)."""
+    model = tiny_model("deepseek_v3", dtype=torch.bfloat16)
+    ids, am = batch_inputs()
+    snapquant.patch(model, "bf16")
+    _, _, cache = generate(model, ids, am, 4)
+    assert isinstance(cache, LatentCache)
+    assert cache.bytes_per_token() == snapquant.bytes_per_token(PRESETS["bf16"], 32, 8) == (32 + 8) * 2
+    assert snapquant.bytes_per_token(PRESETS["bf16"]) == 1152
