@@ -180,7 +180,11 @@ def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: 
     out, lse = mla_decode(q, cache, tau, config, num_splits=num_splits)
     torch.cuda.synchronize()
     t_kernel = time.perf_counter() - t0
-    finite = bool(torch.isfinite(out).all() and torch.isfinite(lse[cache.lengths > 0]).all())
+    # Query row s of request b sees lengths[b] - (S - 1 - s) tokens; none -> out 0, lse -inf (the contract).
+    visible = cache.lengths.long()[:, None] - (S - 1 - torch.arange(S, device="cuda"))[None, :]  # [B, S]
+    empty = (visible <= 0)[:, :, None].expand(B, S, H)
+    finite = bool(torch.isfinite(out).all() and torch.isfinite(lse[~empty]).all()
+                  and (lse[empty] == -math.inf).all() and (out[empty] == 0).all())
     refs, oracles = [], []
     idx = sorted({0, min(2, B - 1), min(3, B - 1), B - 1})  # lengths 1, 64, 65, L
     for i in idx:  # one request at a time: each reference runs over its own length only
@@ -192,16 +196,17 @@ def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: 
     ref, ref_lse = torch.cat([r[0] for r in refs]), torch.cat([r[1] for r in refs])
     oracle, oracle_lse = torch.cat([o[0] for o in oracles]), torch.cat([o[1] for o in oracles])
     o, ls = out[idx].cpu(), lse[idx].cpu()
-    ok_ref = torch.isfinite(ref).all(-1) & torch.isfinite(ref_lse)  # rows the reference itself computes
-    n_bad_ref = int((~ok_ref).sum())
+    live = ~empty[idx].cpu()
+    ok_ref = torch.isfinite(ref).all(-1) & torch.isfinite(ref_lse) & live  # rows the reference computes
+    n_bad_ref = int((live & ~ok_ref).sum())
     rel = ((o - ref)[ok_ref].norm() / ref[ok_ref].norm()).item()
     lse_err = (ls - ref_lse)[ok_ref].abs().max().item()
     cos = 1 - torch.nn.functional.cosine_similarity(o[ok_ref].flatten().double(), ref[ok_ref].flatten().double(),
                                                     dim=0).item()
-    err_k = ((o.double() - oracle).norm() / oracle.norm()).item()
+    err_k = ((o[live].double() - oracle[live]).norm() / oracle[live].norm()).item()
     err_r = ((ref[ok_ref].double() - oracle[ok_ref]).norm() / oracle[ok_ref].norm()).item()
     err_k_live = ((o[ok_ref].double() - oracle[ok_ref]).norm() / oracle[ok_ref].norm()).item()
-    lse_vs_oracle = (ls.double() - oracle_lse).abs().max().item()
+    lse_vs_oracle = (ls[live].double() - oracle_lse[live]).abs().max().item()
     ok = (finite and rel <= OUT_TOL and lse_err <= LSE_TOL and err_k_live <= ORACLE_RATIO * err_r + 1e-6
           and (n_bad_ref == 0 or (err_k <= 5e-2 and lse_vs_oracle <= 2e-2)))
     detail = "" if finite else "non-finite output"

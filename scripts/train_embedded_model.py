@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--steps", type=int, default=0, help="fixed step count (LR schedule by step); 0 = by time")
     t.add_argument("--seq-len", type=int, default=0, help="0 = max_position_embeddings")
     t.add_argument("--batch-size", type=int, default=16)
-    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--lr", type=float, default=1.5e-3)
     t.add_argument("--lr-floor", type=float, default=0.1)
     t.add_argument("--warmup", type=int, default=150)
     t.add_argument("--weight-decay", type=float, default=0.1)

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
+from .attention.storage import DenseLatentStore
 from .config import KVQuantConfig
 from .errors import ConfigError, ShapeError
 from .presets import resolve_config
-from .attention.storage import DenseLatentStore
 
 
 class LatentLayer(CacheLayerMixin):

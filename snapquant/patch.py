@@ -224,7 +224,7 @@ class _MLAHook:
     def attend(self, query: torch.Tensor, attention_mask, scaling: float | None, kwargs: dict) -> torch.Tensor:
         call = self.call
         layer = call.layer
-        B, H, S, D = query.shape
+        B, _, S, _ = query.shape
         T = layer.seen
         vis = hf_visibility(attention_mask, B, S, T)
         indices = kwargs.get("indices")

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from test_patch_support import batch_inputs, cache_kwarg, generate, greedy, rel_diff
 from transformers import DynamicCache
 
 import snapquant
@@ -14,8 +15,6 @@ from snapquant import PRESETS, bytes_per_token
 from snapquant.cache import LatentCache, LatentLayer
 from snapquant.errors import ConfigError
 from snapquant.models.tiny import tiny_model
-
-from test_patch_support import batch_inputs, cache_kwarg, generate, greedy, rel_diff
 
 R, D = 32, 8
 
@@ -46,6 +45,7 @@ def test_layer_reports_hf_sizes_and_dequantizes_at_hf_positions():
     assert layer.get_seq_length() == 7 and layer.get_mask_sizes(1) == (8, 0) and layer.get_max_length() == -1
     assert layer.lengths.tolist() == [7, 5, 3]
     lat, rope = layer.dense(torch.float32)
+    assert rope.shape == (3, 7, D)
     assert lat.shape == (3, 7, R) and torch.all(lat[1, :2] == 0) and torch.all(lat[2, :4] == 0)
     assert not torch.all(lat[2, 4:] == 0)
     assert layer.hf_positions()[2, :3].tolist() == [4, 5, 6]
@@ -181,9 +181,9 @@ def test_assisted_decoding_crops_and_matches_unpatched():
 def test_forward_without_cache_argument_converts_hf_dynamic_cache_in_place():
     model = tiny_model("deepseek_v3")
     ids, am = batch_inputs()
-    p0, s0, t0, _ = greedy(model, ids, am, 3)
+    _, s0, t0, _ = greedy(model, ids, am, 3)
     with snapquant.patched(model, "bf16"):
-        p1, s1, t1, cache = greedy(model, ids, am, 3)  # model(ids) builds a DynamicCache: converted in place
+        _, s1, t1, cache = greedy(model, ids, am, 3)  # model(ids) builds a DynamicCache: converted in place
     assert isinstance(cache, DynamicCache) and all(isinstance(x, LatentLayer) for x in cache.layers)
     assert rel_diff(s0, s1) <= 1e-4 and torch.equal(t0, t1)
 

@@ -137,7 +137,7 @@ def test_per_channel_whole_sequence_scale_is_frozen_per_request():
     for c in chunks:
         store.append(*c)
     (seg,) = store.segments()
-    lat0, rope0, valid0 = chunks[0]
+    lat0, _, valid0 = chunks[0]
     for b in range(3):
         want = lat0[b][valid0[b]].abs().amax(0) / 7.0
         assert torch.allclose(seg.kv.latent.scale_f32()[b, 0], want, rtol=0, atol=0)

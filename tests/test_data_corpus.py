@@ -93,6 +93,7 @@ def test_build_corpus_end_to_end(tmp_path, monkeypatch):
     assert docs[-1] == "" and all(d in {f.read() for f in files} for d in docs[:-1])
     assert int(np.sum(train == eos)) == meta["train_files"]
     assert val.size > 1000
-    (tmp_path / "corpus" / "train.bin").write_bytes(train.tobytes()[:-2] + b"\x00\x00")
+    raw = train.tobytes()
+    (tmp_path / "corpus" / "train.bin").write_bytes(bytes([raw[0] ^ 1]) + raw[1:])
     with pytest.raises(ConfigError, match="sha256"):
         build_mod.load_corpus(tmp_path / "corpus", verify=True)

@@ -104,3 +104,13 @@ def test_bad_arguments_name_the_field(count):
         passkey_example(seed_rng("eval", 0), 10, count, depth=0.5)
     with pytest.raises(ConfigError, match="haystack"):
         passkey_example(seed_rng("eval", 0), 512, count, depth=0.5, haystack=[])
+
+
+@pytest.mark.parametrize("target", [200, 900, 3000])
+def test_training_documents_fit_their_budget(count, target):
+    for i in range(4):
+        rng = seed_rng("train", "fit", target, i)
+        doc = kv_training_document(rng, target, count, n_queries=24)
+        assert count(doc) <= target and 1 <= doc.count("assert ") <= 24
+        assert doc.count("assert ") == 24 or target < 1000
+        assert count(passkey_training_document(seed_rng("train", "pfit", target, i), target, count)) <= target

@@ -18,7 +18,14 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from snapquant import absorb_query, mla_decode_reference, project_output, quantize_kv, resolve_config, split_kv_b
+from snapquant import (
+    absorb_query,
+    mla_decode_reference,
+    project_output,
+    quantize_kv,
+    resolve_config,
+    split_kv_b,
+)
 
 REF_IMPL = "snapquant_test_reference"
 _STATE: dict = {}

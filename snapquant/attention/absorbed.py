@@ -105,7 +105,7 @@ def _causal_rows(positions: torch.Tensor, segments: list[Segment]) -> torch.Tens
 
 
 def _general(q_abs, segments: list[Segment], visibility, tau, config, backend, round_16bit):
-    B, S, H, D = q_abs.shape
+    B, S, H, _ = q_abs.shape
     r = segments[0].kv.latent.width
     out = q_abs.new_zeros(B, S, H, r)
     lse = q_abs.new_full((B, S, H), -math.inf)
@@ -185,6 +185,6 @@ def merge_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch
     w = torch.exp(stacked - m_safe)  # exp(-inf) = 0 for empty parts
     denom = w.sum(0)
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
-    out = sum(wi[..., None] * oi for wi, oi in zip(w, outs)) / safe[..., None]
+    out = sum(wi[..., None] * oi for wi, oi in zip(w, outs, strict=True)) / safe[..., None]
     lse = torch.where(denom > 0, m_safe + torch.log(safe), torch.full_like(m, -math.inf))
     return out, lse

@@ -428,7 +428,7 @@ class DenseLatentStore:
 
 def _compact(latent: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor):
     """Move each request's valid tokens (in order) to the front: -> [B, max(counts), w], zero-filled."""
-    B, S = valid.shape
+    B = valid.shape[0]
     n_max = int(counts.max()) if B else 0
     # A stable sort on "is padding" lists each request's valid positions first, in order.
     order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :n_max]

@@ -14,6 +14,7 @@ def sweep(
     config: Path = typer.Argument(..., help="Sweep YAML (see configs/quickstart.yaml)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and list the cells; run nothing."),
     out: Path = typer.Option(None, help="Results directory (overrides output_dir)."),
+    model: str = typer.Option(None, help="Model to use instead of the file's `model` ('embedded' or a checkpoint dir)."),
     executor: str = typer.Option(None, help="inline | local | slurm (overrides launcher.executor)."),
     evaluator: str = typer.Option(None, help="Custom cell evaluator 'module:Class' (default: lm-eval + fidelity)."),
     no_wait: bool = typer.Option(False, "--no-wait", help="Slurm: submit and return; `snapquant table` merges later."),
@@ -30,6 +31,8 @@ def sweep(
     overrides = {}
     if out is not None:
         overrides["output_dir"] = str(out)
+    if model is not None:
+        overrides["model"] = model
     try:
         if executor is not None:  # keep the file's other launcher settings
             overrides["launcher"] = {**_file_launcher(config), "executor": executor}
@@ -38,7 +41,7 @@ def sweep(
         res = execute(spec, ev, evaluator_path=evaluator, dry_run=dry_run, show_progress=not no_progress,
                       wait=not no_wait, console=console)
     except ConfigError as e:
-        console.print(f"[red]error:[/red] {e}", highlight=False)
+        console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     rep = res.report
     if dry_run:

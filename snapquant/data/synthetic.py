@@ -108,8 +108,8 @@ def _build_table(rng: random.Random, budget: int, count_tokens: CountTokens, dig
 
 def _fit(render: Callable[[int], str], n: int, count_tokens: CountTokens, budget: int, minimum: int) -> int:
     """Largest n' <= n whose rendering fits `budget` tokens (entry counts are nearly additive)."""
-    while n > minimum and count_tokens(render(n)) > budget:
-        n -= max(1, (count_tokens(render(n)) - budget) // 16)
+    while n > minimum and (excess := count_tokens(render(n)) - budget) > 0:
+        n = max(minimum, n - max(1, excess // 16))
     if count_tokens(render(max(n, minimum))) > budget:
         raise ConfigError(f"cannot fit a document into {budget} tokens")
     return max(n, minimum)
@@ -165,20 +165,30 @@ def kv_training_document(rng: random.Random, target_tokens: int, count_tokens: C
                          n_queries: int | None = None, digits: int | None = None) -> str:
     """A full lookup document for training: the table, the helper and several answered asserts.
 
-    Queried keys are drawn uniformly over the table, so retrieval is taught at every distance.
+    Queried keys are drawn uniformly over the table, so retrieval is taught at every distance. The
+    document fits `target_tokens` (as measured by `count_tokens`), so a packer that reserves that
+    much never cuts off the asserts, which carry all of the retrieval signal.
     """
     _check_budget(target_tokens, 64, "key-value")
     n_queries = n_queries if n_queries is not None else rng.randint(1, 8)
     digits = digits if digits is not None else rng.choice((5, 6, 7, 7, 7, 8))
     header, footer, func = _kv_parts(rng)
     probe = f'assert {func}("{WORDS[0]}_{WORDS[1]}") == "{"9" * digits}"\n'
-    fixed = count_tokens(header + footer) + n_queries * count_tokens(probe) + 1
+    frame = count_tokens(header + footer)
+    # Asserts may take at most half of what the frame leaves, so short documents still hold a table.
+    n_queries = max(1, min(n_queries, (target_tokens - frame) // (2 * count_tokens(probe) + 4)))
+    fixed = frame + n_queries * count_tokens(probe) + 1
     keys, values, _ = _build_table(rng, target_tokens, count_tokens, digits, fixed, 1)
-    n = len(keys)
-    asks = [rng.randrange(n) for _ in range(n_queries)]
-    body = "".join(_entry(k, v) for k, v in zip(keys, values, strict=True))
-    tail = "".join(f'assert {func}("{keys[i]}") == "{values[i]}"\n' for i in asks)
-    return header + body + footer + tail
+    # Queries as relative positions, so trimming the table to fit keeps all of them.
+    asks = [rng.random() for _ in range(n_queries)]
+
+    def render(n_entries: int) -> str:
+        body = "".join(_entry(keys[i], values[i]) for i in range(n_entries))
+        picked = [min(n_entries - 1, int(a * n_entries)) for a in asks]
+        tail = "".join(f'assert {func}("{keys[i]}") == "{values[i]}"\n' for i in picked)
+        return header + body + footer + tail
+
+    return render(_fit(render, len(keys), count_tokens, target_tokens, 1))
 
 
 # ----------------------------------------------------------------------------------- pass keys
@@ -235,7 +245,8 @@ def passkey_example(rng: random.Random, target_tokens: int, count_tokens: CountT
 def passkey_training_document(rng: random.Random, target_tokens: int, count_tokens: CountTokens,
                               haystack: Sequence[str] | None = None) -> str:
     """A pass-key document with its answer, the needle at a uniformly random depth."""
-    ex = passkey_example(rng, target_tokens, count_tokens, depth=rng.random(), haystack=haystack,
+    # Two tokens of room for the closing ".\n" / "\n" after the answer.
+    ex = passkey_example(rng, target_tokens - 2, count_tokens, depth=rng.random(), haystack=haystack,
                          digits=rng.choice((4, 5, 5, 6, 7)))
     end = "\n" if haystack is not None else ".\n"
     return ex["prompt"] + " " + ex["answer"] + end

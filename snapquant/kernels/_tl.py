@@ -14,8 +14,11 @@ paths accumulate in fp32, so the two modes compute the same numbers up to summat
 bf16 tensors always travel as int16 views (`bits16` turns them into values).
 
 Dot operand kinds (constexpr, chosen by the launcher):
-  OP_F32  fp32 operands, ieee (interpreter);   OP_BF16 bf16 MMA;
-  OP_FP8  e4m3 MMA with fp32 promotion;        OP_FP16 fp16 MMA (e4m3 values, K < 32).
+  OP_F32  fp32 operands, ieee (interpreter)
+  OP_BF16 bf16 MMA (bf16 query / P against the latent)
+  OP_FP16 fp16 MMA of e4m3 values: exact products, fp32 accumulation (the GPU default for fp8 x fp8)
+  OP_FP8  native e4m3 MMA, promoted to fp32 every 32 products (opt-in: Hopper's FP8 MMA keeps ~14
+          bits inside each K = 32 step, measured 4.5e-5 relative error at M = 64 on an H200)
 """
 
 from __future__ import annotations

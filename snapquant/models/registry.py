@@ -95,7 +95,7 @@ def dense_weight(linear: nn.Module) -> torch.Tensor:
     return out.t().contiguous()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cache_layout(cls: type) -> str | None:
     """'latent' if `cls.forward` caches the latent (cache.update before expand_kv, transformers >= 5.15),
     'expanded' if it caches per-head K/V (expand_kv first: DSA families before ~5.2x), None if neither."""

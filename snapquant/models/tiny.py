@@ -76,6 +76,13 @@ FAMILIES: dict[str, FamilySpec] = {
 }
 
 
+def available_families() -> list[str]:
+    """Families of FAMILIES present in the installed transformers (older versions lack some)."""
+    import importlib.util
+
+    return [f for f in FAMILIES if importlib.util.find_spec(f"transformers.models.{f}") is not None]
+
+
 def family_axes(family: str) -> dict[str, tuple]:
     """Variant values a family supports: {'moe': (False, True), 'q_lora': ..., 'interleave': ..., 'yarn': ...}."""
     spec = _spec(family)
@@ -125,6 +132,8 @@ def tiny_config(family: str, *, moe: bool = False, q_lora: bool = True, interlea
         if "mlp_layer_types" in kw:
             kw["mlp_layer_types"] = ["dense"] + kw["mlp_layer_types"]
         kw.update(linear_head_dim=16, linear_num_heads=4) if family == "kimi_linear" else None
+    if family == "glm5_next":  # by default 3 of 4 layers are linear attention: make them all MLA
+        kw["layer_types"] = ["full_attention"] * layers  # (5.2x renames these "indexed_attention")
     kw.update(overrides)
     cls = getattr(_module(family, "configuration"), spec.config_cls)
     if yarn:  # keep family-specific RoPE fields (e.g. mistral4's llama_4_scaling_beta), switch to YaRN

@@ -195,7 +195,7 @@ class LmEvalEvaluator:
         timing: dict[str, float] = {}
         out: dict[str, Any] = {"tasks": {}, "samples": {}, "lm_eval": {}, "fidelity": None}
         with _patch(patcher, self.model, cell.config, spec.backend):
-            lm = self._make_lm(spec)
+            lm = self._make_lm(spec, cell)
             for task in spec.tasks:
                 t0 = time.perf_counter()
                 res = self._run_task(lm, task, spec, progress)
@@ -218,11 +218,18 @@ class LmEvalEvaluator:
         out["timing"] = timing
         return out
 
-    def _make_lm(self, spec: SweepSpec) -> Any:
+    def _make_lm(self, spec: SweepSpec, cell: Cell) -> Any:
+        import inspect
+
         cls = self._lm_class or default_lm_class()
         kw: dict[str, Any] = {"pretrained": self.model, "tokenizer": self.tokenizer, "batch_size": spec.batch_size}
         if spec.max_length:
             kw["max_length"] = spec.max_length
+        params = inspect.signature(cls.__init__).parameters
+        if "kv_config" in params:  # SnapquantLM: (re)patches to this config and gives generate a LatentCache
+            kw["kv_config"] = cell.config
+            if spec.backend is not None:
+                kw["backend"] = spec.backend
         return cls(**kw)
 
     def _run_task(self, lm: Any, task: Any, spec: SweepSpec, progress: Any) -> dict[str, Any]:

@@ -94,8 +94,10 @@ def _dataset(rows: list[dict]):
 # ------------------------------------------------------------------------------ held-out code
 
 def code_ppl_docs(**kwargs: Any):
-    """One document per shipped held-out source file (never trained on)."""
-    return _dataset([{"path": r["path"], "text": r["text"]} for r in load_heldout()])
+    """One document per shipped held-out source file (never trained on), smallest first, so that
+    `--limit N` gives a quick estimate; the full set is what the model card reports."""
+    rows = sorted(load_heldout(), key=lambda r: (r["bytes"], r["path"]))
+    return _dataset([{"path": r["path"], "text": r["text"]} for r in rows])
 
 
 def completion_rows(seed: int = DEFAULT_SEED, num_samples: int = 200, max_context_chars: int = 4000) -> list[dict]:
@@ -215,6 +217,25 @@ def aggregate_by_length(values: list[float]) -> float:
 
 # ------------------------------------------------------------------------- RULER offline subset
 
+def _seeded_ruler(fn, kwargs: dict[str, Any]):
+    """Call a RULER generator with Python's and numpy's global RNGs seeded from `sq_seed`.
+
+    RULER draws from the global RNGs, so its documents otherwise depend on whatever ran before in
+    the process; seeding (and restoring the previous state after) makes them a function of the seed.
+    """
+    import numpy as np
+
+    seed = _int(kwargs, "sq_seed", DEFAULT_SEED)
+    py_state, np_state = random.getstate(), np.random.get_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        return fn(**_ruler_tokenizer_kwargs(kwargs))
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
 def _ruler_tokenizer_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     kwargs = dict(kwargs)
     kwargs["tokenizer"] = _tokenizer_name(kwargs) or default_tokenizer_path()
@@ -247,28 +268,27 @@ def _import_ruler(module: str):
 
 
 def ruler_niah_single_1(**kwargs: Any):
-    return _import_ruler("niah_utils").niah_single_1(**_ruler_tokenizer_kwargs(kwargs))
+    return _seeded_ruler(_import_ruler("niah_utils").niah_single_1, kwargs)
 
 
 def ruler_niah_multikey_2(**kwargs: Any):
-    return _import_ruler("niah_utils").niah_multikey_2(**_ruler_tokenizer_kwargs(kwargs))
+    return _seeded_ruler(_import_ruler("niah_utils").niah_multikey_2, kwargs)
 
 
 def ruler_niah_multikey_3(**kwargs: Any):
-    return _import_ruler("niah_utils").niah_multikey_3(**_ruler_tokenizer_kwargs(kwargs))
+    return _seeded_ruler(_import_ruler("niah_utils").niah_multikey_3, kwargs)
 
 
 def ruler_cwe(**kwargs: Any):
-    return _import_ruler("cwe_utils").get_cw_dataset(**_ruler_tokenizer_kwargs(kwargs))
+    return _seeded_ruler(_import_ruler("cwe_utils").get_cw_dataset, kwargs)
 
 
 def ruler_fwe(**kwargs: Any):
-    return _import_ruler("fwe_utils").fwe_download(**_ruler_tokenizer_kwargs(kwargs))
+    return _seeded_ruler(_import_ruler("fwe_utils").fwe_download, kwargs)
 
 
 def process_ruler(doc: dict, results: list[str]) -> dict[str, float]:
-    """RULER's string_match_all (each reference found, case-insensitive), keyed by length."""
-    pred = "\n".join(results[0].strip().split("\x00")).strip()
-    refs = doc["outputs"]
-    score = sum(1.0 for r in refs if r.lower() in pred.lower()) / len(refs)
-    return _by_length(doc["max_length"], score)
+    """RULER's own scoring (string_match_all: share of references found), keyed by length."""
+    from lm_eval.tasks.ruler.common_utils import postprocess_pred, string_match_all
+
+    return _by_length(doc["max_length"], string_match_all(postprocess_pred(results), [doc["outputs"]]))

@@ -1,0 +1,60 @@
+"""Shared plumbing of the experiment scripts: arguments, model and text loading, writing tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parser(description: str, name: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default="embedded", help="'embedded' or a Hugging Face checkpoint directory")
+    p.add_argument("--dtype", default="float32", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--text", default=None, help=".txt / .jsonl text (default: the held-out code)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--num-sequences", type=int, default=4)
+    p.add_argument("--out", type=Path, default=ROOT / "results" / name)
+    return p
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """-> (model, tokenizer, input_ids [N, T])."""
+    from snapquant.fidelity import fidelity_tokens
+    from snapquant.sweep.model import load_model
+
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    ids = fidelity_tokens(tok, args.text, args.seq_len, args.num_sequences)
+    return model, tok, ids
+
+
+def md_table(df: pd.DataFrame, floatfmt: str = ".4g") -> str:
+    cols = [str(c) for c in df.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, row in df.iterrows():
+        lines.append("| " + " | ".join(format(v, floatfmt) if isinstance(v, float) else str(v) for v in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, stem: str, df: pd.DataFrame, title: str, notes: str = "", meta: dict | None = None) -> None:
+    """table `stem`.md (with title, notes and run metadata) and `stem`.csv, written atomically."""
+    from snapquant.sweep.env import environment
+    from snapquant.sweep.store import atomic_write_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    info = {"written": time.strftime("%Y-%m-%d %H:%M:%S"), **(meta or {})}
+    env = environment()
+    info["torch"] = env["packages"]["torch"]
+    info["transformers"] = env["packages"]["transformers"]
+    info["hardware"] = (env["hardware"]["gpus"][0]["name"] if env["hardware"]["gpus"]
+                        else f"CPU x{env['hardware']['cpu_count']}")
+    text = f"# {title}\n\n{notes.strip()}\n\n{md_table(df)}\n```\n{json.dumps(info, indent=1)}\n```\n"
+    atomic_write_text(out / f"{stem}.md", text)
+    atomic_write_text(out / f"{stem}.csv", df.to_csv(index=False))

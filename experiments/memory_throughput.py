@@ -1,0 +1,126 @@
+"""Memory and throughput: cache bytes per token of every preset, and decode speed of the patched model.
+
+1. memory: bytes per token per layer at the model's dims and at DeepSeek-V3's (512 / 64), the ratio
+   to BF16, and tokens per GiB of cache for the whole model (all MLA layers);
+2. throughput: median decode-step latency (tokens/s) of the unpatched model and of the patched
+   model per preset, at several context lengths. On a CPU this times the pure-PyTorch reference
+   backend, which is a correctness oracle, not a fast path: read those numbers as relative costs of
+   the simulation. With a GPU the `auto` backend runs the Triton kernels.
+Writes results/memory_throughput/: memory.md/.csv, throughput.md/.csv, memory_throughput.png/.pdf.
+
+    python experiments/memory_throughput.py [--model embedded|PATH] [--contexts 256 1024 2048]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pandas as pd
+import torch
+from _common import parser, write
+
+from snapquant import PRESETS, ConfigError, bytes_per_token
+from snapquant.analysis.plots import plt, save_figure
+from snapquant.patch import patched
+from snapquant.sweep.model import load_model, model_info
+
+SPEED_PRESETS = ("bf16", "snapmla", "snapmla_kv_only", "per_tensor_fp8", "ds_v32")
+
+
+def memory_table(info: dict) -> pd.DataFrame:
+    r, d, layers = info["kv_lora_rank"], info["qk_rope_head_dim"], info["num_mla_layers"]
+    rows = []
+    for name, cfg in PRESETS.items():
+        try:
+            b = bytes_per_token(cfg, r, d)
+        except ConfigError:
+            b = float("nan")
+        try:
+            ds = bytes_per_token(cfg, 512, 64)
+        except ConfigError:
+            ds = float("nan")
+        rows.append({"preset": name, "bytes_per_token_layer": b, "ratio_vs_bf16": b / bytes_per_token(PRESETS["bf16"], r, d),
+                     "tokens_per_gib_model": 2**30 / (b * layers), "deepseek_bytes_per_token_layer": ds,
+                     "deepseek_v3_tokens_per_gib": 2**30 / (ds * 61)})
+    return pd.DataFrame(rows)
+
+
+@torch.no_grad()
+def step_latency(model, ids: torch.Tensor, steps: int) -> float:
+    from snapquant.fidelity import _cache_kw, _returned_cache
+
+    kw = _cache_kw(model)
+    cache = _returned_cache(model(input_ids=ids, use_cache=True))
+    B, T = ids.shape
+    nxt = ids[:, -1:]
+    times = []
+    for i in range(steps + 2):  # two warm-up steps
+        pos = torch.full((B, 1), T + i, dtype=torch.long, device=ids.device)
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model(input_ids=nxt, position_ids=pos, use_cache=True, **{kw: cache})
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+        cache = _returned_cache(out)
+        nxt = out.logits[:, -1:].argmax(-1)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0], "memory_throughput")
+    p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    args = p.parse_args()
+    model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
+    info = model_info(model)
+    mem = memory_table(info)
+    write(args.out, "memory", mem, f"KV-cache memory per preset: {args.model}",
+          f"Model dims: kv_lora_rank {info['kv_lora_rank']}, RoPE {info['qk_rope_head_dim']}, "
+          f"{info['num_mla_layers']} MLA layers. DeepSeek columns: 512 / 64 dims, 61 layers (DeepSeek-V3).", info)
+    dev = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for T in args.contexts:
+        ids = torch.randint(10, model.config.vocab_size, (args.batch, T), generator=g).to(dev)
+        base = step_latency(model, ids, args.steps)
+        rows.append({"config": "unpatched", "context": T, "batch": args.batch, "step_s": base,
+                     "tokens_per_s": args.batch / base})
+        for name in SPEED_PRESETS:
+            try:
+                with patched(model, PRESETS[name]):
+                    t = step_latency(model, ids, args.steps)
+            except ConfigError as e:
+                print(f"skip {name}: {e}")
+                continue
+            rows.append({"config": name, "context": T, "batch": args.batch, "step_s": t, "tokens_per_s": args.batch / t})
+            print(rows[-1])
+    thr = pd.DataFrame(rows)
+    write(args.out, "throughput", thr, f"Decode throughput: {args.model} on {dev}",
+          "Median latency of one decode step (batch x 1 new token) after prefilling `context` random tokens; "
+          "2 warm-up steps. On CPU the patched model runs the pure-PyTorch reference backend (an exact simulation, "
+          "not an optimized kernel): compare configs with each other, not with the unpatched model.",
+          {"steps": args.steps, "device": str(dev)})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    m = mem.dropna(subset=["bytes_per_token_layer"])
+    axes[0].barh(m["preset"], m["bytes_per_token_layer"], color="C0")
+    axes[0].invert_yaxis()
+    axes[0].set(xlabel="cache bytes / token / layer", title="KV-cache size per preset")
+    for name, grp in thr.groupby("config", sort=False):
+        axes[1].plot(grp["context"], grp["tokens_per_s"], marker="o", label=name)
+    axes[1].set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens / s", title=f"decode throughput ({dev})")
+    axes[1].legend(fontsize=7)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    save_figure(fig, args.out, "memory_throughput")
+    print((args.out / "memory.md").read_text())
+    print((args.out / "throughput.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

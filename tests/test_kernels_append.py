@@ -1,0 +1,140 @@
+"""Fused quantize-and-append (snapquant.kernels.quantize_append), in the Triton interpreter.
+
+Contract: the stored codes, scales and RoPE are bit-identical to `snapquant.quantize_kv` for the
+snapmla, ds_v32 and bf16 layouts (any input dtype), at the slots given, and nothing else is written.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from snapquant import PRESETS, quantize_kv
+from snapquant.errors import ConfigError, ShapeError
+from snapquant.kernels import PagedMLACache, quantize_append
+
+# rope / a floored scale overflows fp32 before the clamp to the bf16 range, in the reference too.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")
+
+CONFIGS = {
+    "snapmla": PRESETS["snapmla"],
+    "snapmla_pow2": PRESETS["snapmla"].replace(scale_format="pow2"),
+    "ds_v32": PRESETS["ds_v32"].replace(block_size=32),  # 4 power-of-two scales per token at r = 128
+    "ds_v32_one_block": PRESETS["ds_v32"],  # block 128 = r: one scale
+    "bf16": PRESETS["bf16"],
+}
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns, so comparisons are exact (NaN == NaN, -0 != +0)."""
+    if t.dtype in (torch.float8_e4m3fn,):
+        return t.view(torch.uint8)
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16)
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def inputs(n: int, r: int, d: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.logspace(-3, 3, n)[torch.randperm(n, generator=g)][:, None]
+    latent = torch.randn(n, r, generator=g) * mag
+    rope = torch.randn(n, d, generator=g) * 30
+    latent[0] = 0.0  # amax 0 -> scale 1
+    latent[1] = 1e-30  # below the scale floor
+    rope[1] = 1e13  # rope / floored scale overflows bf16 -> saturates (snapmla)
+    latent[2, :5] = torch.tensor([448.0, -1e4, 3.0, 0.5, 2.0**-20])
+    latent[3] = 2.0 ** torch.arange(r, dtype=torch.float32).remainder(40).sub(20)  # exact powers of two
+    return latent.to(dtype), rope.to(dtype)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_bit_exact_against_quantize_kv(name, dtype):
+    config = CONFIGS[name]
+    r, d, n = 128, 32, 96
+    latent, rope = inputs(n, r, d, dtype)
+    if dtype == torch.float16:  # keep the float16 inputs finite
+        latent, rope = latent.float().clamp(-6e4, 6e4).half(), rope.float().clamp(-6e4, 6e4).half()
+    ref = quantize_kv(latent, rope, config)
+    cache = PagedMLACache.empty(1, 300, r, d, config)
+    g = torch.Generator().manual_seed(1)
+    slots = torch.randperm(cache.num_pages * 64, generator=g)[:n]  # scattered over pages and rows
+    before = {k: raw(v).clone() for k, v in _parts(cache).items()}
+    quantize_append(latent, rope, cache, slots)
+    page, row = slots // 64, slots % 64
+    assert torch.equal(raw(cache.latent[page, row]), raw(ref.latent.data))
+    assert torch.equal(raw(cache.rope[page, row]), raw(ref.rope.data))
+    if cache.scale is not None:
+        got = cache.scale[page, row].reshape(n, -1)
+        assert torch.equal(raw(got), raw(ref.latent.scale.reshape(n, -1)))
+    # Nothing outside the given slots changed.
+    untouched = torch.ones(cache.num_pages, 64, dtype=torch.bool)
+    untouched[page, row] = False
+    for k, v in _parts(cache).items():
+        assert torch.equal(raw(v)[untouched], before[k][untouched]), k
+
+
+def _parts(cache: PagedMLACache) -> dict[str, torch.Tensor]:
+    parts = {"latent": cache.latent, "rope": cache.rope}
+    if cache.scale is not None:
+        parts["scale"] = cache.scale
+    return parts
+
+
+def test_negative_slots_are_skipped_and_leading_dims_flatten():
+    config = CONFIGS["snapmla"]
+    latent, rope = inputs(12, 64, 16, torch.bfloat16)
+    cache = PagedMLACache.empty(1, 64, 64, 16, config)
+    slots = torch.arange(12).view(3, 4)
+    slots[1] = -1  # padding tokens
+    quantize_append(latent.view(3, 4, 64), rope.view(3, 4, 16), cache, slots)
+    ref = quantize_kv(latent, rope, config)
+    keep = (slots.flatten() >= 0)
+    assert torch.equal(raw(cache.latent[0, slots.flatten()[keep]]), raw(ref.latent.data[keep]))
+    assert (raw(cache.latent[0, 4:8]) == 0).all() and (cache.scale[0, 4:8] == 1).all()
+
+
+@pytest.mark.parametrize("name", ["snapmla", "ds_v32", "bf16"])
+def test_incremental_append_equals_bulk_quantization(name):
+    """Token-by-token decode appends == quantizing the whole sequence (per-token scales are causal)."""
+    config = CONFIGS[name]
+    B, r, d = 2, 128, 16
+    latent, rope = inputs(B * 70, r, d, torch.bfloat16)
+    latent, rope = latent.view(B, 70, r), rope.view(B, 70, d)
+    cache = PagedMLACache.empty(B, 140, r, d, config, num_pages=7)  # one spare page
+    cache.append(latent[:, :40], rope[:, :40])  # a prefill that ends mid-page
+    for t in range(40, 70):
+        cache.append(latent[:, t:t + 1], rope[:, t:t + 1])
+    assert cache.lengths.tolist() == [70, 70]
+    got, ref = cache.to_quantized_kv(70), quantize_kv(latent, rope, config)
+    assert torch.equal(raw(got.latent.data), raw(ref.latent.data))
+    assert torch.equal(raw(got.rope.data), raw(ref.rope.data))
+    if ref.latent.scale is not None:
+        assert torch.equal(got.latent.scale, ref.latent.scale)
+
+
+def test_append_validation():
+    config = CONFIGS["snapmla"]
+    cache = PagedMLACache.empty(2, 64, 64, 16, config)
+    lat, rope = torch.randn(3, 64), torch.randn(3, 16)
+    ok_slots = torch.tensor([0, 1, 2])
+    with pytest.raises(ShapeError, match="slot_mapping has a slot beyond the page pool"):
+        quantize_append(lat, rope, cache, torch.tensor([0, 1, 128]))
+    with pytest.raises(ShapeError, match="latent must have shape"):
+        quantize_append(torch.randn(3, 32), rope, cache, ok_slots)
+    with pytest.raises(ShapeError, match="rope must have shape"):
+        quantize_append(lat, torch.randn(2, 16), cache, ok_slots)
+    with pytest.raises(ShapeError, match=r"latent has dtype torch\.int32"):
+        quantize_append(lat.int(), rope, cache, ok_slots)
+    with pytest.raises(ShapeError, match=r"slot_mapping has dtype torch\.float32"):
+        quantize_append(lat, rope, cache, ok_slots.float())
+    with pytest.raises(ShapeError, match="latent must be contiguous in its last dim"):
+        quantize_append(torch.randn(64, 3).t(), rope, cache, ok_slots)
+    with pytest.raises(ShapeError, match="latent is on meta"):
+        quantize_append(lat.to("meta"), rope, cache, ok_slots)
+    with pytest.raises(ConfigError, match="ds_v32 layout but the cache holds the snapmla layout"):
+        quantize_append(lat, rope, cache, ok_slots, PRESETS["ds_v32"])
+    with pytest.raises(ShapeError, match="overflows a request's pages"):
+        cache.append(torch.randn(2, 65, 64), torch.randn(2, 65, 16))
+    with pytest.raises(ShapeError, match=r"latent must be \[B=2, n, r\]"):
+        cache.append(torch.randn(3, 1, 64), torch.randn(3, 1, 16))

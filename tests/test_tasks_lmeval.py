@@ -1,0 +1,82 @@
+"""Every snapquant task runs through lm-eval on a model (the embedded one once it is trained, a tiny
+random DeepSeek-V3 with the embedded tokenizer before), and the direct harness agrees with lm-eval."""
+
+import pytest
+import torch
+
+from snapquant.embedded import TINY_ARCH, embedded_config, has_weights, load_embedded, load_tokenizer
+from snapquant.tasks import direct, sq_utils, task_manager
+
+TASKS = ["sq_code_ppl", "sq_code_completion", "sq_kv_retrieval_1k", "sq_passkey", "sq_passkey_code"]
+RULER = ["sq_niah_single_1", "sq_niah_multikey_2", "sq_niah_multikey_3", "sq_ruler_cwe", "sq_ruler_fwe"]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    if has_weights():
+        return load_embedded(dtype="float32")
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(embedded_config(TINY_ARCH, max_position_embeddings=4096)).eval()
+    return model, load_tokenizer()
+
+
+def _evaluate(model_and_tokenizer, tasks, limit, **kw):
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    model, tok = model_and_tokenizer
+    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=2, max_length=4096)
+    tm = task_manager(include_defaults=False, num_samples=3, max_seq_lengths=[1024])
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, bootstrap_iters=0,
+                                   log_samples=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def results(model_and_tokenizer):
+    # 16 new tokens at most (the retrieval tasks' own limit): keeps next-line completion cheap on CPU.
+    return _evaluate(model_and_tokenizer, TASKS, limit=2, gen_kwargs="max_gen_toks=16")
+
+
+def test_snapquant_tasks_run_through_lm_eval(results):
+    r = results["results"]
+    assert set(TASKS) <= set(r)
+    for name in ("sq_code_completion", "sq_kv_retrieval_1k", "sq_passkey", "sq_passkey_code"):
+        assert 0.0 <= r[name]["exact_match,none"] <= 1.0
+        assert len(results["samples"][name]) == 2
+    assert r["sq_passkey"]["1024,none"] in (0.0, 0.5, 1.0) and r["sq_passkey"]["4096,none"] == -1
+    assert r["sq_code_ppl"]["bits_per_byte,none"] > 0 and r["sq_code_ppl"]["word_perplexity,none"] > 1
+    # Prompts reach the model untouched (no stripping), ending where the answer starts.
+    kv = results["samples"]["sq_kv_retrieval_1k"][0]
+    assert kv["arguments"][0][0] == kv["doc"]["prompt"] and kv["arguments"][0][0].endswith(') == "')
+    comp = results["samples"]["sq_code_completion"][0]
+    assert comp["arguments"][0][0] == comp["doc"]["context"]
+
+
+def test_direct_harness_agrees_with_lm_eval(results, model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    for name, stops in (("sq_kv_retrieval_1k", ['"', "\n"]), ("sq_passkey", ["\n", "."])):
+        samples = results["samples"][name]
+        prompts = [s["doc"]["prompt"] for s in samples]
+        ours = direct.greedy_generate(model, tok, prompts, sq_utils.ANSWER_RESERVE, stops, batch_size=2)
+        assert ours == [s["resps"][0][0] for s in samples], name
+    texts = [s["doc"]["text"] for s in results["samples"]["sq_code_ppl"]]
+    ppl = direct.score_code_ppl(model, tok, max_length=4096, texts=texts)
+    assert ppl["bits_per_byte"] == pytest.approx(results["results"]["sq_code_ppl"]["bits_per_byte,none"], rel=1e-4)
+
+
+def test_ruler_subset_runs_offline_with_local_tokenizer(model_and_tokenizer):
+    res = _evaluate(model_and_tokenizer, RULER, limit=1, gen_kwargs="max_gen_toks=4")
+    for name in RULER:
+        assert 0.0 <= res["results"][name]["1024,none"] <= 1.0, name
+        assert res["samples"][name][0]["doc"]["max_length"] == 1024
+
+
+def test_ruler_docs_are_deterministic():
+    a = sq_utils.ruler_niah_single_1(max_seq_lengths=[1024])["test"]
+    b = sq_utils.ruler_niah_single_1(max_seq_lengths=[1024])["test"]
+    c = sq_utils.ruler_niah_single_1(max_seq_lengths=[1024], sq_seed=7)["test"]
+    assert a[:5] == b[:5] and a[:5] != c[:5] and len(a) == 500
+    count = sq_utils.token_counter(sq_utils.get_tokenizer(None))
+    assert all(count(x["input"]) <= 1024 for x in a.select(range(5)))
