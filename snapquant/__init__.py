@@ -33,6 +33,7 @@ __all__ = [
 _LAZY = {
     "patch": "patch", "unpatch": "patch", "patched": "patch", "is_patched": "patch", "patched_config": "patch",
     "LatentCache": "cache", "LatentLayer": "cache",
+    "load_embedded": "embedded", "EMBEDDED_PATH": "embedded",  # the shipped trained model (issue 4)
 }
 __all__ += list(_LAZY)
 

@@ -13,15 +13,28 @@ How (the seams of models/registry.py, per attention module, all reversible):
 4. `prefill: bf16` calls with S > 1 run the family's stock attention on the fresh activations (any
    mask, any attention implementation, bit-identical to the unpatched model), prefixed by the
    dequantized cache when one exists (chunked prefill, assisted-decoding verification).
-The model config itself is never changed, so HF keeps building the causal / padding masks for its own
-attention implementation (the unregistered-mask trap of hf-lmeval.md cannot drop them).
+A call is a decode step when S == 1 (HF has no separate phase), so a one-token prompt already attends
+to its own quantized latent. Families whose forward caches the expanded per-head K/V (DSA families
+before transformers ~5.2x: expand_kv before cache.update) are handled at expand_kv instead.
+
+Masks: the model config itself is never changed, so HF keeps building the causal / padding masks for
+its own attention implementation (the unregistered-mask trap of hf-lmeval.md cannot drop them). The
+wrapper reads padding from that mask's diagonal; padding tokens are never stored, so the standard
+padding + causal case needs only per-request lengths. Any other visibility (DSA top-k selections,
+packed sequences, custom 4D masks) is detected by comparison and runs the gather path of
+snapquant.attention.absorbed (each query's visible rows, as a sparse kernel reads them).
 
 Identity configs (`bf16`): the cache keeps the activations in the model's dtype and decode runs with
 `round_16bit = (activations are 16-bit)`, so an fp32 model is reproduced to fp32 rounding and a bf16
-model gets exactly the 1152 B/token bf16 cache with bf16 query and P.
+model gets exactly the 1152 B/token bf16 cache with bf16 query and P. Quantized configs always round
+a `bf16` query / P to bf16, as a kernel does.
 
-`generate` on a patched model creates a `LatentCache` automatically; `model(ids)` converts the
-DynamicCache HF creates in place. Inference only: no gradients flow through the quantized cache.
+Caches: `generate` on a patched model creates a `LatentCache` with the patch's config; `model(ids)`
+converts the empty DynamicCache HF creates in place; a `LatentCache` the caller passes keeps its own
+config (storage and decode knobs). Formats that are not causal-consistent follow the store's policy
+(snapquant.attention.storage: scales frozen at the first append, KIVI residual window); with
+`prefill: quantized` their prefill attends to what the cache holds after the append.
+Inference only (no gradients through the quantized cache); torch.compile is not supported.
 """
 
 from __future__ import annotations

@@ -50,14 +50,16 @@ def test_tiny_train_export_install(tmp_path):
                  "--export", str(export), "--steps", "3", "--seq-len", "256", "--batch-size", "2",
                  "--workers", "0", "--warmup", "2", "--log-every", "1", "--minutes", "10",
                  "--eval-reserve-s", "0", "--probe-minutes", "1000", "--ckpt-minutes", "1000",
-                 "--eval-samples", "2", "--eval-passkey-samples", "1", "--eval-completion-samples", "1",
+                 "--eval-samples", "2", "--eval-passkey-samples", "1", "--eval-completion-samples", "0",
                  "--eval-ppl-files", "1", "--eval-batch", "8"])
     events = [json.loads(line)["event"] for line in (out / "training_log.jsonl").read_text().splitlines()]
     assert events[0] == "start" and events.count("step") == 3 and events[-1] == "done"
     assert {"train_end", "saved", "eval", "export"} <= set(events)
     state = json.loads((out / "training_state.json").read_text())
     assert state["steps"] == 3 and state["tokens"] == 3 * 2 * 256
-    assert 0 <= state["bf16_scores"]["sq_kv_retrieval_256"] <= 1 and state["bf16_scores"]["bits_per_byte"] > 0
+    scores = state["bf16_scores"]
+    assert 0 <= scores["sq_kv_retrieval_256"] <= 1 and 0 <= scores["sq_passkey_code_256"] <= 1
+    assert scores["bits_per_byte"] > 0 and scores["val_loss_fp32_master"] > 0
     card = (out / "README.md").read_text()
     assert "## Architecture" in card and "sq_kv_retrieval_256" in card
     files = sorted(f.name for f in export.iterdir())

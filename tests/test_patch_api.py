@@ -175,3 +175,72 @@ def test_attention_name_is_internal():
         att = next(m for m in model.modules() if hasattr(m, "kv_a_proj_with_mqa"))
         with pytest.raises(ConfigError, match="internal to snapquant"):
             AttentionInterface._global_mapping[ATTN_IMPLEMENTATION](att, None, None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_identity_preset_is_exact_and_bf16_model_runs_quantized():
+    dev = torch.device("cuda")
+    model = tiny_model("deepseek_v3").to(dev)
+    ids, am = (t.to(dev) for t in batch_inputs())
+    _, s0, t0, _ = greedy(model, ids, am, 16)
+    with snapquant.patched(model, "bf16"):
+        _, s1, t1, _ = greedy(model, ids, am, 16)
+    assert rel_diff(s0, s1, s0) <= TOL and torch.equal(t0, t1)
+    half = tiny_model("deepseek_v3", dtype=torch.bfloat16).to(dev)
+    _, h0, _, _ = greedy(half, ids, am, 4)
+    with snapquant.patched(half, "bf16"):
+        _, h1, _, cache = greedy(half, ids, am, 4)
+    assert rel_diff(h0[0], h1[0], h0) <= 3e-2  # bf16 rounding of q and P in both, in different places
+    with snapquant.patched(half, "snapmla"):
+        _, h2, _, cache = greedy(half, ids, am, 4)
+    layer = next(x for x in cache.layers if type(x).__name__ == "LatentLayer")
+    assert layer.store.parts["nope"].codes.dtype == torch.float8_e4m3fn and layer.store.lengths.device.type == "cuda"
+    assert torch.isfinite(h2).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_device_map_over_two_gpus(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("deepseek_v3", layers=4).save_pretrained(tmp_path / "m")
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
+                  "model.layers.2": 1, "model.layers.3": 1, "model.norm": 1, "lm_head": 1}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=device_map, dtype=torch.float32)
+    ids, am = (t.to("cuda:0") for t in batch_inputs())
+    want, want_t, _ = generate(model, ids, am, 12)
+    with snapquant.patched(model, "bf16"):
+        got, got_t, _ = generate(model, ids, am, 12)
+    assert rel_diff(want, got.to(want.device), want) <= TOL and torch.equal(want_t, got_t.to(want_t.device))
+    with snapquant.patched(model, "snapmla"):
+        _, _, cache = generate(model, ids, am, 4)
+    devices = [layer.store.lengths.device for layer in cache.latent_layers]
+    assert [d.index for d in devices] == [0, 0, 1, 1]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_auto_backend_runs_the_triton_kernel_on_cuda():
+    pytest.importorskip("triton")
+    from snapquant.attention.backends import resolve_backend
+
+    kernels = pytest.importorskip("snapquant.kernels")
+    dev = torch.device("cuda")
+    cfg = PRESETS["snapmla"]
+    if not kernels.supports(cfg):
+        pytest.skip("the kernels do not implement snapmla")
+    assert resolve_backend("auto", cfg, dev).name == "triton"
+    model = tiny_model("deepseek_v3", kv_lora_rank=64, qk_rope_head_dim=16, dtype=torch.bfloat16).to(dev)
+    ids, am = (t.to(dev) for t in batch_inputs())
+    with snapquant.patched(model, cfg, backend="reference"):
+        _, ref, ref_t, _ = greedy(model, ids, am, 8)
+    with snapquant.patched(model, cfg, backend="auto"):
+        _, got, got_t, _ = greedy(model, ids, am, 8)
+    assert rel_diff(ref[0], got[0], ref) <= 2e-3
+    same = int((ref_t == got_t).all(0).long().cumprod(0).sum())  # steps before any token differs
+    assert rel_diff(ref[:same], got[:same], ref) <= 2e-3

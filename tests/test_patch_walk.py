@@ -15,7 +15,7 @@ from test_patch_support import batch_inputs, greedy, rel_diff
 import snapquant
 from snapquant.errors import ConfigError
 from snapquant.models.registry import ADAPTERS, REFUSED, mla_attention_classes
-from snapquant.models.tiny import FAMILIES, tiny_model
+from snapquant.models.tiny import FAMILIES, available_families, tiny_model
 
 CLASSES = mla_attention_classes()
 
@@ -31,6 +31,8 @@ def _one_thread():
 def test_the_walk_finds_the_known_families():
     for family in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "longcat_flash", "glm4_moe_lite", "minicpm3",
                    "mistral4", "youtu", "kimi_linear"):
+        if family not in available_families():  # kimi_linear arrived in transformers 5.17
+            continue
         assert family in CLASSES, f"{family} not found among MLA attention classes"
 
 

@@ -12,7 +12,7 @@ function (sdpa's), because an unregistered name would silently get no causal mas
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +33,8 @@ class LayerCapture:
     """[B, H, S, qk_nope_head_dim + qk_rope_head_dim] the attention saw (post-RoPE)."""
     scaling: float | None
     module: Any
+    f64: dict = field(default_factory=dict, repr=False)
+    """Float64 copies of the weights / query, made once per layer by analyses that need them."""
 
     @property
     def kv_lora_rank(self) -> int:

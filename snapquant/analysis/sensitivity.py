@@ -140,30 +140,48 @@ def attention_output(cap: LayerCapture, latent: torch.Tensor, rope: torch.Tensor
     Mirrors the model's un-absorbed path: kv_b_proj expands the latent into per-head K_nope and V,
     the shared RoPE key is broadcast over heads, causal softmax with the layer's scaling.
     """
+    return _attend(cap, _latent_terms(cap, latent), rope)
+
+
+def _latent_terms(cap: LayerCapture, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the latent contributes: NoPE scores q_nope . k_nope [B, H, S, T] and V [B, H, T, dv] (float64).
+
+    Split from `_attend` so the report reuses them across variants that share the latent.
+    """
     m = cap.module
     for attr in ("num_heads", "qk_nope_head_dim", "v_head_dim", "qk_rope_head_dim", "kv_b_proj", "o_proj"):
         if not hasattr(m, attr):
             raise ShapeError(f"{type(m).__name__} lacks {attr!r}; attention error needs a DeepSeek-style MLA module")
     if cap.query is None:
         raise ShapeError(f"layer {cap.layer_idx}: no query was captured")
-    H, dn, dv, dr = m.num_heads, m.qk_nope_head_dim, m.v_head_dim, m.qk_rope_head_dim
+    H, dn, dv = m.num_heads, m.qk_nope_head_dim, m.v_head_dim
     B, T, _ = latent.shape
-    kv = torch.nn.functional.linear(latent.double(), m.kv_b_proj.weight.double(),
-                                    None if m.kv_b_proj.bias is None else m.kv_b_proj.bias.double())
+    c = cap.f64
+    if not c:  # float64 weights and query, once per layer (the report calls this many times a layer)
+        def f64(t):
+            return None if t is None else t.detach().double()
+
+        c.update(w_kv=f64(m.kv_b_proj.weight), b_kv=f64(m.kv_b_proj.bias), w_o=f64(m.o_proj.weight),
+                 b_o=f64(m.o_proj.bias), q=f64(cap.query))
+    kv = torch.nn.functional.linear(latent.double(), c["w_kv"], c["b_kv"])
     kv = kv.view(B, T, H, dn + dv).transpose(1, 2)  # [B, H, T, dn + dv]
     k_nope, v = kv.split([dn, dv], dim=-1)
-    k = torch.cat([k_nope, rope.double()[:, None].expand(B, H, T, dr)], dim=-1)
-    q = cap.query.double()  # [B, H, S, dn + dr]
-    S = q.shape[2]
+    return torch.einsum("bhsd,bhtd->bhst", c["q"][..., :dn], k_nope), v
+
+
+def _attend(cap: LayerCapture, terms: tuple[torch.Tensor, torch.Tensor], rope: torch.Tensor) -> torch.Tensor:
+    m, c = cap.module, cap.f64
+    nope_scores, v = terms
+    dn, dr = m.qk_nope_head_dim, m.qk_rope_head_dim
+    B, H, S, T = nope_scores.shape
     scaling = cap.scaling if cap.scaling is not None else (dn + dr) ** -0.5
-    scores = torch.einsum("bhsd,bhtd->bhst", q, k) * scaling
+    scores = (nope_scores + torch.einsum("bhsd,btd->bhst", c["q"][..., dn:], rope.double())) * scaling
     # Query i is the (T - S + i)-th token: it sees cache positions <= T - S + i.
-    visible = torch.arange(T, device=q.device)[None, :] <= (T - S + torch.arange(S, device=q.device))[:, None]
+    visible = torch.arange(T, device=v.device)[None, :] <= (T - S + torch.arange(S, device=v.device))[:, None]
     scores = scores.masked_fill(~visible, -math.inf)
     o = torch.softmax(scores, dim=-1) @ v  # [B, H, S, dv]
-    o = o.transpose(1, 2).reshape(B, S, H * dv)
-    w = m.o_proj
-    return torch.nn.functional.linear(o, w.weight.double(), None if w.bias is None else w.bias.double())
+    o = o.transpose(1, 2).reshape(B, S, -1)
+    return torch.nn.functional.linear(o, c["w_o"], c["b_o"])
 
 
 def _rel_errors(ref: torch.Tensor, approx: torch.Tensor) -> tuple[float, float]:
@@ -231,12 +249,14 @@ def sensitivity_report(
                                   "mse": float(err.mean()), "sqnr_db": float(sqnr_db(sig.sum(), err.sum())),
                                   **layer_stats[part]})
         if attention:
-            ref = attention_output(cap, cap.latent, cap.rope)
+            exact = _latent_terms(cap, cap.latent)
+            ref = _attend(cap, exact, cap.rope)
             for label, cfg in full_schemes:
                 lat_q, rope_q = quantize_kv(cap.latent, cap.rope, cfg).dequantize(torch.float64)
-                variants = {"nope": (lat_q, cap.rope), "rope": (cap.latent, rope_q), "both": (lat_q, rope_q)}
-                for mode, (lat, rp) in variants.items():
-                    rel, worst = _rel_errors(ref, attention_output(cap, lat, rp))
+                quant = _latent_terms(cap, lat_q)
+                variants = {"nope": (quant, cap.rope), "rope": (exact, rope_q), "both": (quant, rope_q)}
+                for mode, (terms, rp) in variants.items():
+                    rel, worst = _rel_errors(ref, _attend(cap, terms, rp))
                     attn_rows.append({"layer": cap.layer_idx, "scheme": label, "mode": mode, "rel_l2": rel,
                                       "max_token_rel": worst})
     meta = {"model": model_name or type(model).__name__, "num_sequences": int(input_ids.shape[0]),

@@ -43,9 +43,15 @@ def register_backend(name: str, fn: Callable, *, supports: Callable[[KVQuantConf
     _REGISTRY[name] = Backend(name, fn, supports, needs_cuda)
 
 
+_KERNELS_TRIED = False
+
+
 def _load_kernels() -> None:
-    if "triton" in _REGISTRY:
+    """Import snapquant.kernels once (it registers `triton`); without triton installed that fails quietly."""
+    global _KERNELS_TRIED
+    if "triton" in _REGISTRY or _KERNELS_TRIED:
         return
+    _KERNELS_TRIED = True
     try:
         importlib.import_module("snapquant.kernels")
     except ImportError:

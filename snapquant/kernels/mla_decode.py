@@ -23,12 +23,14 @@ One deliberate difference, in fp8_scale_fused only: pi is floored at
 max(2^-40 * (largest earlier pi, rescaled to the current max), 2^-100). The acc is kept in units of
 the current block's pi, so a block whose peak is far below an earlier one's makes pi_old / pi
 overflow fp32 (or f_max / 448 underflow to 0), and the reference returns inf / NaN there (score
-ranges beyond ~90 in log2 units). The floor changes nothing else: it engages only for blocks
-whose whole contribution is < 2^-34 of the total, and such a block's P then rounds toward 0.
+ranges beyond ~90 in log2 units). The relative floor engages only for blocks whose whole
+contribution is < 2^-34 of the total (their P then rounds toward 0); the absolute one only for
+latents whose amax is below ~1e-24 (token scales near the 2^-86 floor). Elsewhere: no change.
 
 The ds_v32 layout scales each block of `block_size` latent channels separately, so V's scale
 varies along both axes of the PV product: each program then owns one output chunk of block_size
-channels with its own P (and pi), as the reference does, and computes the full-width scores.
+channels with its own P (and pi), as the reference does, and computes the full-width scores
+(r / block_size times the QK work: a compile-time variant for comparisons, not tuned).
 
 Stage 2 (only with more than one split) merges the splits by their LSE.
 

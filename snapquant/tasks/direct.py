@@ -45,7 +45,7 @@ def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: in
             n = len(encoded[i])
             ids[r, width - n:] = torch.tensor(encoded[i])
             mask[r, width - n:] = 1
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False, use_cache=True,
                              max_new_tokens=max_new_tokens, pad_token_id=pad,
                              eos_token_id=tokenizer.eos_token_id)
         for r, i in enumerate(idx):
@@ -132,12 +132,12 @@ def quick_suite(model, tokenizer, kv_samples: int = 100, passkey_samples: int = 
     scores.update(score_kv(model, tokenizer, lengths, kv_samples, tokenizer_path=tokenizer_path,
                            batch_size=batch_size))
     log(f"eval kv {time.time() - t0:.0f}s")
-    for hay in ("repeat", "code"):
+    for hay in ("repeat", "code") if passkey_samples else ():
         scores.update(score_passkey(model, tokenizer, lengths, passkey_samples, tokenizer_path=tokenizer_path,
                                     haystack=hay, batch_size=batch_size))
-    log(f"eval passkey {time.time() - t0:.0f}s")
+        log(f"eval passkey ({hay}) {time.time() - t0:.0f}s")
     if completion_samples:
         scores.update(score_completion(model, tokenizer, completion_samples, batch_size=batch_size))
-    log(f"eval completion {time.time() - t0:.0f}s")
+        log(f"eval completion {time.time() - t0:.0f}s")
     model.train(was_training)
     return scores
