@@ -210,6 +210,15 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise SystemExit(f"--out {out} is not empty; pass --overwrite or choose another folder")
     out.mkdir(parents=True, exist_ok=True)
     (out / "training_log.jsonl").unlink(missing_ok=True)
+    prev = {"steps": 0, "tokens": 0}
+    if args.init_from:
+        # A continued run keeps the earlier log and counts steps/tokens from where that run stopped.
+        src = Path(args.init_from)
+        if (src / "training_log.jsonl").is_file() and src.resolve() != out.resolve():
+            shutil.copy2(src / "training_log.jsonl", out / "training_log.jsonl")
+        if (src / "training_state.json").is_file():
+            old = json.loads((src / "training_state.json").read_text())
+            prev = {"steps": old.get("steps", 0), "tokens": old.get("tokens", 0)}
     log = _Log(out / "training_log.jsonl")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -263,17 +272,18 @@ def cmd_train(args: argparse.Namespace) -> None:
     t_train = time.time()
     next_ckpt = t_train + args.ckpt_minutes * 60
     next_probe = t_train + args.probe_minutes * 60
-    step, tokens_seen = 0, 0
+    step, tokens_seen = prev["steps"], prev["tokens"]
+    first_step = step
     acc = {"loss": 0.0, "code": 0.0, "synth": 0.0, "n_code": 0, "n_synth": 0, "n": 0}
     t_log = time.time()
     tok_log = 0
     last = {}
     for batch, kinds in loader:
         now = time.time()
-        if now >= deadline or (args.steps and step >= args.steps):
+        if now >= deadline or (args.steps and step - first_step >= args.steps):
             break
-        progress = step / args.steps if args.steps else (now - t_train) / max(1.0, deadline - t_train)
-        lr = _lr_at(step, progress, args.lr, args.warmup, args.lr_floor)
+        progress = (step - first_step) / args.steps if args.steps else (now - t_train) / max(1.0, deadline - t_train)
+        lr = _lr_at(step - first_step, progress, args.lr, args.warmup, args.lr_floor)
         for g in opt.param_groups:
             g["lr"] = lr
         batch = batch.to(device, non_blocking=True)
@@ -300,7 +310,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             acc["n_synth"] += int(synth.sum())
             acc["n_code"] += int((~synth).sum())
             acc["n"] += 1
-        if step % args.log_every == 0 or step == 1:
+        if step % args.log_every == 0 or step == first_step + 1:
             dt = time.time() - t_log
             last = {"loss": float(acc["loss"]) / acc["n"],
                     "loss_code": float(acc["code"]) / max(1, acc["n_code"]),

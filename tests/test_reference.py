@@ -219,3 +219,22 @@ def test_quantized_prefill_equals_step_by_step_decode_for_per_token_formats():
         o, lse = sq.mla_decode_reference(q[:, t], step)
         torch.testing.assert_close(out_all[:, t], o, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(lse_all[:, t], lse, rtol=1e-6, atol=1e-6)
+
+
+def test_scale_fused_pv_stays_finite_when_later_blocks_peak_far_lower():
+    """A first block whose peak is ~200 log2-units above every later block: beta = pi_old / pi_new
+    would overflow fp32 without the pi floor; the floor keeps acc finite and the result exact."""
+    g = torch.Generator().manual_seed(3)
+    latent = torch.randn(1, 256, 64, generator=g)
+    rope = torch.randn(1, 256, 16, generator=g)
+    latent[0, :64] *= 8.0  # the first block's keys are much larger
+    q = torch.cat([latent[:, 5], rope[:, 5]], dim=-1)[:, None].expand(1, 4, 80) * 3.0
+    kv = sq.quantize_kv(latent, rope, sq.PRESETS["snapmla"])
+    out, lse = sq.mla_decode_reference(q, kv)
+    ref, ref_lse = sq.mla_decode_oracle(q, kv)
+    logits = torch.einsum("bhd,btd->bht", q.double(), torch.cat(kv.dequantize(torch.float64), -1)) / math.sqrt(80)
+    gap = (logits[..., :64].amax(-1) - logits[..., 64:].amax(-1)) * math.log2(math.e)
+    assert float(gap.min()) > 100  # the regime that overflowed before the floor
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert _rel(out, ref) < OUT_TOL["fp8_scale_fused"]
+    assert float((lse.double() - ref_lse).abs().max()) <= LSE_TOL * 10

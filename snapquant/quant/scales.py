@@ -67,6 +67,8 @@ def get_scale_format(name: str) -> ScaleFormat:
 def compute_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """The SnapMLA scale rule in fp32: s = amax / qmax, s = 1 where amax == 0, floored at SCALE_FLOOR."""
     amax = amax.to(torch.float32)
-    s = amax / qmax
+    # Divide by a tensor, not a Python float: CUDA turns `t / scalar` into a multiply by the
+    # reciprocal, which is not correctly rounded and would make GPU scales differ from CPU ones.
+    s = amax / torch.tensor(qmax, dtype=torch.float32, device=amax.device)
     s = torch.where(amax == 0, torch.ones_like(s), s.clamp_min(SCALE_FLOOR))
     return s

@@ -16,6 +16,12 @@ blocks of `config.pv_block` (64) tokens exactly as a split-free kernel would:
                            outside the FP8 rounding: acc += (P^ * s_j) @ c^
   output  O = acc / l,  LSE = (m + log2(l * pi)) * ln 2   (natural-log LSE)
 
+One guard beyond the paper's formula, in fp8_scale_fused only (the Triton kernel does the same):
+pi is floored at max(2^-40 * the largest earlier pi (in the current max's units), 2^-100). acc is kept
+in units of the current pi, so a block whose peak lies far below an earlier one's (x - m < -90 in
+log2 units) would otherwise make beta = pi_old / pi_new overflow fp32. The floor only flushes
+probabilities below 2^-40 of the earlier peak, which cannot change the output at fp32 precision.
+
 Scales that vary along channels (per-token-block, per-channel) are handled per channel block k with
 their own P (and pi), which is how a kernel must do it: V's scale lies on the reduction axis.
 All accumulation is fp32.
@@ -35,6 +41,8 @@ from .query import quantize_query, round_bf16
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+PI_REL_FLOOR = 2.0**-40
+PI_ABS_FLOOR = 2.0**-100
 
 
 def mla_decode_reference(
@@ -88,6 +96,8 @@ def mla_decode_reference(
     acc = torch.zeros(B, S, H, nb, bw, device=q.device)
     l_sum = torch.zeros(B, S, H, nb, device=q.device)
     pi = torch.ones(B, S, H, nb, device=q.device)
+    pi_max = torch.zeros(B, S, H, nb, device=q.device)  # largest pi so far, in the current max's units
+    qmax_p = torch.tensor(p_fmt.qmax, device=q.device)  # tensor divisor: correctly rounded on CUDA too
 
     for start in range(0, T, cfg.pv_block):
         end = min(start + cfg.pv_block, T)
@@ -112,7 +122,9 @@ def mla_decode_reference(
         if cfg.pv == "fp8_scale_fused":
             f = e[..., None] * s_blk[:, None, None]  # [B, S, H, n, nb]: V's token scale folded into P
             f_max = f.amax(dim=-2)
-            pi_new = torch.where(f_max > 0, f_max / p_fmt.qmax, pi)
+            pi_floor = torch.clamp_min(pi_max * alpha[..., None] * PI_REL_FLOOR, PI_ABS_FLOOR)
+            pi_new = torch.where(f_max > 0, torch.maximum(f_max / qmax_p, pi_floor), pi)
+            pi_max = torch.maximum(pi_max * alpha[..., None], pi_new)
             p_hat = p_fmt.round_trip(f / pi_new[..., None, :])
             beta = alpha[..., None] * pi / pi_new
             acc = beta[..., None] * acc + torch.einsum("bshnk,bnkw->bshkw", p_hat, c_blk)
