@@ -210,7 +210,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise SystemExit(f"--out {out} is not empty; pass --overwrite or choose another folder")
     out.mkdir(parents=True, exist_ok=True)
     (out / "training_log.jsonl").unlink(missing_ok=True)
-    prev = {"steps": 0, "tokens": 0}
+    prev = {"steps": 0, "tokens": 0, "seconds": 0.0}
     if args.init_from:
         # A continued run keeps the earlier log and counts steps/tokens from where that run stopped.
         src = Path(args.init_from)
@@ -218,7 +218,8 @@ def cmd_train(args: argparse.Namespace) -> None:
             shutil.copy2(src / "training_log.jsonl", out / "training_log.jsonl")
         if (src / "training_state.json").is_file():
             old = json.loads((src / "training_state.json").read_text())
-            prev = {"steps": old.get("steps", 0), "tokens": old.get("tokens", 0)}
+            prev = {"steps": old.get("steps", 0), "tokens": old.get("tokens", 0),
+                    "seconds": old.get("train_seconds", 0.0)}
     log = _Log(out / "training_log.jsonl")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -328,12 +329,13 @@ def cmd_train(args: argparse.Namespace) -> None:
             next_probe = time.time() + args.probe_minutes * 60
         if args.export and now >= next_ckpt and now + 30 < deadline:
             _save_bf16(model, tok_dir, out)
-            _write_state(out, step, tokens_seen, args, last, None, n_params, cmeta, time.time() - t_train)
+            _write_state(out, step, tokens_seen, args, last, None, n_params, cmeta,
+                         prev["seconds"] + time.time() - t_train)
             log("checkpoint", step=step, files=_export(out, Path(args.export)))
             next_ckpt = time.time() + args.ckpt_minutes * 60
     train_s = time.time() - t_train
     log("train_end", step=step, tokens=tokens_seen, seconds=round(train_s, 1),
-        tok_s=round(tokens_seen / max(train_s, 1e-9)), **last)
+        tok_s=round((tokens_seen - prev["tokens"]) / max(train_s, 1e-9)), **last)
 
     del loader  # stop the data workers before evaluating
     val = _val_loss(model, val_tokens, seq_len, device, cuda)
@@ -355,7 +357,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                                 ppl_files=args.eval_ppl_files, log=lambda m: log("eval_progress", msg=m))
     scores["val_loss_fp32_master"] = val
     log("eval", **scores)
-    _write_state(out, step, tokens_seen, args, last, scores, n_params, cmeta, train_s)
+    _write_state(out, step, tokens_seen, args, last, scores, n_params, cmeta, prev["seconds"] + train_s)
     write_card(out, cmeta)
     if args.export:
         log("export", files=_export(out, Path(args.export)))

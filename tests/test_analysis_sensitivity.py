@@ -127,3 +127,34 @@ def test_non_mla_model_is_rejected_by_name():
                                      num_attention_heads=2, num_key_value_heads=2))
     with pytest.raises(ShapeError, match="LlamaForCausalLM has no MLA attention"):
         capture_mla(m, torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_sensitivity_cli_on_a_checkpoint(tmp_path):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from snapquant.cli import app
+    from snapquant.embedded import EMBEDDED_PATH, TINY_ARCH, embedded_config
+
+    if not (EMBEDDED_PATH / "tokenizer.json").is_file():
+        pytest.skip("no embedded tokenizer in this checkout")
+    ck = tmp_path / "ck"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(embedded_config(TINY_ARCH)).save_pretrained(ck)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (EMBEDDED_PATH / f).is_file():
+            shutil.copy(EMBEDDED_PATH / f, ck / f)
+    out = tmp_path / "sens"
+    r = CliRunner().invoke(app, ["sensitivity", "--model", str(ck), "--seq-len", "32", "--num-sequences", "2",
+                                 "--dtype", "fp8_e4m3", "--granularity", "per_token", "--scheme", "snapmla",
+                                 "--device", "cpu", "--no-plots", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "Quantization SQNR" in r.stdout and (out / "layer_error.csv").exists()
+    import pandas as pd
+
+    le = pd.read_csv(out / "layer_error.csv")
+    assert len(le) == 2 * 2 and set(le["part"]) == {"nope", "rope"}  # 2 layers x 2 parts, one pair
+    r = CliRunner().invoke(app, ["sensitivity", "--model", str(ck), "--granularity", "per_row", "--device", "cpu"])
+    assert r.exit_code == 2 and "per_token" in r.output

@@ -71,3 +71,14 @@ def test_tiny_train_export_install(tmp_path):
     model, _tok = load_embedded(dtype="float32", path=inst)
     assert model.config.num_hidden_layers == 2
     assert (inst / "README.md").read_text() == card
+
+    # A second run continues from the installed weights and keeps counting.
+    script.main(["train", "--tiny", "--device", "cpu", "--corpus", str(corpus), "--out", str(tmp_path / "run2"),
+                 "--init-from", str(inst), "--steps", "1", "--seq-len", "256", "--batch-size", "2",
+                 "--workers", "0", "--minutes", "10", "--eval-reserve-s", "0", "--probe-minutes", "1000",
+                 "--eval-samples", "1", "--eval-passkey-samples", "0", "--eval-completion-samples", "0",
+                 "--eval-ppl-files", "1"])
+    state2 = json.loads((tmp_path / "run2" / "training_state.json").read_text())
+    assert state2["steps"] == 4 and state2["init_from"] == str(inst)
+    log2 = (tmp_path / "run2" / "training_log.jsonl").read_text().splitlines()
+    assert [json.loads(x)["event"] for x in log2].count("start") == 2

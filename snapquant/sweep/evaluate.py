@@ -239,7 +239,7 @@ class LmEvalEvaluator:
         metadata = dict(task.metadata or {})
         if spec.model != "embedded":  # snapquant tasks measure context lengths with the model's tokenizer
             metadata.setdefault("tokenizer", spec.tokenizer or spec.model)
-        with _progress_wrapped(lm, progress, task.name, spec.batch_size):
+        with _progress_wrapped(lm, progress, task.name, spec.batch_size), _code_eval_env(spec.allow_code_execution):
             res = lm_eval.simple_evaluate(
                 model=lm, tasks=[task.name], task_manager=tm, limit=task.limit, num_fewshot=task.num_fewshot,
                 log_samples=True, bootstrap_iters=spec.bootstrap_iters, gen_kwargs=task.gen_kwargs,
@@ -279,6 +279,33 @@ def _model_dims(spec: SweepSpec) -> tuple[int, int] | str | None:
         return (f"model={spec.model!r} ({cfg.get('model_type')}): config.json has no kv_lora_rank / "
                 f"qk_rope_head_dim; snapquant needs an MLA (DeepSeek-family) model")
     return int(r), int(d)
+
+
+class _code_eval_env:
+    """HF `evaluate`'s code_eval metric refuses to run unless HF_ALLOW_CODE_EVAL=1; set it only for sweeps
+    that opted in with `allow_code_execution: true`, and only while their tasks run."""
+
+    def __init__(self, allow: bool):
+        self.allow = allow
+        self.prev: str | None = None
+
+    def __enter__(self):
+        import os
+
+        if self.allow:
+            self.prev = os.environ.get("HF_ALLOW_CODE_EVAL")
+            os.environ["HF_ALLOW_CODE_EVAL"] = "1"
+        return self
+
+    def __exit__(self, *exc):
+        import os
+
+        if self.allow:
+            if self.prev is None:
+                os.environ.pop("HF_ALLOW_CODE_EVAL", None)
+            else:
+                os.environ["HF_ALLOW_CODE_EVAL"] = self.prev
+        return False
 
 
 class _progress_wrapped:
