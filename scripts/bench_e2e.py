@@ -12,9 +12,14 @@ Stock transformers re-projects every cached token through kv_b_proj at each step
 the patched model runs absorbed MLA over the cached latent (O(L * H * (r + d))), so the ratio grows
 with L. Times are medians of `--steps` steps after `--warmup` (CUDA: synchronised wall time).
 
-    python scripts/bench_e2e.py                        # CPU: 2 layers, batch 1, L = 1K, 4K, 16K
+    python scripts/bench_e2e.py --threads 1            # CPU: 2 layers, batch 1, L = 1K, 4K, 16K
     python scripts/bench_e2e.py --device cuda --layers 4 --batch 8 --dtype bfloat16
-Writes the rows to --out (JSON, atomic) and prints a table with ms/token, cache bytes and the ratios.
+Writes the rows to --out (JSON, atomic, after every context) and prints a table with ms/token, cache
+bytes and the ratios. On a shared CPU box use --threads 1: the absorbed path is many small ops, and
+with 2 OpenMP threads a busy neighbour stalls every parallel region (10 ms for a 16x512x64 bmm).
+The patched decode runs through the snapquant backend seam (`--backend auto`: the Triton kernel on
+CUDA when snapquant.kernels supports the config, else the PyTorch reference, which loops over
+64-token blocks in Python and is launch-bound on a GPU).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ class LatentLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     is_compileable = False
-
+    supports_early_init = False  # sized by the first real append (widths, dtype, device), not by export
     def __init__(self, config: KVQuantConfig | str = "snapmla", kv_lora_rank: int | None = None,
                  rope_dim: int | None = None, **kwargs) -> None:
         super().__init__()

@@ -9,9 +9,10 @@
 - `get_model_info()` adds `snapquant_preset`, `snapquant_config` and `snapquant_backend`, so the
   results JSON (`results["config"]`) records which scheme produced the numbers.
 
-Registered with lm-eval as model type `snapquant`:
-    lm_eval --model snapquant --model_args pretrained=PATH,kv_config=snapmla,backend=auto --tasks ...
-In Python: `SnapquantLM(pretrained=model_or_path, tokenizer=tok, kv_config="snapmla", batch_size=4)`.
+Importing this module registers the model type `snapquant` with lm-eval, so after
+`import snapquant.eval.lm`, `lm_eval.simple_evaluate(model="snapquant",
+model_args="pretrained=PATH,kv_config=snapmla,backend=auto", tasks=[...])` works; or build it directly:
+`SnapquantLM(pretrained=model_or_path, tokenizer=tok, kv_config="snapmla", batch_size=4)`.
 """
 
 from __future__ import annotations
