@@ -453,8 +453,13 @@ def write_card(model_dir: Path, cmeta: dict | None = None, lm_eval_scores: dict 
         *[f"| {k} | {v:.4f} |" for k, v in (state.get("bf16_scores") or {}).items()],
     ]
     if state.get("lm_eval_scores"):
-        lines += ["", "## BF16 scores through lm-eval (CPU)", "", "| task | metric | value |", "|---|---|---|",
-                  *[f"| {t} | {m} | {v} |" for t, ms in state["lm_eval_scores"].items() for m, v in ms.items()]]
+        lm_scores = dict(state["lm_eval_scores"])
+        limit = lm_scores.pop("limit", {}).get("docs")
+        lines += ["", "## BF16 scores through lm-eval (CPU)", "",
+                  f"`scripts/train_embedded_model.py eval`: the same tasks run by lm-eval on the bf16 weights, "
+                  f"first {limit} documents of each task (code ppl: the {limit} smallest held-out files).", "",
+                  "| task | metric | value |", "|---|---|---|",
+                  *[f"| {t} | {m} | {v:.4f} |" for t, ms in lm_scores.items() for m, v in ms.items()]]
     lines += ["", "Quality bar (issue 4): key-value retrieval exact match >= 0.90 at 1K and 2K, >= 0.70 at 4K.", ""]
     path = model_dir / "README.md"
     path.write_text("\n".join(lines), encoding="utf-8")

@@ -173,7 +173,7 @@ def _attend(cap: LayerCapture, terms: tuple[torch.Tensor, torch.Tensor], rope: t
     m, c = cap.module, cap.f64
     nope_scores, v = terms
     dn, dr = m.qk_nope_head_dim, m.qk_rope_head_dim
-    B, H, S, T = nope_scores.shape
+    B, _, S, T = nope_scores.shape
     scaling = cap.scaling if cap.scaling is not None else (dn + dr) ** -0.5
     scores = (nope_scores + torch.einsum("bhsd,btd->bhst", c["q"][..., dn:], rope.double())) * scaling
     # Query i is the (T - S + i)-th token: it sees cache positions <= T - S + i.

@@ -98,9 +98,9 @@ def score_code_ppl(model, tokenizer, max_length: int = 4096, texts: Sequence[str
                    max_files: int = 0) -> dict:
     """lm-eval's loglikelihood_rolling metrics: disjoint windows, the first conditioned on EOS."""
     device = next(model.parameters()).device
-    texts = [r["text"] for r in sq_utils.load_heldout()] if texts is None else list(texts)
-    if max_files:
-        texts = texts[:max_files]
+    if texts is None:  # smallest first, as the lm-eval task orders them, so max_files matches --limit
+        texts = [r["text"] for r in sorted(sq_utils.load_heldout(), key=lambda r: (r["bytes"], r["path"]))]
+    texts = list(texts)[:max_files] if max_files else list(texts)
     total_ll, words, nbytes, ntok = 0.0, 0, 0, 0
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
