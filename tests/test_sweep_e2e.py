@@ -70,9 +70,26 @@ def test_real_sweep_three_presets_two_tasks(tiny_ckpt, tmp_path):
     # table and figures were written from these files
     md = res.files["markdown"].read_text()
     assert "| bf16 (baseline) |" in md and "sq_code_completion (exact_match)" in md
-    assert {p.name for p in res.plots} >= {"accuracy_vs_bytes.png", "accuracy_vs_bytes.pdf", "task_deltas.pdf"}
+    assert {p.name for p in res.plots} >= {"accuracy_vs_bytes.png", "accuracy_vs_bytes.pdf", "task_deltas.pdf",
+                                           "fidelity_vs_bytes.png", "fidelity_vs_bytes.pdf"}
     tab = res.table.long.set_index(["label", "task"])
     assert tab.loc[("snapmla", "sq_code_ppl"), "delta"] == 0.0
     # rerun: everything is finished, nothing is evaluated, the model is not even loaded
     again = execute(spec, show_progress=False, report=False)
     assert again.report.ran == [] and len(again.report.already_done) == 3
+
+
+def test_per_task_metadata_reaches_the_task(tiny_ckpt, tmp_path):
+    """lm-eval ignores simple_evaluate(metadata=...) once a TaskManager is given: ours must carry it."""
+    spec = SweepSpec.from_dict({
+        "name": "meta", "model": str(tiny_ckpt), "dtype": "float32", "device": "cpu", "fidelity": False,
+        "tasks": [{"name": "sq_passkey", "limit": 2, "metadata": {"max_seq_lengths": [512], "num_samples": 2},
+                   "gen_kwargs": {"max_gen_toks": 4}}],
+        "presets": ["bf16", "snapmla"], "bootstrap_iters": 0, "output_dir": str(tmp_path / "out")})
+    res = execute(spec, show_progress=False, report=False)
+    assert not res.report.failed, res.report.failed
+    for p in (tmp_path / "out" / "cells").glob("*.json"):
+        d = json.loads(p.read_text())
+        r = d["lm_eval"]["sq_passkey"]["results"]["sq_passkey"]
+        assert r["512,none"] != -1 and r["1024,none"] == -1  # only 512-token documents were built
+        assert len(d["samples"]["sq_passkey"]) == 2

@@ -4,6 +4,7 @@
   token per layer; the baseline is drawn as a horizontal reference line.
 - `plot_task_deltas`: per task, each cell's delta to the baseline with its paired-bootstrap 95% CI;
   filled markers are significant under the paired test, hollow ones are not.
+- `plot_fidelity_vs_bytes`: next-token KL and top-1 agreement vs bytes/token (decode and prefill).
 """
 
 from __future__ import annotations
@@ -123,9 +124,42 @@ def plot_task_deltas(table: SweepTable, out_dir: str | Path, stem: str = "task_d
     return save_figure(fig, out_dir, stem, points)
 
 
+def plot_fidelity_vs_bytes(table: SweepTable, out_dir: str | Path, stem: str = "fidelity_vs_bytes") -> list[Path]:
+    """Next-token KL (mean and p99) and top-1 agreement vs the unquantized model, against bytes/token."""
+    c = table.cells
+    modes = [m for m in ("decode", "prefill") if f"{m}_kl_mean" in c and c[f"{m}_kl_mean"].notna().any()]
+    if not modes:
+        raise ValueError("no fidelity metrics in these results")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    points = []
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (_, row) in enumerate(c.iterrows()):
+        for mode, mk in zip(modes, ("o", "^"), strict=False):
+            kl, top1 = row.get(f"{mode}_kl_mean"), row.get(f"{mode}_top1_agree")
+            if kl is None or not math.isfinite(kl):
+                continue
+            x = row["bytes_per_token"]
+            points.append({"label": row["label"], "mode": mode, "bytes_per_token": x, "kl_mean": kl,
+                           "kl_p99": row.get(f"{mode}_kl_p99"), "top1_agree": top1})
+            lbl = f"{row['label']} ({mode})"
+            axes[0].plot([x], [max(kl, 1e-12)], mk, color=colors[i % len(colors)], label=lbl)
+            axes[1].plot([x], [top1], mk, color=colors[i % len(colors)], label=lbl)
+    axes[0].set(yscale="log", xlabel="cache bytes / token / layer", ylabel="mean KL (nats)",
+                title="next-token KL vs unquantized")
+    axes[1].set(xlabel="cache bytes / token / layer", ylabel="top-1 agreement", title="top-1 agreement")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, loc="best")
+    fig.suptitle("Model-level fidelity (o = step-by-step decode, ^ = quantized prefill)")
+    fig.tight_layout()
+    return save_figure(fig, out_dir, stem, points)
+
+
 def plot_all(table: SweepTable, out_dir: str | Path) -> list[Path]:
     """Every sweep figure that the results support."""
     paths = plot_accuracy_vs_bytes(table, out_dir)
     if table.baseline is not None and len(table.cells) > 1:
         paths += plot_task_deltas(table, out_dir)
+    if any(col.endswith("_kl_mean") for col in table.cells.columns):
+        paths += plot_fidelity_vs_bytes(table, out_dir)
     return paths

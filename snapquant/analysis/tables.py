@@ -174,10 +174,15 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
            "kv": r.get("kv_description"), "total_s": r.get("timing", {}).get("total_s")}
     fid = r.get("fidelity") or {}
     mode = fid.get("decode") or fid.get("prefill")
-    if isinstance(mode, dict):
-        row.update(kl_mean=from_json_number(mode.get("kl_mean")), kl_p99=from_json_number(mode.get("kl_p99")),
+    if isinstance(mode, dict):  # the table's fidelity columns: decode when measured, else prefill
+        row.update(fidelity_mode="decode" if fid.get("decode") else "prefill",
+                   kl_mean=from_json_number(mode.get("kl_mean")), kl_p99=from_json_number(mode.get("kl_p99")),
                    top1_agree=from_json_number(mode.get("top1_agree")),
                    ppl_delta=from_json_number(mode.get("ppl_delta")))
+        for m in ("prefill", "decode"):
+            if isinstance(fid.get(m), dict):
+                row.update({f"{m}_{k}": from_json_number(fid[m].get(k))
+                            for k in ("kl_mean", "kl_p99", "top1_agree", "ppl_rel_delta")})
     return row
 
 

@@ -3,7 +3,9 @@
     PagedMLACache      the cache in the kernels' page layout (pages of 64 tokens), with conversions
                        to and from the contiguous `QuantizedKV` the reference decode reads
     quantize_append    fused quantize-and-append of new tokens (bit-exact to `quantize_kv`)
-    mla_decode         split-KV absorbed MLA decode with an LSE combine -> (out, lse)
+    mla_decode         split-KV absorbed MLA decode with an LSE combine -> (out, lse); knobs for
+                       the work schedule (uniform / balanced) and the FP8 variants (see mla_decode.py)
+    mla_decode_plan    the same checks and launches as a replayable plan (benchmarks, CUDA graphs)
     supports(config)   whether the kernels implement a config
     triton_backend     the decode backend `snapquant.attention.backends` calls `triton`; importing
                        this package registers it (zero-copy over the patch's store)
@@ -15,13 +17,14 @@ CUDA tensors run compiled kernels; CPU tensors run the same kernels in the Trito
 from .backend import register as _register
 from .backend import triton_backend
 from .layouts import LAYOUTS, PAGE_SIZE, layout_of, supports, unsupported_reason
-from .mla_decode import mla_decode
+from .mla_decode import DecodePlan, mla_decode, mla_decode_plan
 from .paged import PagedMLACache
 from .quantize_append import quantize_append
 
 _register()
 
 __all__ = [
-    "LAYOUTS", "PAGE_SIZE", "PagedMLACache", "layout_of", "mla_decode", "quantize_append", "supports",
+    "LAYOUTS", "PAGE_SIZE", "DecodePlan", "PagedMLACache", "layout_of", "mla_decode", "mla_decode_plan",
+    "quantize_append", "supports",
     "triton_backend", "unsupported_reason",
 ]

@@ -1,10 +1,10 @@
 """Split-KV absorbed MLA decode over the paged cache, with an LSE combine.
 
-Stage 1, one program per (request, tile of BLOCK_M query rows, KV split, output chunk). Rows are
+Stage 1 runs programs over (work unit, tile of BLOCK_M query rows, output chunk). Rows are
 (query token, head) pairs, so several query tokens per request (s_q > 1, speculative verification)
-share every KV page the way heads do. Each program walks its split's pages (64 tokens = one
-online-softmax block, the reference's pv_block) and follows `snapquant.mla_decode_reference`
-(numerics.md) step by step:
+share every KV page the way heads do. A program walks a run of one request's pages (64 tokens = one
+online-softmax block, the reference's pv_block) in `_attend`, which follows
+`snapquant.mla_decode_reference` (numerics.md) step by step:
 
   query   fp8: sigma = amax(q_c) / 448, q^ = e4m3(q_c / sigma), q~r = bf16(q_r / sigma)
           bf16: sigma = 1, q^ = bf16(q_c), q~r = bf16(q_r)
@@ -17,44 +17,66 @@ online-softmax block, the reference's pv_block) and follows `snapquant.mla_decod
   PV      bf16: P = bf16(e * s_j); acc = alpha acc + P @ c^; l = alpha l + sum e
           fp8_scale_fused: f = e * s_j, pi = max_j f / 448, P^ = e4m3(f / pi),
           beta = alpha pi_old / pi; acc = beta acc + P^ @ c^; l = beta l + sum e / pi
-  result  out = acc / l, lse = m + log2(l pi) (per split; natural log when there is one split)
+  result  out = acc / l, lse = m + log2(l pi) (per work unit; natural log when it is the whole request)
 
-One deliberate difference, in fp8_scale_fused only: pi is floored at
-max(2^-40 * (largest earlier pi, rescaled to the current max), 2^-100). The acc is kept in units of
-the current block's pi, so a block whose peak is far below an earlier one's makes pi_old / pi
-overflow fp32 (or f_max / 448 underflow to 0), and the reference returns inf / NaN there (score
-ranges beyond ~90 in log2 units). The relative floor engages only for blocks whose whole
-contribution is < 2^-34 of the total (their P then rounds toward 0); the absolute one only for
-latents whose amax is below ~1e-24 (token scales near the 2^-86 floor). Elsewhere: no change.
+One deliberate difference from the paper's formula, in fp8_scale_fused only (the reference does the
+same since it was aligned with this kernel): pi is floored at max(2^-40 * (largest earlier pi,
+rescaled to the current max), 2^-100), so pi_old / pi cannot overflow when a block's peak lies far
+below an earlier one's.
+
+Work schedules (`schedule=`):
+  uniform   (default, the one validated on the H200) every request is cut into `num_splits` equal
+            runs of pages; grid (B, row tiles, splits x chunks). Short requests in a mixed batch
+            leave most of their programs idle.
+  balanced  FlashMLA-style: the pages of the whole batch, request after request, are cut into
+            `num_splits` parts of equal page count (default 2 per SM per row tile); a part may
+            finish one request and start the next. `_balanced_metadata` writes the page prefix sum
+            on the device (no host sync, CUDA-graph safe); a program finds its first request by
+            binary search. A run that covers a whole request writes the final output directly;
+            the others write partials at slot part + b (unique: along the batch, part and request
+            indices never both stand still), merged by `_mla_decode_combine_balanced`.
+  Both run the same `_attend` on each run of pages; only which pages form a run differs, i.e.
+  exactly the freedom that `num_splits` already has (each run has its own running max).
+
+FP8 knobs (compile-time variants, so a benchmark can compare them side by side):
+  fp8_mma   False (default): fp8 x fp8 products run as exact fp16 MMAs of the e4m3 values;
+            "qk" / "pv" / True: Hopper's native FP8 MMA for that product (less precise, see `_tl`).
+  p_div     "exact" (default): P^ = e4m3(f / pi) with a correctly rounded division per element;
+            "rcp": e4m3(f * (1 / pi)), one division per row. f * rn(1/pi) is within ~1 ulp of
+            f / pi, so it rounds to a different e4m3 value only when f / pi lies within ~2^-22
+            (relative) of an e4m3 rounding midpoint: rare single-element flips, not bit-exact.
 
 The ds_v32 layout scales each block of `block_size` latent channels separately, so V's scale
 varies along both axes of the PV product: each program then owns one output chunk of block_size
 channels with its own P (and pi), as the reference does, and computes the full-width scores
 (r / block_size times the QK work: a compile-time variant for comparisons, not tuned).
 
-Stage 2 (only with more than one split) merges the splits by their LSE.
-
 On a GPU the MMAs are bf16 (bf16 query / P) or fp16 over e4m3 values (fp8 query / P): both have
-exact products and fp32 accumulation, i.e. the reference's arithmetic; `fp8_mma=True` switches the
-fp8 x fp8 products to Hopper's native FP8 MMA, which is less precise (see `_tl`).
+exact products and fp32 accumulation, i.e. the reference's arithmetic.
 
 Numerical contract against the reference (tested in tests/test_kernels_decode.py): with one split
 the kernel performs the reference's arithmetic (only fp32 summation order differs); with several
-splits each split's running max differs, so bf16 / fp8 P are rounded from differently scaled
-values. Interpreter mode (CPU) holds every narrow value as its exact fp32 value (see `_tl`).
+splits or parts each run's running max differs, so bf16 / fp8 P are rounded from differently
+scaled values. Interpreter mode (CPU) holds every narrow value as its exact fp32 value (see `_tl`).
+
+`plan_decode` builds the launches (kernels, grids, arguments) without running them: `launch_decode`
+runs a plan, and `snapquant.bench.compile_stats` compiles a plan's kernels for a GPU target on a
+machine without one (register, spill and shared-memory reports).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from ..config import KVQuantConfig
-from ..errors import ConfigError, ShapeError
+from ..errors import ConfigError, ShapeError, unknown_choice
 from ._checks import check_tensor
 from ._launch import for_device, interpreting
 from ._tl import (
@@ -82,6 +104,13 @@ LOG2E = math.log2(math.e)
 LN2 = tl.constexpr(math.log(2.0))
 PI_REL_FLOOR = tl.constexpr(2.0**-40)
 PI_ABS_FLOOR = tl.constexpr(2.0**-100)
+
+SCHEDULES = ("uniform", "balanced")
+P_DIVS = ("exact", "rcp")
+# fp8_mma value -> (native FP8 MMA for QK, for PV)
+_FP8_MMA = {False: (False, False), True: (True, True), "none": (False, False), "qk": (True, False),
+            "pv": (False, True), "both": (True, True)}
+MAX_PARTS = 8192  # balanced schedule: partial buffers are [parts + B, rows, r] fp32
 
 
 @triton.jit
@@ -111,34 +140,42 @@ def _quantize_q(q, sigma, Q_FP8: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _mla_decode_stage1(
-    Q, LAT, ROPE, SCALE, BT, LENS, O_PART, LSE_PART,
-    sm_scale_log2,
+def _e4m3_to_f16(x):
+    """fp8 e4m3 tile -> fp16 (exact), two elements per `cvt.rn.f16x2.e4m3x2` (sm_89+). Inline PTX is
+    opaque to the compiler, so the conversion stays where it is written: once, on the loaded tile."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x], dtype=tl.float16,
+                                     is_pure=True, pack=2)
+
+
+@triton.jit
+def _add_i32(a, b):
+    return a + b
+
+
+@triton.jit
+def _attend(
+    Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, chunk, sm_scale_log2,
     stride_qb, stride_qs, stride_qh,
     stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
-    stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
-    S: tl.constexpr, H: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+    H, S: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
     LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
-    NSPLIT, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
-    NATIVE: tl.constexpr, QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr,
-    LSE_NATURAL: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, NATIVE: tl.constexpr,
+    QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr, P_RCP: tl.constexpr,
+    TILE16: tl.constexpr,
 ):
+    """Online softmax of query rows `rows` of request b over its pages [p_lo, p_hi), output chunk
+    `chunk`. Returns (acc [BLOCK_M, R / NB], m, l, pi): out = acc / l, lse2 = m + log2(l pi)."""
     BW: tl.constexpr = R // NB  # channels per scale block = width of this program's output chunk
-    b = tl.program_id(0)
-    split = tl.program_id(2) // NB
-    chunk = tl.program_id(2) % NB
-
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < S * H
-    q_ptr = Q + b.to(tl.int64) * stride_qb + (rows // H) * stride_qs + (rows % H) * stride_qh
-    length = tl.load(LENS + b)
+    b64 = tl.cast(b, tl.int64)  # a Python int in the interpreter when b comes from a loop
+    q_ptr = Q + b64 * stride_qb + (rows // H) * stride_qs + (rows % H) * stride_qh
     if CAUSAL:  # query token i of S sees cache positions < length - (S - 1 - i)
         limit = length - (S - 1 - rows // H)
     else:
         limit = length + 0 * rows
     limit = tl.where(row_ok, limit, 0)
 
-    # ---- query: per-row scale (fp8) and the RoPE operand, once per program
+    # ---- query: per-row scale (fp8) and the RoPE operand, once per run of pages
     offs_r = tl.arange(0, R)
     offs_d = tl.arange(0, D)
     q_full = _load_q(q_ptr[:, None] + offs_r[None, :], row_ok[:, None], Q_BITS16)
@@ -155,12 +192,6 @@ def _mla_decode_stage1(
         q_nope = operand(_quantize_q(q_full, sigma, Q_FP8, NATIVE), QK_KIND)
     coef = sm_scale_log2 * sigma  # [BLOCK_M]: scores go straight to the log2 domain
 
-    # ---- this split's pages
-    n_pages = (length + PAGE - 1) // PAGE
-    per_split = (n_pages + NSPLIT - 1) // NSPLIT
-    p_lo = split * per_split
-    p_hi = tl.minimum(p_lo + per_split, n_pages)
-
     offs_n = tl.arange(0, PAGE)
     offs_w = tl.arange(0, BW)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -171,7 +202,7 @@ def _mla_decode_stage1(
     zero_qk = tl.full([BLOCK_M, PAGE], 0.0, tl.float32)
 
     for p in range(p_lo, p_hi):
-        page = tl.load(BT + b.to(tl.int64) * stride_bt + p).to(tl.int64)
+        page = tl.load(BT + b64 * stride_bt + p).to(tl.int64)
         pos = p * PAGE + offs_n
         tok_ok = pos < length
         lat_rows = LAT + page * stride_lp + offs_n[:, None] * stride_lt  # [PAGE, 1]
@@ -182,6 +213,8 @@ def _mla_decode_stage1(
             c = _load_latent(lat_rows + offs_r[None, :], tok_ok[:, None], LAYOUT)
             if LAYOUT == 0:
                 c = bits16(c, NATIVE)
+            elif TILE16 and NATIVE:
+                c = _e4m3_to_f16(c)
             qk = mma(q_nope, tl.trans(operand(c, QK_KIND)), zero_qk, QK_KIND)
             if LAYOUT != 0:  # the token's only scale (snapmla, or ds_v32 with one block)
                 s_v = tl.load(s_ptr, mask=tok_ok, other=0.0)
@@ -226,7 +259,11 @@ def _mla_decode_stage1(
             pi_floor = tl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
             pi_new = tl.where(f_max > 0, tl.maximum(tl.math.div_rn(f_max, E4M3_MAX), pi_floor), pi_i)
             pi_max = tl.maximum(pi_max * alpha, pi_new)
-            p_hat = round_e4m3(tl.clamp(tl.math.div_rn(f, pi_new[:, None]), -E4M3_MAX, E4M3_MAX), NATIVE)
+            if P_RCP:  # one correctly rounded reciprocal per row instead of a division per element
+                y = f * tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), pi_new)[:, None]
+            else:
+                y = tl.math.div_rn(f, pi_new[:, None])
+            p_hat = round_e4m3(tl.clamp(y, -E4M3_MAX, E4M3_MAX), NATIVE)
             beta = tl.math.div_rn(alpha * pi_i, pi_new)
             acc = mma(operand(p_hat, PV_KIND), operand(v, PV_KIND), acc * beta[:, None], PV_KIND)
             l_i = beta * l_i + tl.math.div_rn(rsum(e, 1, NATIVE), pi_new)
@@ -236,15 +273,150 @@ def _mla_decode_stage1(
             acc = mma(operand(p16, PV_KIND), operand(v, PV_KIND), acc * alpha[:, None], PV_KIND)
             l_i = alpha * l_i + rsum(e, 1, NATIVE)
         m_i = m_new
+    return acc, m_i, l_i, pi_i
 
+
+@triton.jit
+def _finish(acc, m_i, l_i, pi_i):
+    """-> (out, lse in log2 units); rows that saw nothing give out = 0, lse = -inf."""
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i * pi_i)))
+    return out, lse
+
+
+@triton.jit
+def _mla_decode_stage1(
+    Q, LAT, ROPE, SCALE, BT, LENS, O_PART, LSE_PART,
+    sm_scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+    stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
+    H, NSPLIT,
+    S: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+    LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
+    NATIVE: tl.constexpr, QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr,
+    P_RCP: tl.constexpr, TILE16: tl.constexpr, LSE_NATURAL: tl.constexpr,
+):
+    """Uniform schedule: program (b, row tile, split * NB + chunk) owns split `split` of request b."""
+    BW: tl.constexpr = R // NB
+    b = tl.program_id(0)
+    split = tl.program_id(2) // NB
+    chunk = tl.program_id(2) % NB
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    length = tl.load(LENS + b)
+    n_pages = (length + PAGE - 1) // PAGE
+    per_split = (n_pages + NSPLIT - 1) // NSPLIT
+    p_lo = split * per_split
+    p_hi = tl.minimum(p_lo + per_split, n_pages)
+    acc, m_i, l_i, pi_i = _attend(
+        Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, chunk, sm_scale_log2,
+        stride_qb, stride_qs, stride_qh,
+        stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+        H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+        QK_KIND, PV_KIND, R_KIND, P_RCP, TILE16,
+    )
+    out, lse = _finish(acc, m_i, l_i, pi_i)
     if LSE_NATURAL:
         lse = lse * LN2
+    row_ok = rows < S * H
+    offs_w = tl.arange(0, BW)
     o_ptr = O_PART + b.to(tl.int64) * stride_ob + rows[:, None] * stride_om + split * stride_os + chunk * BW
     tl.store(o_ptr + offs_w[None, :], out, mask=row_ok[:, None])
     tl.store(LSE_PART + b.to(tl.int64) * stride_lb + rows * stride_lm + split * stride_ls + chunk, lse, mask=row_ok)
+
+
+@triton.jit
+def _balanced_metadata(LENS, CUM, B, PAGE: tl.constexpr, BLOCK_B: tl.constexpr):
+    """CUM[0] = 0, CUM[b + 1] = pages of requests 0..b (one program; B <= BLOCK_B)."""
+    offs = tl.arange(0, BLOCK_B)
+    ok = offs < B
+    n = tl.load(LENS + offs, mask=ok, other=0)
+    pages = (tl.maximum(n, 0) + PAGE - 1) // PAGE
+    cum = tl.associative_scan(pages, 0, _add_i32)
+    tl.store(CUM + 1 + offs, cum, mask=ok)
+    tl.store(CUM + offs, 0 * offs, mask=offs == 0)
+
+
+@triton.jit
+def _first_index(A, x, n, GREATER: tl.constexpr):
+    """Smallest i in [0, n) with A[i] > x (GREATER) or A[i] >= x, n if none; A non-decreasing."""
+    lo = 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        a = tl.load(A + mid)
+        if GREATER:
+            go_left = a > x
+        else:
+            go_left = a >= x
+        hi = tl.where(go_left, mid, hi)
+        lo = tl.where(go_left, lo, mid + 1)
+    return lo
+
+
+@triton.jit
+def _part_range(CUM, part, B, NPARTS):
+    """Pages [lo, hi) of the batch's page sequence that part `part` owns."""
+    total = tl.load(CUM + B)
+    per = tl.maximum((total + NPARTS - 1) // NPARTS, 1)
+    lo = part * per
+    hi = tl.minimum(lo + per, total)
+    return lo, hi, per
+
+
+@triton.jit
+def _mla_decode_balanced(
+    Q, LAT, ROPE, SCALE, BT, LENS, CUM, OUT, LSE_OUT, O_PART, LSE_PART,
+    sm_scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+    stride_ob, stride_om, stride_eb, stride_ps, stride_pm, stride_ls, stride_lm,
+    H, B, NPARTS,
+    S: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+    LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
+    NATIVE: tl.constexpr, QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr,
+    P_RCP: tl.constexpr, TILE16: tl.constexpr,
+):
+    """Balanced schedule: program (part, row tile, chunk) owns pages [lo, hi) of the batch's page
+    sequence, which may cover the end of one request and the start of the next ones."""
+    BW: tl.constexpr = R // NB
+    part = tl.program_id(0)
+    chunk = tl.program_id(2)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < S * H
+    offs_w = tl.arange(0, BW)
+    lo, hi, _ = _part_range(CUM, part, B, NPARTS)
+    b_first = _first_index(CUM + 1, lo, B, True)  # first request whose pages end after lo
+    b_stop = _first_index(CUM, hi, B, False)  # first request starting at or after hi
+    for b in range(b_first, b_stop):
+        start = tl.load(CUM + b)
+        n = tl.load(CUM + b + 1) - start
+        s_lo = tl.maximum(lo - start, 0)
+        s_hi = tl.minimum(hi - start, n)
+        if s_lo < s_hi:
+            length = tl.load(LENS + b)
+            acc, m_i, l_i, pi_i = _attend(
+                Q, LAT, ROPE, SCALE, BT, b, rows, length, s_lo, s_hi, chunk, sm_scale_log2,
+                stride_qb, stride_qs, stride_qh,
+                stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+                H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+                QK_KIND, PV_KIND, R_KIND, P_RCP, TILE16,
+            )
+            out, lse = _finish(acc, m_i, l_i, pi_i)
+            b64 = tl.cast(b, tl.int64)
+            if (s_lo == 0) & (s_hi == n):  # the whole request: final output, natural-log LSE
+                o_ptr = OUT + b64 * stride_ob + rows[:, None] * stride_om + chunk * BW
+                tl.store(o_ptr + offs_w[None, :], out, mask=row_ok[:, None])
+                if chunk == 0:
+                    tl.store(LSE_OUT + b64 * stride_eb + rows, lse * LN2, mask=row_ok)
+            else:  # a partial, in slot part + b (log2 LSE)
+                slot = (part + b).to(tl.int64)
+                o_ptr = O_PART + slot * stride_ps + rows[:, None] * stride_pm + chunk * BW
+                tl.store(o_ptr + offs_w[None, :], out, mask=row_ok[:, None])
+                tl.store(LSE_PART + slot * stride_ls + rows * stride_lm + chunk, lse, mask=row_ok)
 
 
 @triton.jit
@@ -276,6 +448,49 @@ def _mla_decode_combine(
     if chunk == 0:
         lse_out = tl.where(total > 0, (mx + tl.log2(tl.where(total > 0, total, 1.0))) * LN2, float("-inf"))
         tl.store(LSE_OUT + b * stride_eb + row, lse_out)
+
+
+@triton.jit
+def _mla_decode_combine_balanced(
+    CUM, O_PART, LSE_PART, OUT, LSE_OUT,
+    stride_ps, stride_pm, stride_ls, stride_lm, stride_ob, stride_om, stride_eb,
+    B, NPARTS, BW: tl.constexpr,
+):
+    """Merge request b's partials (slots first + b .. last + b), as `_mla_decode_combine` does.
+    Requests that one part covered whole were written by stage 1; empty ones get out 0, lse -inf."""
+    b = tl.program_id(0)
+    row = tl.program_id(1)
+    chunk = tl.program_id(2)
+    offs_w = tl.arange(0, BW)
+    out_ptr = OUT + b.to(tl.int64) * stride_ob + row * stride_om + chunk * BW + offs_w
+    lse_out_ptr = LSE_OUT + b.to(tl.int64) * stride_eb + row
+    start = tl.load(CUM + b)
+    n = tl.load(CUM + b + 1) - start
+    _, _, per = _part_range(CUM, 0, B, NPARTS)
+    first = start // per
+    last = (start + n - 1) // per
+    if n == 0:
+        tl.store(out_ptr, tl.full([BW], 0.0, tl.float32))
+        if chunk == 0:
+            tl.store(lse_out_ptr, float("-inf"))
+    elif first < last:
+        lse_ptr = LSE_PART + row * stride_lm + chunk
+        o_ptr = O_PART + row * stride_pm + chunk * BW + offs_w
+        mx = float("-inf")
+        for s in range(first, last + 1):
+            mx = tl.maximum(mx, tl.load(lse_ptr + (s + b).to(tl.int64) * stride_ls))
+        mx_ref = tl.where(mx == float("-inf"), 0.0, mx)
+        total = 0.0
+        acc = tl.full([BW], 0.0, tl.float32)
+        for s in range(first, last + 1):
+            w = tl.exp2(tl.load(lse_ptr + (s + b).to(tl.int64) * stride_ls) - mx_ref)
+            o = tl.load(o_ptr + (s + b).to(tl.int64) * stride_ps)
+            acc += tl.where(w > 0, w * o, 0.0)
+            total += w
+        tl.store(out_ptr, tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0))
+        if chunk == 0:
+            lse_out = tl.where(total > 0, (mx + tl.log2(tl.where(total > 0, total, 1.0))) * LN2, float("-inf"))
+            tl.store(lse_out_ptr, lse_out)
 
 
 @dataclass
@@ -317,6 +532,41 @@ class KernelOperands:
                    max(cache.num_scale_blocks, 1))
 
 
+@dataclass
+class KernelLaunch:
+    """One kernel launch of a plan: `kernel[grid](*args, **kwargs)` (kernel as decorated, compiled build)."""
+
+    name: str
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class DecodePlan:
+    """The launches of one decode call and the tensors they write; `run()` performs them."""
+
+    out: torch.Tensor  # [B, S, H, r]
+    lse: torch.Tensor  # [B, S, H]
+    single: bool  # the query was [B, H, r + d]: return [B, H, ...]
+    device: torch.device
+    launches: list[KernelLaunch] = field(default_factory=list)
+    knobs: dict = field(default_factory=dict)  # the resolved tuning knobs (for reports)
+    epilogue: Any = None  # a torch step after the launches (or None)
+
+    compiled: list = field(default_factory=list)  # what each launch returned (compiled kernels on a GPU)
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.compiled = [for_device(ln.kernel, self.device)[ln.grid](*ln.args, **ln.kwargs)
+                         for ln in self.launches]
+        if self.epilogue is not None:
+            self.epilogue()
+        if self.single:
+            return self.out[:, 0], self.lse[:, 0]
+        return self.out, self.lse
+
+
 def mla_decode(
     q_abs: torch.Tensor,
     paged_cache: PagedMLACache,
@@ -329,7 +579,9 @@ def mla_decode(
     block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    fp8_mma: bool = False,
+    fp8_mma: bool | str = False,
+    schedule: str = "uniform",
+    p_div: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode of `q_abs` over a paged cache; same contract as `mla_decode_reference`.
 
@@ -339,28 +591,59 @@ def mla_decode(
         paged_cache: the cache (its `lengths` include the query tokens).
         softmax_scale: tau (e.g. 1 / sqrt(qk_head_dim) times the yarn mscale^2).
         config: decode knobs (query, pv); default the cache's config. Must match its layout.
-        num_splits: KV splits per request (default: enough programs to fill the GPU).
+        num_splits: uniform schedule: KV splits per request (default: enough programs to fill the
+            GPU); balanced schedule: parts of the whole batch's pages (default 2 per SM per row tile).
         causal: with S > 1, query token i sees positions < length - (S - 1 - i).
         check_bounds: validate lengths and the block table first (one device sync).
         block_m, num_warps, num_stages: tuning knobs (rows per program; launch parameters).
-        fp8_mma: run fp8 x fp8 products on Hopper's FP8 MMA (faster, but it accumulates each K=32
-            step in ~14 bits) instead of exact fp16 MMAs of the same e4m3 values.
+        fp8_mma: native FP8 MMAs (faster, but Hopper accumulates each K=32 step in ~14 bits) for
+            the fp8 x fp8 products: False (exact fp16 MMAs), "qk", "pv" or True (both).
+        schedule: "uniform" or "balanced" (see the module docstring).
+        p_div: "exact" or "rcp": how fp8 P is scaled (see the module docstring).
 
     Returns:
         (out `[B, (S,) H, r]` fp32, lse `[B, (S,) H]` fp32 natural log); rows that see no token
         give out = 0 and lse = -inf.
     """
+    return mla_decode_plan(q_abs, paged_cache, softmax_scale, config, num_splits, causal=causal,
+                           check_bounds=check_bounds, block_m=block_m, num_warps=num_warps,
+                           num_stages=num_stages, fp8_mma=fp8_mma, schedule=schedule, p_div=p_div).run()
+
+
+def mla_decode_plan(
+    q_abs: torch.Tensor,
+    paged_cache: PagedMLACache,
+    softmax_scale: float,
+    config: KVQuantConfig | None = None,
+    num_splits: int | None = None,
+    *,
+    check_bounds: bool = True,
+    **knobs: Any,
+) -> DecodePlan:
+    """`mla_decode`'s checks and launch plan without running it: `plan.run()` decodes into the
+    plan's own output buffers, so a benchmark (or a CUDA graph) can replay it with no allocation
+    or validation per call. Knobs as in `mla_decode`."""
     cache = _check_cache(paged_cache)
     config = cache.config if config is None else config
     _check_config(config, cache)
     if check_bounds:
         cache.check_bounds()
-    return launch_decode(q_abs, KernelOperands.from_paged(cache), softmax_scale, config, num_splits,
-                         causal=causal, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-                         fp8_mma=fp8_mma)
+    return plan_decode(q_abs, KernelOperands.from_paged(cache), softmax_scale, config, num_splits, **knobs)
 
 
 def launch_decode(
+    q_abs: torch.Tensor,
+    ops: KernelOperands,
+    softmax_scale: float,
+    config: KVQuantConfig,
+    num_splits: int | None = None,
+    **knobs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate the query and launch knobs, then run stage 1 (and the combine). `ops` is trusted."""
+    return plan_decode(q_abs, ops, softmax_scale, config, num_splits, **knobs).run()
+
+
+def plan_decode(
     q_abs: torch.Tensor,
     ops: KernelOperands,
     softmax_scale: float,
@@ -371,16 +654,33 @@ def launch_decode(
     block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    fp8_mma: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate the query and launch knobs, then run stage 1 (and the combine). `ops` is trusted."""
+    fp8_mma: bool | str = False,
+    schedule: str = "uniform",
+    p_div: str = "exact",
+    fp8_tile: str = "dot",
+    native: bool | None = None,
+    num_sms: int | None = None,
+) -> DecodePlan:
+    """Allocate the outputs and build the launches of one decode call, without running them.
+
+    `native` (default: the tensors are on a GPU) picks the compiled code paths (True) or the
+    interpreter's (False); `num_sms` overrides the device's SM count in the default split and part
+    counts. Both exist so a plan can be built for a GPU target on a machine without one.
+    """
     q, single = _check_query(q_abs, ops)
     B, S, H, _ = q.shape
     r, d, dev, nb = ops.kv_lora_rank, ops.rope_dim, ops.device, ops.num_scale_blocks
     if not (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
             and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ShapeError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
-    interp = interpreting(dev)
+    if schedule not in SCHEDULES:
+        raise unknown_choice("schedule", schedule, SCHEDULES)
+    if p_div not in P_DIVS:
+        raise unknown_choice("p_div", p_div, P_DIVS)
+    if not isinstance(fp8_mma, (bool, str)) or fp8_mma not in _FP8_MMA:
+        raise unknown_choice("fp8_mma", fp8_mma, [str(k) for k in _FP8_MMA])
+    native = (not interpreting(dev)) if native is None else bool(native)
+    sms = num_sms if num_sms is not None else _num_sms(dev)
     bw = r // nb
     rows = S * H
     if block_m is None:
@@ -388,61 +688,112 @@ def launch_decode(
     _check_pow2("block_m", block_m, 16)
     m_blocks = triton.cdiv(rows, block_m)
     if num_splits is None:
-        num_splits = _default_splits(B * m_blocks * nb, ops.block_table.shape[1], dev)
+        if schedule == "uniform":
+            num_splits = _default_splits(B * m_blocks * nb, ops.block_table.shape[1], sms)
+        else:
+            num_splits = default_parts(m_blocks * nb, sms)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ShapeError(f"num_splits must be a positive int, got {num_splits!r}")
-
-    out = torch.empty(B, S, H, r, dtype=torch.float32, device=dev)
-    if num_splits == 1:  # stage 1 writes the final result directly
-        o_part = out.view(B, rows, 1, r)
-        lse_part = torch.empty(B, rows, 1, nb, dtype=torch.float32, device=dev)
-    else:
-        o_part = torch.empty(B, rows, num_splits, r, dtype=torch.float32, device=dev)
-        lse_part = torch.empty(B, rows, num_splits, nb, dtype=torch.float32, device=dev)
+    if schedule == "balanced" and num_splits > MAX_PARTS:
+        raise ShapeError(f"num_splits={num_splits} parts is above the balanced schedule's limit {MAX_PARTS}")
+    for name, v in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ShapeError(f"{name} must be a positive int, got {v!r}")
 
     q_fp8, p_fp8 = config.query == "fp8_e4m3", config.pv == "fp8_scale_fused"
-    if interp:
+    if not native:
         qk_kind = pv_kind = r_kind = OP_F32
     else:
         # e4m3 values are exact in fp16 and an fp16 MMA accumulates exact products in fp32, which is
         # the reference's arithmetic; Hopper's FP8 MMA keeps only ~14 bits inside each K=32 step
         # (measured 4.5e-5 relative at M = 64 even when promoted every 32). Opt in with fp8_mma.
+        mma_qk, mma_pv = _FP8_MMA[fp8_mma]
         r_kind = OP_BF16
-        qk_kind = (OP_FP8 if fp8_mma and bw >= 32 else OP_FP16) if q_fp8 else OP_BF16
-        pv_kind = (OP_FP8 if fp8_mma else OP_FP16) if p_fp8 else OP_BF16
-    launch = {}
-    if not interp:
+        qk_kind = (OP_FP8 if mma_qk and bw >= 32 else OP_FP16) if q_fp8 else OP_BF16
+        pv_kind = (OP_FP8 if mma_pv else OP_FP16) if p_fp8 else OP_BF16
+    launch: dict[str, int] = {}
+    if native:
         # 8 warps measured fastest on an H200 for every layout at H = 16 and 64 (e.g. bf16 280 -> 225 us)
         launch = {"num_warps": num_warps or 8, "num_stages": num_stages or 2}
     q_arg = q.view(torch.int16) if q.dtype == torch.bfloat16 else q
-    for_device(_mla_decode_stage1, dev)[(B, m_blocks, num_splits * nb)](
-        q_arg, ops.latent, ops.rope, ops.scale, ops.block_table, ops.lengths, o_part, lse_part,
-        float(softmax_scale) * LOG2E,
+    common = dict(
+        S=S, R=r, D=d, NB=nb, LAYOUT=_LAYOUT_ID[ops.layout], Q_FP8=q_fp8, P_FP8=p_fp8,
+        Q_BITS16=q.dtype == torch.bfloat16, CAUSAL=bool(causal), BLOCK_M=block_m, PAGE=PAGE_SIZE,
+        NATIVE=native, QK_KIND=qk_kind, PV_KIND=pv_kind, R_KIND=r_kind, P_RCP=p_div == "rcp",
+        TILE16=fp8_tile == "cvt16", **launch,
+    )
+    cache_args = (
         q.stride(0), q.stride(1), q.stride(2),
         *ops.lat_strides, *ops.rope_strides, *ops.scale_strides, ops.block_table.stride(0),
+    )
+    out = torch.empty(B, S, H, r, dtype=torch.float32, device=dev)
+    lse = torch.empty(B, S, H, dtype=torch.float32, device=dev)
+    knobs = {"schedule": schedule, "num_splits": num_splits, "block_m": block_m, "fp8_mma": fp8_mma,
+             "p_div": p_div, **launch}
+    plan = DecodePlan(out, lse, single, dev, knobs=knobs)
+    out_v, lse_v = out.view(B, rows, r), lse.view(B, rows)
+    small = {} if not native else {"num_warps": 4}
+    if schedule == "balanced":
+        cum = torch.empty(B + 1, dtype=torch.int32, device=dev)
+        o_part = torch.empty(num_splits + B, rows, r, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(num_splits + B, rows, nb, dtype=torch.float32, device=dev)
+        plan.launches += [
+            KernelLaunch("balanced_metadata", _balanced_metadata, (1,), (ops.lengths, cum, B),
+                         dict(PAGE=PAGE_SIZE, BLOCK_B=triton.next_power_of_2(B), **small)),
+            KernelLaunch("decode_balanced", _mla_decode_balanced, (num_splits, m_blocks, nb), (
+                q_arg, ops.latent, ops.rope, ops.scale, ops.block_table, ops.lengths, cum, out_v, lse_v,
+                o_part, lse_part, float(softmax_scale) * LOG2E, *cache_args,
+                out_v.stride(0), out_v.stride(1), lse_v.stride(0),
+                o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
+                H, B, num_splits), common),
+            KernelLaunch("combine_balanced", _mla_decode_combine_balanced, (B, rows, nb), (
+                cum, o_part, lse_part, out_v, lse_v,
+                o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
+                out_v.stride(0), out_v.stride(1), lse_v.stride(0), B, num_splits), dict(BW=bw, **small)),
+        ]
+        return plan
+    if num_splits == 1:  # stage 1 writes the final result directly
+        o_part = out.view(B, rows, 1, r)
+        lse_part = lse.view(B, rows, 1, 1)
+        if nb > 1:  # one LSE per output chunk; the final LSE is chunk 0's
+            lse_part = torch.empty(B, rows, 1, nb, dtype=torch.float32, device=dev)
+    else:
+        o_part = torch.empty(B, rows, num_splits, r, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(B, rows, num_splits, nb, dtype=torch.float32, device=dev)
+    plan.launches.append(KernelLaunch("decode_uniform", _mla_decode_stage1, (B, m_blocks, num_splits * nb), (
+        q_arg, ops.latent, ops.rope, ops.scale, ops.block_table, ops.lengths, o_part, lse_part,
+        float(softmax_scale) * LOG2E, *cache_args,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), H, num_splits,
+    ), dict(LSE_NATURAL=num_splits == 1, **common)))
+    if num_splits == 1:
+        if nb > 1:  # the final LSE is chunk 0's
+            plan.epilogue = functools.partial(lse_v.copy_, lse_part[:, :, 0, 0])
+        return plan
+    plan.launches.append(KernelLaunch("combine", _mla_decode_combine, (B, rows, nb), (
+        o_part, lse_part, out_v, lse_v,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        NSPLIT=num_splits, S=S, H=H, R=r, D=d, NB=nb, LAYOUT=_LAYOUT_ID[ops.layout], Q_FP8=q_fp8, P_FP8=p_fp8,
-        Q_BITS16=q.dtype == torch.bfloat16, CAUSAL=bool(causal), BLOCK_M=block_m,
-        PAGE=PAGE_SIZE, NATIVE=not interp, QK_KIND=qk_kind, PV_KIND=pv_kind, R_KIND=r_kind,
-        LSE_NATURAL=num_splits == 1, **launch,
-    )
-    if num_splits == 1:
-        lse = lse_part[:, :, 0, 0].reshape(B, S, H)
-    else:
-        lse = torch.empty(B, S, H, dtype=torch.float32, device=dev)
-        out_v, lse_v = out.view(B, rows, r), lse.view(B, rows)
-        for_device(_mla_decode_combine, dev)[(B, rows, nb)](
-            o_part, lse_part, out_v, lse_v,
-            o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-            out_v.stride(0), out_v.stride(1), lse_v.stride(0), num_splits,
-            NSPLIT_P2=triton.next_power_of_2(num_splits), NB=nb, BW=bw, NATIVE=not interp,
-            **({} if interp else {"num_warps": 4}),
-        )
-    if single:
-        return out[:, 0], lse[:, 0]
-    return out, lse
+        out_v.stride(0), out_v.stride(1), lse_v.stride(0), num_splits,
+    ), dict(NSPLIT_P2=triton.next_power_of_2(num_splits), NB=nb, BW=bw, NATIVE=native, **small)))
+    return plan
+
+
+def default_parts(row_tiles_x_chunks: int, num_sms: int) -> int:
+    """Balanced schedule: two programs per SM over all row tiles and output chunks (FlashMLA runs one
+    part per SM with one CTA each; ours hold fewer rows, so two give latency hiding room)."""
+    return max(1, min(MAX_PARTS, (2 * num_sms) // max(row_tiles_x_chunks, 1)))
+
+
+@functools.lru_cache(maxsize=16)
+def _sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -484,7 +835,7 @@ def _check_pow2(name: str, v: object, lo: int) -> None:
         raise ShapeError(f"{name} must be a power of two >= {lo}, got {v!r}")
 
 
-def _default_splits(programs: int, max_pages: int, device: torch.device) -> int:
-    """Enough splits for ~2 programs per SM, never more than the pages or 64 (combine cost)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+def _default_splits(programs: int, max_pages: int, sms: int) -> int:
+    """Uniform schedule: enough splits for ~2 programs per SM, never more than the pages or 64
+    (combine cost). Kept as validated on the H200 (a sweep found 8 splits better at two shapes)."""
     return max(1, min(triton.cdiv(2 * sms, programs), max_pages, 64))

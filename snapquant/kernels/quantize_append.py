@@ -7,6 +7,11 @@ One program per new token. Bit-exact to `snapquant.quantize_kv` (the reference q
     bf16     latent = bf16(c), rope = bf16(r)
 with correctly rounded divisions (div_rn) and round-to-nearest-even casts, so the stored bits equal
 the reference's.
+
+`tokens_per_program` > 1 runs `_quantize_append_tokens` instead: one program quantizes a block of
+tokens as a [tokens x scale blocks, block width] tile (fewer, larger programs for big appends such as
+a 64K-token prefill). Every token is still quantized on its own with the same operations, so the
+stored bits are the same; the default (1) keeps the kernel that was validated on the H200.
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ def _load_f32(ptrs, BITS16: tl.constexpr):
         return bf16_bits_to_f32(tl.load(ptrs))
     else:
         return tl.load(ptrs).to(tl.float32)
+
+
+@triton.jit
+def _load_f32_masked(ptrs, BITS16: tl.constexpr, mask):
+    if BITS16:
+        return bf16_bits_to_f32(tl.load(ptrs, mask=mask, other=0))
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -68,6 +81,50 @@ def _quantize_append_kernel(
             tl.store(rope_ptr, store_bf16_bits(r, NATIVE))
 
 
+@triton.jit
+def _quantize_append_tokens(
+    LAT_IN, ROPE_IN, SLOTS, LAT, ROPE, SCALE, n_tokens,
+    stride_li, stride_ri,
+    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk,
+    R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, LAYOUT: tl.constexpr, POW2: tl.constexpr,
+    LAT_BITS16: tl.constexpr, ROPE_BITS16: tl.constexpr, NATIVE: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """BLOCK_T tokens per program; latent rows i of the [BLOCK_T * NB, BW] tile are (token i // NB,
+    scale block i % NB). Same per-token arithmetic as `_quantize_append_kernel`; masked rows (past
+    the end, or negative slots) are never stored."""
+    BW: tl.constexpr = R // NB
+    t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
+    ri = tl.arange(0, BLOCK_T * NB)
+    tok = t0 + ri // NB
+    blk = ri % NB
+    slot = tl.load(SLOTS + tok, mask=tok < n_tokens, other=-1).to(tl.int64)
+    ok = slot >= 0
+    slot = tl.where(ok, slot, 0)
+    offs_w = tl.arange(0, BW)[None, :]
+    x = _load_f32_masked(LAT_IN + tok[:, None] * stride_li + blk[:, None] * BW + offs_w, LAT_BITS16, ok[:, None])
+    lat_ptr = LAT + (slot // PAGE)[:, None] * stride_lp + (slot % PAGE)[:, None] * stride_lt + blk[:, None] * BW + offs_w
+    # RoPE rows, one per token
+    rt = t0 + tl.arange(0, BLOCK_T)
+    r_slot = tl.load(SLOTS + rt, mask=rt < n_tokens, other=-1).to(tl.int64)
+    r_ok = r_slot >= 0
+    r_slot = tl.where(r_ok, r_slot, 0)
+    offs_d = tl.arange(0, D)[None, :]
+    r = _load_f32_masked(ROPE_IN + rt[:, None] * stride_ri + offs_d, ROPE_BITS16, r_ok[:, None])
+    rope_ptr = ROPE + (r_slot // PAGE)[:, None] * stride_rp + (r_slot % PAGE)[:, None] * stride_rt + offs_d
+    if LAYOUT == 0:
+        tl.store(lat_ptr, store_bf16_bits(x, NATIVE), mask=ok[:, None])
+        tl.store(rope_ptr, store_bf16_bits(r, NATIVE), mask=r_ok[:, None])
+    else:
+        s = scale_rule(rmax(tl.abs(x), 1, NATIVE), POW2)  # [BLOCK_T * NB]
+        q = tl.clamp(tl.math.div_rn(x, s[:, None]), -E4M3_MAX, E4M3_MAX)
+        tl.store(lat_ptr, store_e4m3(q, NATIVE), mask=ok[:, None])
+        tl.store(SCALE + (slot // PAGE) * stride_sp + (slot % PAGE) * stride_st + blk * stride_sk, s, mask=ok)
+        if LAYOUT == 1:  # one scale per token (NB == 1): latent row i is token i
+            r = tl.clamp(tl.math.div_rn(r, s[:, None]), -BF16_MAX, BF16_MAX)
+        tl.store(rope_ptr, store_bf16_bits(r, NATIVE), mask=r_ok[:, None])
+
+
 def quantize_append(
     latent: torch.Tensor,
     rope: torch.Tensor,
@@ -76,6 +133,8 @@ def quantize_append(
     config: KVQuantConfig | None = None,
     *,
     check_bounds: bool = True,
+    tokens_per_program: int = 1,
+    num_warps: int | None = None,
 ) -> None:
     """Quantize new tokens and write them into `paged_cache` at `slot_mapping` (in place).
 
@@ -86,6 +145,8 @@ def quantize_append(
         slot_mapping: `[...]` int32/int64 slots (page * 64 + row); negative entries are skipped.
         config: must match the cache's storage (default: the cache's config).
         check_bounds: verify every slot lies inside the page pool (one device sync).
+        tokens_per_program: tokens one program quantizes (a power of two; 1 = the validated kernel).
+        num_warps: launch knob (GPU only; default Triton's).
     """
     if not isinstance(paged_cache, PagedMLACache):
         raise ShapeError(f"paged_cache must be a PagedMLACache, got {type(paged_cache).__name__}")
@@ -114,6 +175,11 @@ def quantize_append(
         raise_on_flags((slots >= cache.num_pages * PAGE_SIZE).any()[None], [
             f"slot_mapping has a slot beyond the page pool ({cache.num_pages} pages x {PAGE_SIZE} slots)"])
 
+    if (not isinstance(tokens_per_program, int) or isinstance(tokens_per_program, bool) or tokens_per_program < 1
+            or tokens_per_program & (tokens_per_program - 1)):
+        raise ShapeError(f"tokens_per_program must be a power of two >= 1, got {tokens_per_program!r}")
+    if num_warps is not None and (not isinstance(num_warps, int) or num_warps < 1):
+        raise ShapeError(f"num_warps must be a positive int, got {num_warps!r}")
     interp = interpreting(dev)
     nb = max(cache.num_scale_blocks, 1)
     lat_out = cache.latent.view(torch.int16) if cache.layout == "bf16" else (
@@ -121,15 +187,19 @@ def quantize_append(
     scale = cache.scale if cache.scale is not None else cache.lengths  # unused by the bf16 layout
     s_strides = (scale.stride(0), scale.stride(1), scale.stride(2) if scale.dim() == 3 else 0) \
         if cache.scale is not None else (0, 0, 0)
-    kernel = for_device(_quantize_append_kernel, dev)
-    kernel[(n,)](
-        _bits(latent), _bits(rope), slots, lat_out, cache.rope.view(torch.int16), scale,
-        latent.stride(0), rope.stride(0),
-        cache.latent.stride(0), cache.latent.stride(1), cache.rope.stride(0), cache.rope.stride(1), *s_strides,
-        R=r, D=d, NB=nb, LAYOUT=_LAYOUT_ID[cache.layout], POW2=config.scale_format == "pow2",
-        LAT_BITS16=latent.dtype == torch.bfloat16, ROPE_BITS16=rope.dtype == torch.bfloat16,
-        NATIVE=not interp, PAGE=PAGE_SIZE,
-    )
+    args = (latent.stride(0), rope.stride(0),
+            cache.latent.stride(0), cache.latent.stride(1), cache.rope.stride(0), cache.rope.stride(1), *s_strides)
+    consts = dict(R=r, D=d, NB=nb, LAYOUT=_LAYOUT_ID[cache.layout], POW2=config.scale_format == "pow2",
+                  LAT_BITS16=latent.dtype == torch.bfloat16, ROPE_BITS16=rope.dtype == torch.bfloat16,
+                  NATIVE=not interp, PAGE=PAGE_SIZE)
+    if num_warps is not None and not interp:
+        consts["num_warps"] = num_warps
+    tensors = (_bits(latent), _bits(rope), slots, lat_out, cache.rope.view(torch.int16), scale)
+    if tokens_per_program == 1:
+        for_device(_quantize_append_kernel, dev)[(n,)](*tensors, *args, **consts)
+    else:
+        for_device(_quantize_append_tokens, dev)[(triton.cdiv(n, tokens_per_program),)](
+            *tensors, n, *args, BLOCK_T=tokens_per_program, **consts)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,7 @@ class TaskCatalog:
         self.include = [str(TASKS_DIR), *include_path] if TASKS_DIR.is_dir() else list(include_path)
         self._local = None
         self._full = None
+        self._with_meta: dict[tuple, Any] = {}
 
     def local(self) -> Any:
         if self._local is None:
@@ -74,8 +75,21 @@ class TaskCatalog:
             self._full = TaskManager(include_path=self.include or None)
         return self._full
 
-    def manager_for(self, names: Sequence[str]) -> Any:
-        return self.local() if all(n in self.local().all_tasks for n in names) else self.full()
+    def manager_for(self, names: Sequence[str], metadata: dict[str, Any] | None = None) -> Any:
+        """A TaskManager that knows `names`; with `metadata`, one that passes it to every task it loads
+        (lm-eval ignores simple_evaluate's `metadata` when a task_manager is given)."""
+        local = all(n in self.local().all_tasks for n in names)
+        if not metadata:
+            return self.local() if local else self.full()
+        import json
+
+        from lm_eval.tasks import TaskManager
+
+        key = (local, json.dumps(metadata, sort_keys=True, default=str))
+        if key not in self._with_meta:
+            self._with_meta[key] = TaskManager(include_path=self.include or None, include_defaults=not local,
+                                               metadata=metadata)
+        return self._with_meta[key]
 
     def unsafe(self, name: str, tm: Any) -> bool:
         """Does running this task execute generated code? (lm-eval's `unsafe_code`, or a known family)."""
@@ -235,17 +249,18 @@ class LmEvalEvaluator:
     def _run_task(self, lm: Any, task: Any, spec: SweepSpec, progress: Any) -> dict[str, Any]:
         import lm_eval
 
-        tm = self.catalog.manager_for([task.name])
         metadata = dict(task.metadata or {})
-        if spec.model != "embedded":  # snapquant tasks measure context lengths with the model's tokenizer
+        if spec.model != "embedded" and task.name in self.catalog.local().all_tasks:
+            # snapquant's tasks measure context lengths with the tokenizer of the model under test
             metadata.setdefault("tokenizer", spec.tokenizer or spec.model)
+        tm = self.catalog.manager_for([task.name], metadata)
         with _progress_wrapped(lm, progress, task.name, spec.batch_size), _code_eval_env(spec.allow_code_execution):
             res = lm_eval.simple_evaluate(
                 model=lm, tasks=[task.name], task_manager=tm, limit=task.limit, num_fewshot=task.num_fewshot,
                 log_samples=True, bootstrap_iters=spec.bootstrap_iters, gen_kwargs=task.gen_kwargs,
                 random_seed=spec.seed, numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
                 fewshot_random_seed=spec.seed, confirm_run_unsafe_code=spec.allow_code_execution,
-                metadata=metadata or None, verbosity="ERROR",
+                verbosity="ERROR",
             )
         if res is None:  # non-zero rank in a distributed run
             raise RuntimeError("lm_eval.simple_evaluate returned no results (not rank 0?)")

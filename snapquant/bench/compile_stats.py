@@ -1,0 +1,186 @@
+"""What the compiler makes of each decode variant, without a GPU.
+
+Triton compiles for any target on any machine: this module builds a variant's launch plan over
+meta tensors of the real shape (`plan_decode(native=True)`), specializes the arguments as the JIT
+would (pointer alignment, integers equal to 1 or divisible by 16), compiles each kernel for the
+target (sm_90 = Hopper by default) and reads back:
+
+    regs, spill_bytes   from the cubin's resource usage (cuobjdump), spills = local-memory stack
+    smem                shared memory per program
+    async_loads         cp.async / TMA copies in the TTGIR: > 0 means the page loop's loads are
+                        software-pipelined (prefetched `num_stages - 1` pages ahead)
+    wgmma, mma_sync     Hopper warp-group MMAs vs Ampere-style MMAs in the PTX
+    cvt_e4m3            fp8 -> 16-bit conversion instructions in the PTX
+    loop_*              the SASS instruction mix of the page loop (the backward branch whose body
+                        holds the most MMA instructions): total, MMA, conversions (F2FP/F2F/I2F...),
+                        shared-memory loads/stores, global loads, MUFU (exp2, rcp), FP32 ALU
+These are predictions' raw material (notes in docs/perf-notes.md), not timings. Triton versions
+differ (the H200 machine runs 3.6, CI 3.9): regenerate there with `--compile-stats` when it matters.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from typing import Any
+
+import torch
+
+from .shapes import DecodeShape
+from .variants import Variant
+
+SASS_GROUPS = {
+    "mma": ("HMMA", "HGMMA", "IMMA", "QMMA", "WGMMA"),
+    "cvt": ("F2FP", "F2F", "I2F", "F2I", "I2FP", "HADD2.F32"),
+    "lds": ("LDS", "LDSM"),
+    "sts": ("STS",),
+    "ldg": ("LDG", "LDGSTS", "UTMALDG"),
+    "mufu": ("MUFU",),
+    "falu": ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FCHK"),
+}
+
+
+def _specialize(value: Any) -> tuple[str, list | None]:
+    """(signature type, attributes) of one runtime argument, as the JIT specializes it."""
+    from triton.backends.compiler import BaseBackend
+
+    try:
+        from triton._C.libtriton import native_specialize_impl
+
+        t, a = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
+        return t, (BaseBackend.parse_attr(a) if isinstance(a, str) else None)
+    except ImportError:  # older triton: the same rules by hand
+        if isinstance(value, torch.Tensor):
+            names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+                     torch.int64: "i64", torch.int16: "i16", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
+            return "*" + names[value.dtype], [["tt.divisibility", 16]] if value.data_ptr() % 16 == 0 else None
+        if isinstance(value, bool):
+            return "u1", None
+        if isinstance(value, int):
+            if value == 1:
+                return "constexpr", None
+            return ("i32" if -(2**31) <= value < 2**31 else "i64"), ([["tt.divisibility", 16]] if value % 16 == 0 else None)
+        return "fp32", None
+
+
+def compile_launch(launch: Any, arch: int = 90) -> Any:
+    """Compile one `KernelLaunch` of a plan for CUDA compute capability `arch`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = launch.kernel
+    names = [p.name for p in kernel.params]
+    values = dict(zip(names, launch.args, strict=False))
+    options = {}
+    for k, v in launch.kwargs.items():
+        if k in names:
+            values[k] = v
+        else:
+            options[k] = v
+    sig, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        v = values[p.name]
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+            constexprs[(i,)] = v
+            continue
+        t, a = _specialize(v)
+        sig[p.name] = t
+        if t == "constexpr":
+            constexprs[(i,)] = v
+        elif a:
+            attrs[(i,)] = a
+    src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _tool(name: str) -> str | None:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return path if os.path.exists(path) else None
+
+
+def kernel_stats(compiled: Any) -> dict[str, Any]:
+    """Resource usage and instruction mix of a compiled kernel (see the module docstring)."""
+    asm = compiled.asm
+    ttgir, ptx = asm.get("ttgir", ""), asm.get("ptx", "")
+    st: dict[str, Any] = {
+        "smem": getattr(compiled.metadata, "shared", None),
+        "async_loads": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy"),
+        "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+        "cvt_e4m3": len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)),
+    }
+    cubin = asm.get("cubin")
+    tool = _tool("cuobjdump")
+    if cubin and tool:
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(cubin)
+            path = f.name
+        try:
+            res = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, timeout=60).stdout
+            m = re.search(r"REG:(\d+)", res)
+            st["regs"] = int(m.group(1)) if m else None
+            m = re.search(r"STACK:(\d+)", res)
+            st["spill_bytes"] = int(m.group(1)) if m else None
+            sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, timeout=120).stdout
+            st.update(loop_mix(sass))
+        finally:
+            os.unlink(path)
+    return st
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+
+
+def loop_mix(sass: str) -> dict[str, Any]:
+    """Instruction mix of the SASS loop (a backward branch) holding the most MMA instructions."""
+    instrs = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _INSTR.finditer(sass)]
+    loops = []
+    for addr, op, args in instrs:
+        if op.startswith("BRA"):
+            m = re.search(r"0x([0-9a-f]+)", args)
+            if m and int(m.group(1), 16) < addr:
+                loops.append((int(m.group(1), 16), addr))
+    best: tuple[int, Counter] | None = None
+    for lo, hi in loops:
+        ops = Counter(op.split(".")[0] for a, op, _ in instrs if lo <= a <= hi)
+        n_mma = sum(ops[o] for o in SASS_GROUPS["mma"])
+        if best is None or n_mma > best[0]:
+            best = (n_mma, ops)
+    if best is None:
+        return {"loop_total": None}
+    ops = best[1]
+    out = {"loop_total": sum(ops.values())}
+    for g, names in SASS_GROUPS.items():
+        out[f"loop_{g}"] = sum(ops[o] for o in names)
+    return out
+
+
+def decode_compile_stats(v: Variant, shape: DecodeShape, *, arch: int = 90, num_sms: int = 132,
+                         r: int = 512, d: int = 64) -> list[dict[str, Any]]:
+    """Compile every kernel of `v`'s plan at `shape` for `arch`; one dict per kernel."""
+    from ..kernels import PagedMLACache
+    from ..kernels.mla_decode import KernelOperands, plan_decode
+
+    if v.impl != "kernel":
+        return []
+    cfg = v.config()
+    cache = PagedMLACache.empty(shape.batch, shape.max_len, r, d, cfg, device="meta")
+    q = torch.empty(shape.batch, shape.q_tokens, shape.heads, r + d, dtype=torch.bfloat16, device="meta")
+    plan = plan_decode(q, KernelOperands.from_paged(cache), 0.07, cfg, native=True, num_sms=num_sms,
+                       **v.kernel_kwargs(shape, num_sms))
+    out = []
+    for ln in plan.launches:
+        row = {"variant": v.name, "shape": shape.name, "kernel": ln.name, "grid": "x".join(map(str, ln.grid)),
+               "num_warps": ln.kwargs.get("num_warps"), "num_stages": ln.kwargs.get("num_stages")}
+        try:
+            row.update(kernel_stats(compile_launch(ln, arch)))
+        except Exception as e:  # one kernel that does not compile must not hide the others
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        out.append(row)
+    return out

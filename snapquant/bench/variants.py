@@ -1,0 +1,172 @@
+"""Every timed decode variant, and how a run selects them.
+
+A variant is one implementation with fixed knobs: our BF16 kernel, our kernel over an FP8 cache in
+each supported query/PV mode (snapmla layout: fp8 or bf16 query x fp8 scale-fused or bf16 P), a
+kernel knob on top of a mode (work schedule, P scaling, native FP8 MMA, splits, tile, warps,
+stages), the DeepSeek-V3.2 layout, or a plain PyTorch baseline. Priorities order the run so that a
+time budget cuts sweeps before variants and variants before the core set:
+
+    0  core      one per family and FP8 mode, default knobs (every shape)
+    1  variants  the kernel variants of issue 7 (every shape; ds_v32 on headline shapes)
+    2  sweeps    tuning knobs (headline shapes only)
+
+`check_vs` names the variant whose output (same inputs) this one must match within `tol` (relative
+L2): knob variants against their mode's default (tight), modes against our BF16 kernel (loose: an
+fp8 query alone costs 3-7 % on random data, numerics.md), so a fast but wrong variant is flagged.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any
+
+import triton
+
+from ..config import KVQuantConfig
+from ..errors import ConfigError
+from ..presets import PRESETS
+from .shapes import HEADLINE, DecodeShape
+
+FAMILIES = ("bf16", "fp8", "torch")
+IMPLS = ("kernel", "torch_matmul", "torch_sdpa")
+WHERE = ("all", "headline", "small_rows")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    family: str  # bf16 | fp8 | torch
+    layout: str  # bf16 | snapmla | ds_v32 (the cache format it reads)
+    query: str = "bf16"
+    pv: str = "bf16"
+    knobs: tuple[tuple[str, Any], ...] = ()  # mla_decode_plan keywords (+ parts_per_sm, resolved per shape)
+    priority: int = 0
+    check_vs: str | None = None
+    tol: float = 2e-3
+    where: str = "all"  # all | headline | small_rows (S * H < 64: where block_m is a real choice)
+    impl: str = "kernel"
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(f"variant {self.name}: family={self.family!r} not in {FAMILIES}")
+        if self.impl not in IMPLS or self.where not in WHERE:
+            raise ConfigError(f"variant {self.name}: impl={self.impl!r} / where={self.where!r} unknown")
+
+    @property
+    def mode(self) -> str:
+        """q8p8 style label of the query / P precision."""
+        return f"q{8 if self.query == 'fp8_e4m3' else 16}p{8 if self.pv == 'fp8_scale_fused' else 16}"
+
+    @property
+    def knob_dict(self) -> dict[str, Any]:
+        return dict(self.knobs)
+
+    @property
+    def knob_label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.knobs) or "default"
+
+    def config(self) -> KVQuantConfig:
+        base = {"bf16": PRESETS["bf16"], "snapmla": PRESETS["snapmla"], "ds_v32": PRESETS["ds_v32"]}[self.layout]
+        return base if self.layout == "bf16" else base.replace(query=self.query, pv=self.pv)
+
+    def applies(self, shape: DecodeShape) -> bool:
+        if self.where == "headline":
+            return shape.name in HEADLINE
+        if self.where == "small_rows":
+            return shape.name in HEADLINE and shape.heads * shape.q_tokens < 64
+        return True
+
+    def kernel_kwargs(self, shape: DecodeShape, num_sms: int) -> dict[str, Any]:
+        """Knobs for `mla_decode_plan`; parts_per_sm becomes num_splits for this shape and GPU."""
+        kw = self.knob_dict
+        pps = kw.pop("parts_per_sm", None)
+        if pps is not None:
+            rows = shape.heads * shape.q_tokens
+            block_m = kw.get("block_m") or min(64, max(16, triton.next_power_of_2(rows)))
+            nb = 4 if self.layout == "ds_v32" else 1  # ds_v32 preset: 512 / 128 channel blocks
+            kw["num_splits"] = max(1, round(pps * num_sms / (triton.cdiv(rows, block_m) * nb)))
+        return kw
+
+
+def _v(name: str, family: str, layout: str, query: str = "bf16", pv: str = "bf16", *, priority: int = 0,
+       check: str | None = None, tol: float = 2e-3, where: str = "all", impl: str = "kernel", note: str = "",
+       **knobs: Any) -> Variant:
+    return Variant(name, family, layout, query, pv, tuple(sorted(knobs.items())), priority, check, tol, where,
+                   impl, note)
+
+
+Q8, P8 = "fp8_e4m3", "fp8_scale_fused"
+VARIANTS: tuple[Variant, ...] = (
+    # ---- 0: core
+    _v("bf16", "bf16", "bf16", note="our BF16 kernel: the baseline of every ratio"),
+    _v("snapmla", "fp8", "snapmla", Q8, P8, check="bf16", tol=0.25, note="SnapMLA: fp8 query, fp8 scale-fused P"),
+    _v("snapmla_kv_only", "fp8", "snapmla", check="bf16", tol=5e-2, note="FP8 cache, bf16 query and P"),
+    _v("snapmla_q_fp8", "fp8", "snapmla", Q8, check="bf16", tol=0.25, note="FP8 cache, fp8 query, bf16 P"),
+    _v("snapmla_pv_fp8", "fp8", "snapmla", "bf16", P8, check="bf16", tol=5e-2, note="FP8 cache, bf16 query, fp8 P"),
+    _v("torch", "torch", "bf16", impl="torch_matmul", check="bf16", tol=2e-2,
+       note="plain PyTorch absorbed attention: bf16 bmm over [c|r], fp32 softmax, bf16 P"),
+    # ---- 1: kernel variants
+    _v("snapmla+balanced", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", schedule="balanced"),
+    _v("bf16+balanced", "bf16", "bf16", priority=1, check="bf16", schedule="balanced"),
+    _v("snapmla+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3, p_div="rcp"),
+    _v("snapmla+balanced+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3,
+       schedule="balanced", p_div="rcp"),
+    _v("snapmla+fp8qk", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, fp8_mma="qk",
+       note="native FP8 QK MMA, exact fp16 PV"),
+    _v("snapmla_kv_only+balanced", "fp8", "snapmla", priority=1, check="snapmla_kv_only", schedule="balanced"),
+    _v("snapmla_q_fp8+balanced", "fp8", "snapmla", Q8, priority=1, check="snapmla_q_fp8", schedule="balanced"),
+    _v("torch_sdpa", "torch", "bf16", priority=1, impl="torch_sdpa", check="bf16", tol=2e-2,
+       note="F.scaled_dot_product_attention, one KV head broadcast (enable_gqa)"),
+    _v("ds_v32", "fp8", "ds_v32", priority=1, check="bf16", tol=5e-2, where="headline",
+       note="DeepSeek-V3.2 layout: 4 pow2 scales per token, bf16 query and P"),
+    # ---- 2: sweeps (headline shapes)
+    _v("bf16+splits8", "bf16", "bf16", priority=2, check="bf16", where="headline", num_splits=8),
+    _v("snapmla+splits8", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_splits=8),
+    _v("bf16+splits16", "bf16", "bf16", priority=2, check="bf16", where="headline", num_splits=16),
+    _v("snapmla+splits16", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_splits=16),
+    _v("snapmla+balanced+parts1", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline",
+       schedule="balanced", parts_per_sm=1),
+    _v("snapmla+balanced+parts4", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline",
+       schedule="balanced", parts_per_sm=4),
+    _v("bf16+balanced+parts4", "bf16", "bf16", priority=2, check="bf16", where="headline",
+       schedule="balanced", parts_per_sm=4),
+    _v("bf16+bm64", "bf16", "bf16", priority=2, check="bf16", where="small_rows", block_m=64,
+       note="64-row tiles (rows padded): wgmma instead of mma.sync"),
+    _v("snapmla+bm64", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="small_rows", block_m=64),
+    _v("snapmla_kv_only+bm64", "fp8", "snapmla", priority=2, check="snapmla_kv_only", where="small_rows",
+       block_m=64),
+    _v("bf16+w4", "bf16", "bf16", priority=2, check="bf16", where="headline", num_warps=4),
+    _v("snapmla+w4", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_warps=4),
+    _v("bf16+s3", "bf16", "bf16", priority=2, check="bf16", where="headline", num_stages=3),
+    _v("snapmla+s3", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_stages=3),
+    _v("snapmla+s1", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_stages=1),
+    _v("snapmla+fp8mma", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", tol=1e-2, where="headline",
+       fp8_mma=True, note="native FP8 MMA for QK and PV (PV needs an 8-bit transpose)"),
+    _v("snapmla_kv_only+splits8", "fp8", "snapmla", priority=2, check="snapmla_kv_only", where="headline",
+       num_splits=8),
+)
+BY_NAME = {v.name: v for v in VARIANTS}
+QUICK = ("bf16", "snapmla", "snapmla_kv_only", "torch", "snapmla+balanced", "bf16+balanced", "snapmla+rcp",
+         "snapmla+fp8qk")
+BASELINE = "bf16"
+
+
+def select_variants(spec: str | None = None, *, quick: bool = False, max_priority: int = 2,
+                    registry: tuple[Variant, ...] = VARIANTS) -> list[Variant]:
+    """Variants named by `spec` (comma list of names or globs; None = all), at most `max_priority`,
+    in priority then registry order. The BF16 baseline is always included (every ratio needs it)."""
+    names = [v.name for v in registry]
+    if spec:
+        wanted: set[str] = set()
+        for pat in (p.strip() for p in spec.split(",") if p.strip()):
+            hits = fnmatch.filter(names, pat)
+            if not hits:
+                raise ConfigError(f"variant {pat!r} matches nothing; known variants: {', '.join(names)}")
+            wanted.update(hits)
+    else:
+        wanted = {n for n in names if not quick or n in QUICK}
+    wanted.add(BASELINE)
+    chosen = [v for v in registry if v.name in wanted and (v.priority <= max_priority or v.name == BASELINE)]
+    return sorted(chosen, key=lambda v: v.priority)
