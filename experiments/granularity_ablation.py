@@ -20,7 +20,7 @@ from snapquant import KVQuantConfig, bytes_per_token
 from snapquant.analysis.plots import plt, save_figure
 from snapquant.analysis.sensitivity import sensitivity_report
 from snapquant.fidelity import fidelity_metrics, fidelity_reference
-from snapquant.patch import patched
+from snapquant.patching import patched
 
 GRANS = ("per_tensor_dynamic", "per_channel", "per_token", "per_token_block")
 

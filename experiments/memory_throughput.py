@@ -22,7 +22,7 @@ from _common import parser, write
 
 from snapquant import PRESETS, ConfigError, bytes_per_token
 from snapquant.analysis.plots import plt, save_figure
-from snapquant.patch import patched
+from snapquant.patching import patched
 from snapquant.sweep.model import load_model, model_info
 
 SPEED_PRESETS = ("bf16", "snapmla", "snapmla_kv_only", "per_tensor_fp8", "ds_v32")

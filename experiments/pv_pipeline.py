@@ -21,7 +21,7 @@ from snapquant import PRESETS, absorb_query, attention_fp64, mla_decode_referenc
 from snapquant.analysis.capture import capture_mla
 from snapquant.analysis.plots import plt, save_figure
 from snapquant.fidelity import fidelity_metrics, fidelity_reference
-from snapquant.patch import patched
+from snapquant.patching import patched
 from snapquant.sweep.store import atomic_write_text
 
 PIPELINES = {  # name -> (preset, query, P)

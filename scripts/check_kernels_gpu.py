@@ -242,7 +242,7 @@ def check_patched_model(name: str, config, dtype: torch.dtype, steps: int = 32) 
     """A patched tiny DeepSeek-V3 model (kv_lora_rank 64, RoPE 16: kernel widths) decoding with
     backend=triton agrees with backend=reference at every step of a teacher-forced decode."""
     from snapquant.models.tiny import tiny_model
-    from snapquant.patch import patch, unpatch
+    from snapquant.patching import patch, unpatch
 
     model = tiny_model("deepseek_v3", kv_lora_rank=64, qk_rope_head_dim=16, dtype=dtype).cuda()
     g = torch.Generator().manual_seed(3)

@@ -31,7 +31,8 @@ __all__ = [
 # Model patching (issue 3). Imported on first use: it pulls in transformers, which `import snapquant`
 # alone should not pay for.
 _LAZY = {
-    "patch": "patch", "unpatch": "patch", "patched": "patch", "is_patched": "patch", "patched_config": "patch",
+    "patch": "patching", "unpatch": "patching", "patched": "patching", "is_patched": "patching",
+    "patched_config": "patching",
     "LatentCache": "cache", "LatentLayer": "cache",
     "load_embedded": "embedded", "EMBEDDED_PATH": "embedded",  # the shipped trained model (issue 4)
 }
@@ -43,8 +44,7 @@ def __getattr__(name: str):
         import importlib
 
         module = importlib.import_module(f".{_LAZY[name]}", __name__)
-        # Bind the names now: importing submodule `patch` set `snapquant.patch` to the module (which is
-        # made callable in patch.py for the case where it was imported before this ran).
+        # Bind every name of that module at once, so later lookups skip this hook.
         for n, m in _LAZY.items():
             if m == _LAZY[name]:
                 globals()[n] = getattr(module, n)

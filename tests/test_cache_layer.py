@@ -214,7 +214,7 @@ def test_static_cache_is_refused():
 def test_kivi_decode_step_equals_oracle_over_the_stored_cache(monkeypatch):
     """Through the model: the last decode step's attention == float64 attention over what the cache holds."""
     from snapquant import absorb_query, attention_fp64, project_output
-    from snapquant.patch import _MLAHook
+    from snapquant.patching import _MLAHook
 
     cfg = PRESETS["int4_kivi"].replace(token_group=4)
     model = tiny_model("deepseek_v3")

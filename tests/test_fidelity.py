@@ -62,7 +62,7 @@ def test_decode_steps_align_with_teacher_forced_prefill(model, ids):
 
 
 def test_identity_config_has_zero_fidelity_loss(model, ids):
-    from snapquant.patch import patched
+    from snapquant.patching import patched
 
     ref = fidelity_reference(model, ids)
     out = fidelity_metrics(model, ref, PRESETS["bf16"], prompt_len=8, patcher=patched)
@@ -75,7 +75,7 @@ def test_identity_config_has_zero_fidelity_loss(model, ids):
 @pytest.mark.parametrize("name", ["snapmla", "per_tensor_fp8_dynamic"])
 def test_quantized_prefill_equals_decode_exactly_when_causal_consistent(model, ids, name):
     """numerics.md: with per-token scales a teacher-forced quantized prefill IS step-by-step decode."""
-    from snapquant.patch import patched
+    from snapquant.patching import patched
 
     cfg = PRESETS[name].replace(prefill="quantized")
     with patched(model, cfg):
@@ -89,7 +89,7 @@ def test_quantized_prefill_equals_decode_exactly_when_causal_consistent(model, i
 
 
 def test_quantized_cache_moves_distributions_and_more_bits_move_them_less(model, ids):
-    from snapquant.patch import patched
+    from snapquant.patching import patched
 
     ref = fidelity_reference(model, ids)
     fp8 = PRESETS["snapmla_kv_only"]

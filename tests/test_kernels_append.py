@@ -138,3 +138,41 @@ def test_append_validation():
         cache.append(torch.randn(2, 65, 64), torch.randn(2, 65, 16))
     with pytest.raises(ShapeError, match=r"latent must be \[B=2, n, r\]"):
         cache.append(torch.randn(3, 1, 64), torch.randn(3, 1, 16))
+
+
+@pytest.mark.parametrize("name", ["snapmla", "snapmla_pow2", "ds_v32", "bf16"])
+@pytest.mark.parametrize("tpp", [2, 8])
+def test_tokens_per_program_is_bit_exact(name, tpp):
+    """The block-of-tokens kernel (issue 7's append variant) stores exactly what quantize_kv computes,
+    at scattered slots, skipping negative slots, with a token count that is not a multiple of the
+    block; nothing else in the pool changes."""
+    config = CONFIGS[name]
+    r, d, n = 128, 32, 45
+    latent, rope = inputs(n, r, d, torch.float32, seed=tpp)
+    ref = quantize_kv(latent, rope, config)
+    cache = PagedMLACache.empty(1, 300, r, d, config)
+    slots = torch.randperm(cache.num_pages * 64, generator=torch.Generator().manual_seed(tpp))[:n]
+    slots[[3, 17]] = -1
+    before = {k: raw(v).clone() for k, v in _parts(cache).items()}
+    quantize_append(latent, rope, cache, slots, tokens_per_program=tpp)
+    keep = slots >= 0
+    page, row = slots[keep] // 64, slots[keep] % 64
+    assert torch.equal(raw(cache.latent[page, row]), raw(ref.latent.data[keep]))
+    assert torch.equal(raw(cache.rope[page, row]), raw(ref.rope.data[keep]))
+    if cache.scale is not None:
+        assert torch.equal(raw(cache.scale[page, row].reshape(int(keep.sum()), -1)),
+                           raw(ref.latent.scale[keep].reshape(int(keep.sum()), -1)))
+    untouched = torch.ones(cache.num_pages, 64, dtype=torch.bool)
+    untouched[page, row] = False
+    for k, v in _parts(cache).items():
+        assert torch.equal(raw(v)[untouched], before[k][untouched]), k
+
+
+def test_tokens_per_program_validation():
+    cache = PagedMLACache.empty(1, 64, 64, 16, CONFIGS["snapmla"])
+    lat, rope, slots = torch.randn(3, 64), torch.randn(3, 16), torch.tensor([0, 1, 2])
+    for bad in (0, 3, True, 2.0):
+        with pytest.raises(ShapeError, match="tokens_per_program"):
+            quantize_append(lat, rope, cache, slots, tokens_per_program=bad)
+    with pytest.raises(ShapeError, match="num_warps"):
+        quantize_append(lat, rope, cache, slots, num_warps=0)

@@ -140,7 +140,7 @@ def _decode_logits(model, ids, prefix):
 ])
 def test_patched_model_triton_matches_reference(triton_on_cpu, name, dtype):
     from snapquant.models.tiny import tiny_model
-    from snapquant.patch import patch, unpatch
+    from snapquant.patching import patch, unpatch
 
     config = {"ds_v32": DS, "snapmla_quantized_prefill": PRESETS["snapmla"].replace(prefill="quantized")}.get(
         name, PRESETS.get(name))

@@ -77,10 +77,12 @@ def row_rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)
 
 
-def check_against_reference(q, kv, cache, lens, config, num_splits, tau=None, causal=True):
+def check_against_reference(q, kv, cache, lens, config, num_splits, tau=None, causal=True, **knobs):
+    """`num_splits == 1` gets the one-run tolerances (one split, or one balanced part: either way each
+    request is one run of pages); anything else the several-runs ones. `knobs` go to mla_decode."""
     r = cache.kv_lora_rank
     tau = 1 / math.sqrt(q.shape[-1]) if tau is None else tau
-    out, lse = mla_decode(q, cache, tau, config, num_splits=num_splits, causal=causal)
+    out, lse = mla_decode(q, cache, tau, config, num_splits=num_splits, causal=causal, **knobs)
     ref, ref_lse = mla_decode_reference(q, cache.to_quantized_kv(), lens, tau, config, causal=causal)
     assert out.shape == ref.shape and lse.shape == ref_lse.shape and out.dtype == torch.float32
     assert torch.isfinite(out).all()
@@ -186,16 +188,116 @@ def test_decode_knob_differs_from_cache_config():
 
 def test_extreme_score_range_stays_finite():
     """Logit ranges of ~100 nat: fp8 scale-fused P keeps acc in units of the current block's pi, which
-    overflows in the reference (inf / NaN); the kernel floors pi and must stay close to float64."""
+    overflows fp32 without the pi floor. The reference now floors pi as the kernel does (commit
+    "pi floor in scale-fused PV"), so both stay finite; the kernel must match the reference and stay
+    close to float64, in every schedule."""
     config = SNAPMLA
     q, kv, cache, lens = make_case(config, [200, 130], H=4, S=2)
     q = q * 8
     tau = 1 / math.sqrt(q.shape[-1])
     oracle, oracle_lse = mla_decode_oracle(q, kv, lens, tau, config)
-    _, ref_lse = mla_decode_reference(q, kv, lens, tau, config)
-    assert not torch.isfinite(ref_lse).all()  # the hazard is real for these inputs
-    for splits in (1, 3):
-        out, lse = mla_decode(q, cache, tau, config, num_splits=splits)
+    ref, ref_lse = mla_decode_reference(q, kv, lens, tau, config)
+    assert torch.isfinite(ref_lse).all() and torch.isfinite(ref).all()
+    assert float(oracle_lse.amax() - oracle_lse.amin()) > 50  # the wide-range regime
+    for knobs in ({"num_splits": 1}, {"num_splits": 3}, {"num_splits": 2, "schedule": "balanced"}):
+        out, lse = mla_decode(q, cache, tau, config, **knobs)
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert ((out - ref).norm() / ref.norm()) <= 1e-3
         assert ((out.double() - oracle).norm() / oracle.norm()) <= 5e-2
         assert (lse.double() - oracle_lse).abs().max() <= 2e-2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel variants (issue 7): the balanced schedule, reciprocal P scaling, the swapped tile. Each must
+# meet the same contract against the reference as the default path.
+VARIANT_CASES = [
+    ("snapmla", {"schedule": "balanced", "num_splits": 3}),
+    ("snapmla", {"p_div": "rcp", "num_splits": 1}),
+    ("snapmla", {"tile": "tokens", "num_splits": 1}),
+    ("snapmla", {"tile": "tokens", "schedule": "balanced", "p_div": "rcp", "num_splits": 4}),
+    ("snapmla_q_fp8", {"tile": "tokens", "num_splits": 2}),
+    ("snapmla_kv_only", {"schedule": "balanced", "num_splits": 5}),
+    ("snapmla_q_bf16_pv_fp8", {"tile": "tokens", "num_splits": 1}),
+    ("bf16", {"schedule": "balanced", "num_splits": 2}),
+    ("bf16", {"tile": "tokens", "num_splits": 3}),
+    ("ds_v32_fp8", {"schedule": "balanced", "num_splits": 3}),
+]
+
+
+@pytest.mark.parametrize("name,knobs", VARIANT_CASES, ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items())}"
+                                                            for n, kw in VARIANT_CASES])
+def test_variants_match_reference(name, knobs):
+    """Lengths 0 (nothing visible), 1, 63, 64, 65, 130 and s_q 2 (causal rows), page pool shuffled and
+    NaN-poisoned: the variant meets the default path's contract against the reference."""
+    config = CONFIGS[name]
+    knobs = dict(knobs)
+    q, kv, cache, lens = make_case(config, [1, 63, 0, 64, 65, 130], H=4, S=2, seed=len(knobs))
+    check_against_reference(q, kv, cache, lens, config, knobs.pop("num_splits"), **knobs)
+
+
+def test_balanced_one_part_equals_one_split_bitwise():
+    """One part covers the batch in order: every request is one run, as with one uniform split, so the
+    outputs are bit-identical (the schedule changes who computes, not what)."""
+    for name in ("snapmla", "bf16"):
+        config = CONFIGS[name]
+        q, _, cache, _ = make_case(config, [3, 0, 129, 64], H=2, S=2, seed=5)
+        a = mla_decode(q, cache, 0.1, config, num_splits=1)
+        b = mla_decode(q, cache, 0.1, config, num_splits=1, schedule="balanced")
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_balanced_parts_beyond_pages_and_empty_batch_rows():
+    """More parts than pages (empty parts), requests cut at arbitrary page boundaries across parts."""
+    config = CONFIGS["snapmla_kv_only"]
+    q, kv, cache, lens = make_case(config, [130, 0, 1, 200], H=2, seed=9)
+    for parts in (2, 7, 50):
+        check_against_reference(q, kv, cache, lens, config, parts, schedule="balanced")
+    lens0 = torch.zeros_like(cache.lengths)  # nothing cached at all: out 0, lse -inf everywhere
+    empty = PagedMLACache(cache.latent, cache.scale, cache.rope, cache.block_table, lens0, cache.config)
+    out, lse = mla_decode(q, empty, 0.1, config, num_splits=3, schedule="balanced")
+    assert (out == 0).all() and torch.isinf(lse).all() and (lse < 0).all()
+
+
+def test_balanced_metadata_is_the_page_prefix_sum():
+    from snapquant.kernels.mla_decode import KernelOperands, plan_decode
+
+    config = CONFIGS["bf16"]
+    q, _, cache, _ = make_case(config, [1, 64, 65, 0, 130], H=2, seed=2)
+    plan = plan_decode(q, KernelOperands.from_paged(cache), 0.1, config, 4, schedule="balanced")
+    assert [ln.name for ln in plan.launches] == ["balanced_metadata", "decode_balanced", "combine_balanced"]
+    plan.run()
+    cum = plan.launches[0].args[1]
+    want = torch.cat([torch.zeros(1), torch.cumsum((cache.lengths + 63) // 64, 0)]).to(torch.int32)
+    assert torch.equal(cum, want)
+
+
+def test_knob_validation_names_the_knob():
+    from snapquant.errors import ConfigError, ShapeError
+
+    q, _, cache, _ = make_case(SNAPMLA, [10], H=2)
+    for knobs, word in (({"schedule": "balance"}, "schedule"), ({"p_div": "fast"}, "p_div"),
+                        ({"tile": "cols"}, "tile"), ({"fp8_mma": "kq"}, "fp8_mma")):
+        with pytest.raises(ConfigError, match=word):
+            mla_decode(q, cache, 0.1, **knobs)
+    with pytest.raises(ShapeError, match="num_warps"):
+        mla_decode(q, cache, 0.1, num_warps=0)
+    ds = CONFIGS["ds_v32"]
+    qd, _, cached, _ = make_case(ds, [10], H=2)
+    with pytest.raises(ConfigError, match="tokens"):
+        mla_decode(qd, cached, 0.1, tile="tokens")
+
+
+@pytest.mark.parametrize("fp8_mma,kinds", [(False, (3, 3)), ("qk", (2, 3)), ("pv", (3, 2)), (True, (2, 2))])
+def test_fp8_mma_knob_picks_mma_kinds_on_gpu_plans(fp8_mma, kinds):
+    """Plans for a GPU (built on meta tensors: nothing runs) use exact fp16 MMAs of e4m3 values unless
+    fp8_mma asks for Hopper's FP8 MMA on QK and/or PV; the interpreter always computes in fp32."""
+    from snapquant.kernels.mla_decode import OP_F32, KernelOperands, plan_decode
+
+    cache = PagedMLACache.empty(2, 128, 512, 64, SNAPMLA, device="meta")
+    q = torch.empty(2, 1, 16, 576, dtype=torch.bfloat16, device="meta")
+    plan = plan_decode(q, KernelOperands.from_paged(cache), 0.1, SNAPMLA, 2, fp8_mma=fp8_mma, native=True, num_sms=132)
+    kw = plan.launches[0].kwargs
+    assert (kw["QK_KIND"], kw["PV_KIND"]) == kinds and kw["NATIVE"] and kw["num_warps"] == 8
+    cpu = plan_decode(*make_case(SNAPMLA, [10], H=2)[:1], KernelOperands.from_paged(make_case(SNAPMLA, [10], H=2)[2]),
+                      0.1, SNAPMLA, 1, fp8_mma=fp8_mma)
+    assert cpu.launches[0].kwargs["QK_KIND"] == OP_F32 and "num_warps" not in cpu.launches[0].kwargs

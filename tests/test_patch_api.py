@@ -12,7 +12,7 @@ import snapquant
 from snapquant import PRESETS
 from snapquant.errors import ConfigError
 from snapquant.models.tiny import tiny_model
-from snapquant.patch import ATTN_IMPLEMENTATION, is_patched, patched_config
+from snapquant.patching import ATTN_IMPLEMENTATION, is_patched, patched_config
 
 TOL = 1e-4
 

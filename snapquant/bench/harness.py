@@ -120,7 +120,9 @@ def build_shape_data(shape: DecodeShape, layouts: set[str], device: torch.device
     q_shape = (shape.batch, shape.q_tokens, shape.heads, r + d)
     q_bytes = math.prod(q_shape) * 2
     footprint = min(c.nbytes for c in base.values()) + q_bytes
-    n_sets = rotation_sets(footprint, l2_bytes(device), rotate_factor, max_sets) if rotate_factor > 0 else 1
+    # Rotation only matters for a GPU's L2; on CPU (interpreter smoke runs) one set is enough.
+    rotate = rotate_factor > 0 and device.type == "cuda"
+    n_sets = rotation_sets(footprint, l2_bytes(device), rotate_factor, max_sets) if rotate else 1
     data = ShapeData(shape, r, d, 1.0 / math.sqrt(192.0), n_sets)  # DeepSeek tau: 1 / sqrt(dn + dr)
     for layout, cache in base.items():
         data.caches[layout] = [cache] + [
@@ -252,11 +254,12 @@ def time_fns(timer: Any, fns: list[Callable[[], Any]], device: torch.device, log
 def measure_decode(v: Variant, data: ShapeData, timer: Any, num_sms: int,
                    log: Callable[[str], None] = print, keep_output: bool = True) -> dict[str, Any]:
     """Time `v` on `data`; every failure becomes the row's status and error."""
-    row = decode_row(data.shape, v, data.r, data.d)
-    row["l2_sets"] = data.n_sets
     dev = data.device
     t0 = time.perf_counter()
+    row = {"op": "decode", "shape": data.shape.name, "label": data.shape.label, "variant": v.name}
     try:
+        row = decode_row(data.shape, v, data.r, data.d)
+        row["l2_sets"] = data.n_sets
         prep = prepare_variant(v, data, num_sms)
         out = prep.fns[0]()
         out = out[0] if isinstance(out, tuple) else out
@@ -306,12 +309,14 @@ def measure_append(name: str, layout: str, tpp: int, tokens: int, timer: Any, de
     row: dict[str, Any] = {"op": "append", "shape": f"append{tokens}", "label": f"append {tokens} tokens",
                            "tokens": tokens, "variant": name, "family": "bf16" if layout == "bf16" else "fp8",
                            "layout": layout, "impl": "kernel", "knobs": f"tokens_per_program={tpp}",
-                           "bytes": acc.append_bytes(cfg, tokens, 2, r, d), "status": "ok", "error": ""}
+                           "status": "ok", "error": ""}
     t0 = time.perf_counter()
     try:
+        row["bytes"] = acc.append_bytes(cfg, tokens, 2, r, d)
         g = torch.Generator(device=device).manual_seed(seed)
         per_set = acc.append_bytes(cfg, tokens, 2, r, d)
-        n_sets = rotation_sets(per_set, l2_bytes(device), rotate_factor, 8) if rotate_factor > 0 else 1
+        rotate = rotate_factor > 0 and device.type == "cuda"
+        n_sets = rotation_sets(per_set, l2_bytes(device), rotate_factor, 8) if rotate else 1
         row["l2_sets"] = n_sets
         slots = torch.arange(tokens, device=device)
         sets = []
@@ -385,7 +390,10 @@ class RunSpec:
 
 
 def skipped_row(shape: DecodeShape, v: Variant, why: str, spec: RunSpec) -> dict[str, Any]:
-    row = decode_row(shape, v, spec.r, spec.d)
+    try:
+        row = decode_row(shape, v, spec.r, spec.d)
+    except Exception:  # e.g. a format whose block size does not divide these dims
+        row = {"op": "decode", "shape": shape.name, "label": shape.label, "variant": v.name}
     row.update(status="skipped", error=why)
     return row
 

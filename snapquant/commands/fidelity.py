@@ -26,7 +26,7 @@ def fidelity(
     """Next-token KL (mean, p99), top-1 agreement and perplexity delta, with quantized prefill and in step-by-step decode."""
     from ..errors import ConfigError, ShapeError
     from ..fidelity import MODES, fidelity_metrics, fidelity_reference, fidelity_table, fidelity_tokens
-    from ..patch import patched
+    from ..patching import patched
     from ..presets import resolve_config
     from ..sweep.model import load_model
     from ..sweep.store import atomic_write_text

@@ -25,7 +25,7 @@ from lm_eval.models.huggingface import HFLM
 
 from ..cache import LatentCache
 from ..config import KVQuantConfig
-from ..patch import patch
+from ..patching import patch
 from ..presets import resolve_config
 
 

@@ -41,6 +41,10 @@ Work schedules (`schedule=`):
 FP8 knobs (compile-time variants, so a benchmark can compare them side by side):
   fp8_mma   False (default): fp8 x fp8 products run as exact fp16 MMAs of the e4m3 values;
             "qk" / "pv" / True: Hopper's native FP8 MMA for that product (less precise, see `_tl`).
+  tile      "rows" (default): query rows are the MMA's M dimension (at H = 16, BLOCK_M = 16: Ampere-style
+            mma.sync, and Triton does not software-pipeline an 8-bit tile there; `block_m=64` pads
+            the rows to get Hopper wgmma and a pipelined tile); "tokens": swap AB, the page's 64
+            tokens are M and the query rows N (`_attend_tokens`), no padded rows.
   p_div     "exact" (default): P^ = e4m3(f / pi) with a correctly rounded division per element;
             "rcp": e4m3(f * (1 / pi)), one division per row. f * rn(1/pi) is within ~1 ulp of
             f / pi, so it rounds to a different e4m3 value only when f / pi lies within ~2^-22
@@ -107,6 +111,7 @@ PI_ABS_FLOOR = tl.constexpr(2.0**-100)
 
 SCHEDULES = ("uniform", "balanced")
 P_DIVS = ("exact", "rcp")
+TILES = ("rows", "tokens")
 # fp8_mma value -> (native FP8 MMA for QK, for PV)
 _FP8_MMA = {False: (False, False), True: (True, True), "none": (False, False), "qk": (True, False),
             "pv": (False, True), "both": (True, True)}
@@ -140,14 +145,6 @@ def _quantize_q(q, sigma, Q_FP8: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_to_f16(x):
-    """fp8 e4m3 tile -> fp16 (exact), two elements per `cvt.rn.f16x2.e4m3x2` (sm_89+). Inline PTX is
-    opaque to the compiler, so the conversion stays where it is written: once, on the loaded tile."""
-    return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x], dtype=tl.float16,
-                                     is_pure=True, pack=2)
-
-
-@triton.jit
 def _add_i32(a, b):
     return a + b
 
@@ -161,7 +158,6 @@ def _attend(
     LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, NATIVE: tl.constexpr,
     QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr, P_RCP: tl.constexpr,
-    TILE16: tl.constexpr,
 ):
     """Online softmax of query rows `rows` of request b over its pages [p_lo, p_hi), output chunk
     `chunk`. Returns (acc [BLOCK_M, R / NB], m, l, pi): out = acc / l, lse2 = m + log2(l pi)."""
@@ -213,8 +209,6 @@ def _attend(
             c = _load_latent(lat_rows + offs_r[None, :], tok_ok[:, None], LAYOUT)
             if LAYOUT == 0:
                 c = bits16(c, NATIVE)
-            elif TILE16 and NATIVE:
-                c = _e4m3_to_f16(c)
             qk = mma(q_nope, tl.trans(operand(c, QK_KIND)), zero_qk, QK_KIND)
             if LAYOUT != 0:  # the token's only scale (snapmla, or ds_v32 with one block)
                 s_v = tl.load(s_ptr, mask=tok_ok, other=0.0)
@@ -277,6 +271,104 @@ def _attend(
 
 
 @triton.jit
+def _attend_tokens(
+    Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, sm_scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_bt,
+    H, S: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+    LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, NATIVE: tl.constexpr,
+    QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr, P_RCP: tl.constexpr,
+):
+    """`_attend` with the products transposed ("swap AB", tile="tokens"; one scale block only):
+    scores^T = [c | r] [q^ | q~r]^T is [PAGE, BLOCK_M] and acc^T = c^T P^T is [R, BLOCK_M], so the
+    page's 64 tokens fill the MMA's M dimension (Hopper's wgmma needs M = 64) while the query rows
+    become N (>= 16). Same arithmetic per (row, token) as `_attend`: exact products, fp32
+    accumulation, softmax and P quantization per query row (here a column). Returns acc untransposed."""
+    row_ok = rows < S * H
+    b64 = tl.cast(b, tl.int64)
+    q_ptr = Q + b64 * stride_qb + (rows // H) * stride_qs + (rows % H) * stride_qh
+    if CAUSAL:
+        limit = length - (S - 1 - rows // H)
+    else:
+        limit = length + 0 * rows
+    limit = tl.where(row_ok, limit, 0)
+
+    offs_r = tl.arange(0, R)
+    offs_d = tl.arange(0, D)
+    q_full = _load_q(q_ptr[:, None] + offs_r[None, :], row_ok[:, None], Q_BITS16)
+    if Q_FP8:
+        amax = rmax(tl.abs(q_full), 1, NATIVE)
+        sigma = scale_rule(amax, False)
+    else:
+        sigma = tl.full([BLOCK_M], 1.0, tl.float32)
+    q_rope = _load_q(q_ptr[:, None] + R + offs_d[None, :], row_ok[:, None], Q_BITS16)
+    if Q_FP8:
+        q_rope = tl.clamp(tl.math.div_rn(q_rope, sigma[:, None]), -BF16_MAX, BF16_MAX)
+    q_rope_t = tl.trans(operand(round_bf16(q_rope, NATIVE), R_KIND))  # [D, BLOCK_M]
+    q_nope_t = tl.trans(operand(_quantize_q(q_full, sigma, Q_FP8, NATIVE), QK_KIND))  # [R, BLOCK_M]
+    coef = sm_scale_log2 * sigma
+
+    offs_n = tl.arange(0, PAGE)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    pi_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    pi_max = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc_t = tl.full([R, BLOCK_M], 0.0, tl.float32)
+    zero_s = tl.full([PAGE, BLOCK_M], 0.0, tl.float32)
+
+    for p in range(p_lo, p_hi):
+        page = tl.load(BT + b64 * stride_bt + p).to(tl.int64)
+        pos = p * PAGE + offs_n
+        tok_ok = pos < length
+        c = _load_latent(LAT + page * stride_lp + offs_n[:, None] * stride_lt + offs_r[None, :], tok_ok[:, None],
+                         LAYOUT)
+        if LAYOUT == 0:
+            c = bits16(c, NATIVE)
+        qk = mma(operand(c, QK_KIND), q_nope_t, zero_s, QK_KIND)  # [PAGE, BLOCK_M]
+        r_bits = tl.load(ROPE + page * stride_rp + offs_n[:, None] * stride_rt + offs_d[None, :],
+                         mask=tok_ok[:, None], other=0)
+        rope_dot = mma(operand(bits16(r_bits, NATIVE), R_KIND), q_rope_t, zero_s, R_KIND)
+        if LAYOUT == 1:
+            s_v = tl.load(SCALE + page * stride_sp + offs_n * stride_st, mask=tok_ok, other=0.0)
+            raw = s_v[:, None] * (qk + rope_dot)
+        else:
+            raw = qk + rope_dot
+        x = raw * coef[None, :]
+        x = tl.where(pos[:, None] < limit[None, :], x, float("-inf"))
+
+        m_new = tl.maximum(m_i, rmax(x, 0, NATIVE))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        e = tl.exp2(x - m_ref[None, :])
+        alpha = tl.exp2(m_i - m_ref)
+        if LAYOUT == 0:
+            f = e
+        else:
+            f = e * s_v[:, None]
+        v_t = tl.trans(operand(c, PV_KIND))  # [R, PAGE]: the same latent tile
+        if P_FP8:
+            f_max = rmax(f, 0, NATIVE)
+            pi_floor = tl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
+            pi_new = tl.where(f_max > 0, tl.maximum(tl.math.div_rn(f_max, E4M3_MAX), pi_floor), pi_i)
+            pi_max = tl.maximum(pi_max * alpha, pi_new)
+            if P_RCP:
+                y = f * tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), pi_new)[None, :]
+            else:
+                y = tl.math.div_rn(f, pi_new[None, :])
+            p_hat = round_e4m3(tl.clamp(y, -E4M3_MAX, E4M3_MAX), NATIVE)
+            beta = tl.math.div_rn(alpha * pi_i, pi_new)
+            acc_t = mma(v_t, operand(p_hat, PV_KIND), acc_t * beta[None, :], PV_KIND)
+            l_i = beta * l_i + tl.math.div_rn(rsum(e, 0, NATIVE), pi_new)
+            pi_i = pi_new
+        else:
+            p16 = round_bf16(f, NATIVE)
+            acc_t = mma(v_t, operand(p16, PV_KIND), acc_t * alpha[None, :], PV_KIND)
+            l_i = alpha * l_i + rsum(e, 0, NATIVE)
+        m_i = m_new
+    return tl.trans(acc_t), m_i, l_i, pi_i
+
+
+@triton.jit
 def _finish(acc, m_i, l_i, pi_i):
     """-> (out, lse in log2 units); rows that saw nothing give out = 0, lse = -inf."""
     empty = l_i == 0.0
@@ -297,7 +389,7 @@ def _mla_decode_stage1(
     LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
     NATIVE: tl.constexpr, QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr,
-    P_RCP: tl.constexpr, TILE16: tl.constexpr, LSE_NATURAL: tl.constexpr,
+    P_RCP: tl.constexpr, TOKENS_M: tl.constexpr, LSE_NATURAL: tl.constexpr,
 ):
     """Uniform schedule: program (b, row tile, split * NB + chunk) owns split `split` of request b."""
     BW: tl.constexpr = R // NB
@@ -310,13 +402,22 @@ def _mla_decode_stage1(
     per_split = (n_pages + NSPLIT - 1) // NSPLIT
     p_lo = split * per_split
     p_hi = tl.minimum(p_lo + per_split, n_pages)
-    acc, m_i, l_i, pi_i = _attend(
-        Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, chunk, sm_scale_log2,
-        stride_qb, stride_qs, stride_qh,
-        stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
-        H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
-        QK_KIND, PV_KIND, R_KIND, P_RCP, TILE16,
-    )
+    if TOKENS_M:
+        acc, m_i, l_i, pi_i = _attend_tokens(
+            Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, sm_scale_log2,
+            stride_qb, stride_qs, stride_qh,
+            stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_bt,
+            H, S, R, D, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+            QK_KIND, PV_KIND, R_KIND, P_RCP,
+        )
+    else:
+        acc, m_i, l_i, pi_i = _attend(
+            Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, chunk, sm_scale_log2,
+            stride_qb, stride_qs, stride_qh,
+            stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+            H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+            QK_KIND, PV_KIND, R_KIND, P_RCP,
+        )
     out, lse = _finish(acc, m_i, l_i, pi_i)
     if LSE_NATURAL:
         lse = lse * LN2
@@ -378,7 +479,7 @@ def _mla_decode_balanced(
     LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
     NATIVE: tl.constexpr, QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr,
-    P_RCP: tl.constexpr, TILE16: tl.constexpr,
+    P_RCP: tl.constexpr, TOKENS_M: tl.constexpr,
 ):
     """Balanced schedule: program (part, row tile, chunk) owns pages [lo, hi) of the batch's page
     sequence, which may cover the end of one request and the start of the next ones."""
@@ -398,13 +499,22 @@ def _mla_decode_balanced(
         s_hi = tl.minimum(hi - start, n)
         if s_lo < s_hi:
             length = tl.load(LENS + b)
-            acc, m_i, l_i, pi_i = _attend(
-                Q, LAT, ROPE, SCALE, BT, b, rows, length, s_lo, s_hi, chunk, sm_scale_log2,
-                stride_qb, stride_qs, stride_qh,
-                stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
-                H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
-                QK_KIND, PV_KIND, R_KIND, P_RCP, TILE16,
-            )
+            if TOKENS_M:
+                acc, m_i, l_i, pi_i = _attend_tokens(
+                    Q, LAT, ROPE, SCALE, BT, b, rows, length, s_lo, s_hi, sm_scale_log2,
+                    stride_qb, stride_qs, stride_qh,
+                    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_bt,
+                    H, S, R, D, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+                    QK_KIND, PV_KIND, R_KIND, P_RCP,
+                )
+            else:
+                acc, m_i, l_i, pi_i = _attend(
+                    Q, LAT, ROPE, SCALE, BT, b, rows, length, s_lo, s_hi, chunk, sm_scale_log2,
+                    stride_qb, stride_qs, stride_qh,
+                    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+                    H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+                    QK_KIND, PV_KIND, R_KIND, P_RCP,
+                )
             out, lse = _finish(acc, m_i, l_i, pi_i)
             b64 = tl.cast(b, tl.int64)
             if (s_lo == 0) & (s_hi == n):  # the whole request: final output, natural-log LSE
@@ -582,6 +692,7 @@ def mla_decode(
     fp8_mma: bool | str = False,
     schedule: str = "uniform",
     p_div: str = "exact",
+    tile: str = "rows",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode of `q_abs` over a paged cache; same contract as `mla_decode_reference`.
 
@@ -600,6 +711,8 @@ def mla_decode(
             the fp8 x fp8 products: False (exact fp16 MMAs), "qk", "pv" or True (both).
         schedule: "uniform" or "balanced" (see the module docstring).
         p_div: "exact" or "rcp": how fp8 P is scaled (see the module docstring).
+        tile: "rows" (query rows are the MMA's M dimension) or "tokens" (swap AB: the page's 64
+            tokens are; snapmla and bf16 layouts only). See the module docstring.
 
     Returns:
         (out `[B, (S,) H, r]` fp32, lse `[B, (S,) H]` fp32 natural log); rows that see no token
@@ -607,7 +720,8 @@ def mla_decode(
     """
     return mla_decode_plan(q_abs, paged_cache, softmax_scale, config, num_splits, causal=causal,
                            check_bounds=check_bounds, block_m=block_m, num_warps=num_warps,
-                           num_stages=num_stages, fp8_mma=fp8_mma, schedule=schedule, p_div=p_div).run()
+                           num_stages=num_stages, fp8_mma=fp8_mma, schedule=schedule, p_div=p_div,
+                           tile=tile).run()
 
 
 def mla_decode_plan(
@@ -657,7 +771,7 @@ def plan_decode(
     fp8_mma: bool | str = False,
     schedule: str = "uniform",
     p_div: str = "exact",
-    fp8_tile: str = "dot",
+    tile: str = "rows",
     native: bool | None = None,
     num_sms: int | None = None,
 ) -> DecodePlan:
@@ -677,6 +791,10 @@ def plan_decode(
         raise unknown_choice("schedule", schedule, SCHEDULES)
     if p_div not in P_DIVS:
         raise unknown_choice("p_div", p_div, P_DIVS)
+    if tile not in TILES:
+        raise unknown_choice("tile", tile, TILES)
+    if tile == "tokens" and nb != 1:
+        raise ConfigError(f"tile='tokens' needs one scale per token; the {ops.layout} layout has {nb} scale blocks")
     if not isinstance(fp8_mma, (bool, str)) or fp8_mma not in _FP8_MMA:
         raise unknown_choice("fp8_mma", fp8_mma, [str(k) for k in _FP8_MMA])
     native = (not interpreting(dev)) if native is None else bool(native)
@@ -720,7 +838,7 @@ def plan_decode(
         S=S, R=r, D=d, NB=nb, LAYOUT=_LAYOUT_ID[ops.layout], Q_FP8=q_fp8, P_FP8=p_fp8,
         Q_BITS16=q.dtype == torch.bfloat16, CAUSAL=bool(causal), BLOCK_M=block_m, PAGE=PAGE_SIZE,
         NATIVE=native, QK_KIND=qk_kind, PV_KIND=pv_kind, R_KIND=r_kind, P_RCP=p_div == "rcp",
-        TILE16=fp8_tile == "cvt16", **launch,
+        TOKENS_M=tile == "tokens", **launch,
     )
     cache_args = (
         q.stride(0), q.stride(1), q.stride(2),
@@ -729,7 +847,7 @@ def plan_decode(
     out = torch.empty(B, S, H, r, dtype=torch.float32, device=dev)
     lse = torch.empty(B, S, H, dtype=torch.float32, device=dev)
     knobs = {"schedule": schedule, "num_splits": num_splits, "block_m": block_m, "fp8_mma": fp8_mma,
-             "p_div": p_div, **launch}
+             "p_div": p_div, "tile": tile, **launch}
     plan = DecodePlan(out, lse, single, dev, knobs=knobs)
     out_v, lse_v = out.view(B, rows, r), lse.view(B, rows)
     small = {} if not native else {"num_warps": 4}

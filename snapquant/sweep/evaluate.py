@@ -30,7 +30,7 @@ SAMPLE_TEXT_CHARS = 200  # responses / targets kept per sample: enough to read, 
 def default_patcher() -> Any:
     """`snapquant.patched(model, config, backend=...)`: a context manager that patches and unpatches."""
     try:
-        from ..patch import patched
+        from ..patching import patched
     except ImportError:
         raise ConfigError("sweeps need snapquant.patch.patched (model patching), which this install lacks") from None
     return patched

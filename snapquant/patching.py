@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import sys
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -413,14 +411,3 @@ def _hook_generate(model: nn.Module, state: PatchState) -> None:
     model.__dict__["_prepare_cache_for_generation"] = prepare
     state.generate_hooked = True
 
-
-class _CallableModule(types.ModuleType):
-    """`snapquant.patch` names both this module and the function: importing the module (e.g. via
-    `from snapquant.patch import ...`) rebinds the package attribute to the module, so the module is
-    made callable and `snapquant.patch(model, config)` works either way."""
-
-    def __call__(self, model: nn.Module, config: KVQuantConfig | str | dict = "snapmla", *, backend: str = "auto"):
-        return patch(model, config, backend=backend)
-
-
-sys.modules[__name__].__class__ = _CallableModule
