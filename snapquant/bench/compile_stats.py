@@ -7,8 +7,10 @@ target (sm_90 = Hopper by default) and reads back:
 
     regs, spill_bytes   from the cubin's resource usage (cuobjdump), spills = local-memory stack
     smem                shared memory per program
-    async_loads         cp.async / TMA copies in the TTGIR: > 0 means the page loop's loads are
-                        software-pipelined (prefetched `num_stages - 1` pages ahead)
+    async_loads         cp.async / TMA copies in the TTGIR (prologue and loop)
+    async_tiles         2-D tiles the page loop copies asynchronously (software-pipelined,
+                        `num_stages - 1` pages ahead), e.g. "64x512:f8E4M3FN" = the latent tile
+    sync_tiles          2-D tiles the page loop loads synchronously (it waits for them each page)
     wgmma, mma_sync     Hopper warp-group MMAs vs Ampere-style MMAs in the PTX
     cvt_e4m3            fp8 -> 16-bit conversion instructions in the PTX
     loop_*              the SASS instruction mix of the page loop (the backward branch whose body
@@ -112,6 +114,7 @@ def kernel_stats(compiled: Any) -> dict[str, Any]:
     st: dict[str, Any] = {
         "smem": getattr(compiled.metadata, "shared", None),
         "async_loads": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy"),
+        **tile_loads(ttgir),
         "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
         "cvt_e4m3": len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)),
     }
@@ -132,6 +135,21 @@ def kernel_stats(compiled: Any) -> dict[str, Any]:
         finally:
             os.unlink(path)
     return st
+
+
+_ASYNC = re.compile(r"async_copy_global_to_local [^\n]*?tensor<(\d+)x(\d+)x!tt\.ptr<(\w+)>")
+_LOAD = re.compile(r"= tt\.load [^\n]*?tensor<(\d+)x(\d+)x!tt\.ptr<(\w+)>")
+
+
+def tile_loads(ttgir: str) -> dict[str, str]:
+    """2-D tiles loaded inside the main loop: `async_tiles` (software-pipelined: copied to shared
+    memory pages ahead) and `sync_tiles` (plain loads: the loop waits for them), as RxC:dtype."""
+    body = ttgir[ttgir.find("scf.for"):] if "scf.for" in ttgir else ""
+
+    def shapes(rx: re.Pattern) -> str:
+        return ",".join(sorted({f"{a}x{b}:{t}" for a, b, t in rx.findall(body)}))
+
+    return {"async_tiles": shapes(_ASYNC), "sync_tiles": shapes(_LOAD)}
 
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")

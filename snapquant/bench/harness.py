@@ -253,7 +253,8 @@ def time_fns(timer: Any, fns: list[Callable[[], Any]], device: torch.device, log
 
 def measure_decode(v: Variant, data: ShapeData, timer: Any, num_sms: int,
                    log: Callable[[str], None] = print, keep_output: bool = True) -> dict[str, Any]:
-    """Time `v` on `data`; every failure becomes the row's status and error."""
+    """Time `v` on `data`; every failure becomes the row's status and error. `keep_output` keeps the
+    first call's output for the variants that check against this one."""
     dev = data.device
     t0 = time.perf_counter()
     row = {"op": "decode", "shape": data.shape.name, "label": data.shape.label, "variant": v.name}
@@ -413,6 +414,7 @@ def run(spec: RunSpec, timer: Any, *, log: Callable[[str], None] = print,
     layouts_of = {s.name: {v.layout for v in spec.variants if v.applies(s)} | {"bf16"} for s in spec.shapes}
     dense_of = {s.name: any(v.impl != "kernel" and v.applies(s) for v in spec.variants) for s in spec.shapes}
     priorities = sorted({v.priority for v in spec.variants})
+    referenced = {v.check_vs for v in spec.variants if v.check_vs}
     for prio in priorities:
         for shape in spec.shapes:
             vs = [v for v in spec.variants if v.priority == prio and v.applies(shape)
@@ -437,7 +439,7 @@ def run(spec: RunSpec, timer: Any, *, log: Callable[[str], None] = print,
                 if not budget.ok(spec.reserve_s):
                     rows.append(skipped_row(shape, v, "time budget", spec))
                     continue
-                row = measure_decode(v, data, timer, num_sms, log)
+                row = measure_decode(v, data, timer, num_sms, log, keep_output=v.name in referenced)
                 rows.append(row)
                 log(_describe(row))
                 if row["status"] == "error" and _sticky_cuda_error(row["error"]):

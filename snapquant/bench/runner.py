@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None, *, timer: Any = None) -> int:
         return run_compile_stats(shapes, variants, out, args.tag or f"sm{args.arch}", args.arch, r, d)
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device.index)
     env = environment(device)
     tag = args.tag or tag_for(env, device)
     p = paths(out, tag)

@@ -159,7 +159,11 @@ class DoBenchTimer:
     def __call__(self, fns: Sequence[Callable[[], object]], est_us: float | None = None) -> Timing:
         import triton.testing
 
-        ms = triton.testing.do_bench(fns[0], warmup=self.warmup_ms, rep=self.rep_ms, return_mode="all")
+        try:
+            ms = triton.testing.do_bench(fns[0], warmup=self.warmup_ms, rep=self.rep_ms, return_mode="all")
+        except (TypeError, ValueError):  # a triton without return_mode="all": the median only
+            ms = [triton.testing.do_bench(fns[0], warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")]
+        ms = ms if isinstance(ms, (list, tuple)) else [ms]
         return summarize([m * 1e3 for m in ms], 1, self.name)
 
 

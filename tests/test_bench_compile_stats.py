@@ -1,0 +1,39 @@
+"""snapquant.bench.compile_stats: kernels compiled for Hopper (sm_90) on a machine without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from snapquant.bench.compile_stats import decode_compile_stats, loop_mix
+from snapquant.bench.shapes import uniform_shape
+from snapquant.bench.variants import BY_NAME
+
+
+def test_sm90_compile_of_a_decode_plan():
+    """The default SnapMLA kernel at H = 64 uses Hopper wgmma, pipelines its page loads and reports
+    its registers; its uniform plan is stage 1 plus the combine."""
+    rows = decode_compile_stats(BY_NAME["snapmla"], uniform_shape(4, 64, 1024))
+    assert [r["kernel"] for r in rows] == ["decode_uniform", "combine"]
+    st = rows[0]
+    assert "error" not in st, st.get("error")
+    assert st["wgmma"] > 0 and st["mma_sync"] == 0 and st["async_loads"] > 0 and st["smem"] > 0
+    assert "64x512:f8E4M3FN" in st["async_tiles"] and "64x512" not in st["sync_tiles"]  # latent tile prefetched
+    assert st["cvt_e4m3"] > 0  # e4m3 -> fp16 widening for the exact fp16 MMAs
+    if st.get("regs") is None:
+        pytest.skip("cuobjdump not bundled with this triton: no register / SASS report")
+    assert 0 < st["regs"] <= 255 and st["loop_total"] > st["loop_mma"] > 0
+
+
+def test_loop_mix_picks_the_loop_with_the_mma():
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, R2 ;",
+        "        /*0010*/                   FADD R1, R1, R2 ;",
+        "        /*0020*/                   HMMA.16816.F32 R4, R8, R12, R4 ;",
+        "        /*0030*/                   LDS.128 R8, [R2] ;",
+        "        /*0040*/              @P0 BRA 0x10 ;",
+        "        /*0050*/                   FMUL R1, R1, R1 ;",
+        "        /*0060*/              @P1 BRA 0x50 ;",
+    ])
+    mix = loop_mix(sass)
+    assert mix["loop_total"] == 4 and mix["loop_mma"] == 1 and mix["loop_lds"] == 1 and mix["loop_falu"] == 1
+    assert loop_mix("no loop here")["loop_total"] is None
