@@ -1,0 +1,581 @@
+"""Triton kernels of the split-KV absorbed MLA decode (host side: `mla_decode.py`).
+
+Stage 1 runs programs over (work unit, tile of BLOCK_M query rows, output chunk). Rows are
+(query token, head) pairs, so several query tokens per request (s_q > 1, speculative verification)
+share every KV page the way heads do. A program walks a run of one request's pages (64 tokens = one
+online-softmax block, the reference's pv_block) in `_attend`, which follows
+`snapquant.mla_decode_reference` (numerics.md) step by step:
+
+  query   fp8: sigma = amax(q_c) / 448, q^ = e4m3(q_c / sigma), q~r = bf16(q_r / sigma)
+          bf16: sigma = 1, q^ = bf16(q_c), q~r = bf16(q_r)
+  scores  snapmla: x = s_j * (<q^, c^_j> + <q~r, r~_j>) * sigma * tau * log2(e)
+          ds_v32:  x = (sum_k s_jk <q^_k, c^_jk> + <q~r, r_j>) * sigma * tau * log2(e)
+          bf16:    x = (<q^, c_j> + <q~r, r_j>) * tau * log2(e)
+          The token scale multiplies score columns, never the latent tile, so converting the
+          tile for the MMA is an exact widening.
+  softmax m_new = max(m, max_j x), e = exp2(x - m_new), alpha = exp2(m - m_new)
+  PV      bf16: P = bf16(e * s_j); acc = alpha acc + P @ c^; l = alpha l + sum e
+          fp8_scale_fused: f = e * s_j, pi = max_j f / 448, P^ = e4m3(f / pi),
+          beta = alpha pi_old / pi; acc = beta acc + P^ @ c^; l = beta l + sum e / pi
+  result  out = acc / l, lse = m + log2(l pi) (per work unit; natural log when it is the whole request)
+
+One deliberate difference from the paper's formula, in fp8_scale_fused only (the reference does the
+same since it was aligned with this kernel): pi is floored at max(2^-40 * (largest earlier pi,
+rescaled to the current max), 2^-100), so pi_old / pi cannot overflow when a block's peak lies far
+below an earlier one's.
+
+Work schedules (`schedule=`):
+  uniform   (default, the one validated on the H200) every request is cut into `num_splits` equal
+            runs of pages; grid (B, row tiles, splits x chunks). Short requests in a mixed batch
+            leave most of their programs idle.
+  balanced  FlashMLA-style: the pages of the whole batch, request after request, are cut into
+            `num_splits` parts of equal page count (default 2 per SM per row tile); a part may
+            finish one request and start the next. `_balanced_metadata` writes the page prefix sum
+            on the device (no host sync, CUDA-graph safe); a program finds its first request by
+            binary search. A run that covers a whole request writes the final output directly;
+            the others write partials at slot part + b (unique: along the batch, part and request
+            indices never both stand still), merged by `_mla_decode_combine_balanced`.
+  Both schedules run the same page-run helper (`_attend`, or `_attend_tokens` with tile="tokens");
+  only which pages form a run differs, i.e. exactly the freedom that `num_splits` already has (each
+  run has its own running max). With one part, every request is one run: bit-identical to one split.
+
+FP8 knobs (compile-time variants, so a benchmark can compare them side by side):
+  fp8_mma   False (default): fp8 x fp8 products run as exact fp16 MMAs of the e4m3 values;
+            "qk" / "pv" / True: Hopper's native FP8 MMA for that product (less precise, see `_tl`).
+  tile      "rows" (default): query rows are the MMA's M dimension. At H = 16 that is BLOCK_M = 16,
+            compiled to Ampere-style mma.sync, and there Triton does not software-pipeline an
+            8-bit tile (it does a 16-bit one): `block_m=64` pads the rows to get Hopper wgmma and a
+            pipelined FP8 tile (docs/perf-notes.md). "tokens": swap AB (`_attend_tokens`), the
+            page's 64 tokens are M and the query rows N, no padded rows.
+  p_div     "exact" (default): P^ = e4m3(f / pi) with a correctly rounded division per element;
+            "rcp": e4m3(f * (1 / pi)), one division per row. f * rn(1/pi) is within ~1 ulp of
+            f / pi, so it rounds to a different e4m3 value only when f / pi lies within ~2^-22
+            (relative) of an e4m3 rounding midpoint: rare single-element flips, not bit-exact.
+
+The ds_v32 layout scales each block of `block_size` latent channels separately, so V's scale
+varies along both axes of the PV product: each program then owns one output chunk of block_size
+channels with its own P (and pi), as the reference does, and computes the full-width scores
+(r / block_size times the QK work: a compile-time variant for comparisons, not tuned).
+
+On a GPU the MMAs are bf16 (bf16 query / P) or fp16 over e4m3 values (fp8 query / P): both have
+exact products and fp32 accumulation, i.e. the reference's arithmetic.
+
+Numerical contract against the reference (tested in tests/test_kernels_decode.py): with one split
+the kernel performs the reference's arithmetic (only fp32 summation order differs); with several
+splits or parts each run's running max differs, so bf16 / fp8 P are rounded from differently
+scaled values. Interpreter mode (CPU) holds every narrow value as its exact fp32 value (see `_tl`).
+
+The launchers (`snapquant.kernels.mla_decode`) pick the constexprs; `snapquant.bench.compile_stats`
+compiles these kernels for a GPU target on a machine without one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from ._tl import (
+    BF16_MAX,
+    E4M3_MAX,
+    bf16_bits_to_f32,
+    bits16,
+    mma,
+    operand,
+    rmax,
+    round_bf16,
+    round_e4m3,
+    rsum,
+    scale_rule,
+)
+
+LN2 = tl.constexpr(math.log(2.0))
+PI_REL_FLOOR = tl.constexpr(2.0**-40)
+PI_ABS_FLOOR = tl.constexpr(2.0**-100)
+
+
+
+@triton.jit
+def _load_q(ptrs, mask, BITS16: tl.constexpr):
+    if BITS16:
+        return bf16_bits_to_f32(tl.load(ptrs, mask=mask, other=0))
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_latent(ptrs, mask, LAYOUT: tl.constexpr):
+    """Masked latent tile load; masked rows must read as exact zeros (they meet P = 0 in the MMA)."""
+    if LAYOUT == 0:  # bf16 bits
+        return tl.load(ptrs, mask=mask, other=0)
+    else:  # fp8
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _quantize_q(q, sigma, Q_FP8: tl.constexpr, NATIVE: tl.constexpr):
+    """NoPE query values: e4m3(q / sigma) or bf16(q)."""
+    if Q_FP8:
+        return round_e4m3(tl.clamp(tl.math.div_rn(q, sigma[:, None]), -E4M3_MAX, E4M3_MAX), NATIVE)
+    else:
+        return round_bf16(q, NATIVE)
+
+
+@triton.jit
+def _add_i32(a, b):
+    return a + b
+
+
+@triton.jit
+def _attend(
+    Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, chunk, sm_scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+    H, S: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+    LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, NATIVE: tl.constexpr,
+    QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr, P_RCP: tl.constexpr,
+):
+    """Online softmax of query rows `rows` of request b over its pages [p_lo, p_hi), output chunk
+    `chunk`. Returns (acc [BLOCK_M, R / NB], m, l, pi): out = acc / l, lse2 = m + log2(l pi)."""
+    BW: tl.constexpr = R // NB  # channels per scale block = width of this program's output chunk
+    row_ok = rows < S * H
+    b64 = tl.cast(b, tl.int64)  # a Python int in the interpreter when b comes from a loop
+    q_ptr = Q + b64 * stride_qb + (rows // H) * stride_qs + (rows % H) * stride_qh
+    if CAUSAL:  # query token i of S sees cache positions < length - (S - 1 - i)
+        limit = length - (S - 1 - rows // H)
+    else:
+        limit = length + 0 * rows
+    limit = tl.where(row_ok, limit, 0)
+
+    # ---- query: per-row scale (fp8) and the RoPE operand, once per run of pages
+    offs_r = tl.arange(0, R)
+    offs_d = tl.arange(0, D)
+    q_full = _load_q(q_ptr[:, None] + offs_r[None, :], row_ok[:, None], Q_BITS16)
+    if Q_FP8:
+        amax = rmax(tl.abs(q_full), 1, NATIVE)
+        sigma = scale_rule(amax, False)
+    else:
+        sigma = tl.full([BLOCK_M], 1.0, tl.float32)
+    q_rope = _load_q(q_ptr[:, None] + R + offs_d[None, :], row_ok[:, None], Q_BITS16)
+    if Q_FP8:
+        q_rope = tl.clamp(tl.math.div_rn(q_rope, sigma[:, None]), -BF16_MAX, BF16_MAX)
+    q_rope = operand(round_bf16(q_rope, NATIVE), R_KIND)
+    if NB == 1:
+        q_nope = operand(_quantize_q(q_full, sigma, Q_FP8, NATIVE), QK_KIND)
+    coef = sm_scale_log2 * sigma  # [BLOCK_M]: scores go straight to the log2 domain
+
+    offs_n = tl.arange(0, PAGE)
+    offs_w = tl.arange(0, BW)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    pi_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    pi_max = tl.full([BLOCK_M], 0.0, tl.float32)  # largest pi so far, in the current max's units
+    acc = tl.full([BLOCK_M, BW], 0.0, tl.float32)
+    zero_qk = tl.full([BLOCK_M, PAGE], 0.0, tl.float32)
+
+    for p in range(p_lo, p_hi):
+        page = tl.load(BT + b64 * stride_bt + p).to(tl.int64)
+        pos = p * PAGE + offs_n
+        tok_ok = pos < length
+        lat_rows = LAT + page * stride_lp + offs_n[:, None] * stride_lt  # [PAGE, 1]
+        s_ptr = SCALE + page * stride_sp + offs_n * stride_st
+
+        # scores, [BLOCK_M, PAGE], in the latent's scaled domain
+        if NB == 1:
+            c = _load_latent(lat_rows + offs_r[None, :], tok_ok[:, None], LAYOUT)
+            if LAYOUT == 0:
+                c = bits16(c, NATIVE)
+            qk = mma(q_nope, tl.trans(operand(c, QK_KIND)), zero_qk, QK_KIND)
+            if LAYOUT != 0:  # the token's only scale (snapmla, or ds_v32 with one block)
+                s_v = tl.load(s_ptr, mask=tok_ok, other=0.0)
+            if LAYOUT == 2:
+                qk = qk * s_v[None, :]
+        else:
+            qk = zero_qk
+            for k in tl.static_range(NB):
+                q_k = _load_q(q_ptr[:, None] + k * BW + offs_w[None, :], row_ok[:, None], Q_BITS16)
+                q_k = operand(_quantize_q(q_k, sigma, Q_FP8, NATIVE), QK_KIND)
+                c_k = _load_latent(lat_rows + k * BW + offs_w[None, :], tok_ok[:, None], LAYOUT)
+                s_k = tl.load(s_ptr + k * stride_sk, mask=tok_ok, other=0.0)
+                qk += mma(q_k, tl.trans(operand(c_k, QK_KIND)), zero_qk, QK_KIND) * s_k[None, :]
+        r_bits = tl.load(ROPE + page * stride_rp + offs_n[:, None] * stride_rt + offs_d[None, :],
+                         mask=tok_ok[:, None], other=0)
+        rope_dot = mma(q_rope, tl.trans(operand(bits16(r_bits, NATIVE), R_KIND)), zero_qk, R_KIND)
+        if LAYOUT == 1:  # pre-scaled RoPE shares the latent's scale: one rescale for both parts
+            raw = s_v[None, :] * (qk + rope_dot)
+        else:
+            raw = qk + rope_dot
+        x = raw * coef[:, None]
+        x = tl.where(pos[None, :] < limit[:, None], x, float("-inf"))
+
+        # online softmax (log2 domain); rows with nothing visible yet keep m = -inf, l = 0
+        m_new = tl.maximum(m_i, rmax(x, 1, NATIVE))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        e = tl.exp2(x - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+
+        # V = this program's output chunk of the latent, with its token scale folded into P
+        if NB == 1:
+            v = c
+        else:
+            v = _load_latent(lat_rows + chunk * BW + offs_w[None, :], tok_ok[:, None], LAYOUT)
+            s_v = tl.load(s_ptr + chunk * stride_sk, mask=tok_ok, other=0.0)
+        if LAYOUT == 0:
+            f = e
+        else:
+            f = e * s_v[None, :]
+        if P_FP8:
+            f_max = rmax(f, 1, NATIVE)
+            pi_floor = tl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
+            pi_new = tl.where(f_max > 0, tl.maximum(tl.math.div_rn(f_max, E4M3_MAX), pi_floor), pi_i)
+            pi_max = tl.maximum(pi_max * alpha, pi_new)
+            if P_RCP:  # one correctly rounded reciprocal per row instead of a division per element
+                y = f * tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), pi_new)[:, None]
+            else:
+                y = tl.math.div_rn(f, pi_new[:, None])
+            p_hat = round_e4m3(tl.clamp(y, -E4M3_MAX, E4M3_MAX), NATIVE)
+            beta = tl.math.div_rn(alpha * pi_i, pi_new)
+            acc = mma(operand(p_hat, PV_KIND), operand(v, PV_KIND), acc * beta[:, None], PV_KIND)
+            l_i = beta * l_i + tl.math.div_rn(rsum(e, 1, NATIVE), pi_new)
+            pi_i = pi_new
+        else:
+            p16 = round_bf16(f, NATIVE)
+            acc = mma(operand(p16, PV_KIND), operand(v, PV_KIND), acc * alpha[:, None], PV_KIND)
+            l_i = alpha * l_i + rsum(e, 1, NATIVE)
+        m_i = m_new
+    return acc, m_i, l_i, pi_i
+
+
+@triton.jit
+def _attend_tokens(
+    Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, sm_scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_bt,
+    H, S: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+    LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, NATIVE: tl.constexpr,
+    QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr, P_RCP: tl.constexpr,
+):
+    """`_attend` with the products transposed ("swap AB", tile="tokens"; one scale block only):
+    scores^T = [c | r] [q^ | q~r]^T is [PAGE, BLOCK_M] and acc^T = c^T P^T is [R, BLOCK_M], so the
+    page's 64 tokens fill the MMA's M dimension (Hopper's wgmma needs M = 64) while the query rows
+    become N (>= 16). Same arithmetic per (row, token) as `_attend`: exact products, fp32
+    accumulation, softmax and P quantization per query row (here a column). Returns acc untransposed."""
+    row_ok = rows < S * H
+    b64 = tl.cast(b, tl.int64)
+    q_ptr = Q + b64 * stride_qb + (rows // H) * stride_qs + (rows % H) * stride_qh
+    if CAUSAL:
+        limit = length - (S - 1 - rows // H)
+    else:
+        limit = length + 0 * rows
+    limit = tl.where(row_ok, limit, 0)
+
+    offs_r = tl.arange(0, R)
+    offs_d = tl.arange(0, D)
+    q_full = _load_q(q_ptr[:, None] + offs_r[None, :], row_ok[:, None], Q_BITS16)
+    if Q_FP8:
+        amax = rmax(tl.abs(q_full), 1, NATIVE)
+        sigma = scale_rule(amax, False)
+    else:
+        sigma = tl.full([BLOCK_M], 1.0, tl.float32)
+    q_rope = _load_q(q_ptr[:, None] + R + offs_d[None, :], row_ok[:, None], Q_BITS16)
+    if Q_FP8:
+        q_rope = tl.clamp(tl.math.div_rn(q_rope, sigma[:, None]), -BF16_MAX, BF16_MAX)
+    q_rope_t = tl.trans(operand(round_bf16(q_rope, NATIVE), R_KIND))  # [D, BLOCK_M]
+    q_nope_t = tl.trans(operand(_quantize_q(q_full, sigma, Q_FP8, NATIVE), QK_KIND))  # [R, BLOCK_M]
+    coef = sm_scale_log2 * sigma
+
+    offs_n = tl.arange(0, PAGE)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    pi_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    pi_max = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc_t = tl.full([R, BLOCK_M], 0.0, tl.float32)
+    zero_s = tl.full([PAGE, BLOCK_M], 0.0, tl.float32)
+
+    for p in range(p_lo, p_hi):
+        page = tl.load(BT + b64 * stride_bt + p).to(tl.int64)
+        pos = p * PAGE + offs_n
+        tok_ok = pos < length
+        c = _load_latent(LAT + page * stride_lp + offs_n[:, None] * stride_lt + offs_r[None, :], tok_ok[:, None],
+                         LAYOUT)
+        if LAYOUT == 0:
+            c = bits16(c, NATIVE)
+        qk = mma(operand(c, QK_KIND), q_nope_t, zero_s, QK_KIND)  # [PAGE, BLOCK_M]
+        r_bits = tl.load(ROPE + page * stride_rp + offs_n[:, None] * stride_rt + offs_d[None, :],
+                         mask=tok_ok[:, None], other=0)
+        rope_dot = mma(operand(bits16(r_bits, NATIVE), R_KIND), q_rope_t, zero_s, R_KIND)
+        if LAYOUT == 1:
+            s_v = tl.load(SCALE + page * stride_sp + offs_n * stride_st, mask=tok_ok, other=0.0)
+            raw = s_v[:, None] * (qk + rope_dot)
+        else:
+            raw = qk + rope_dot
+        x = raw * coef[None, :]
+        x = tl.where(pos[:, None] < limit[None, :], x, float("-inf"))
+
+        m_new = tl.maximum(m_i, rmax(x, 0, NATIVE))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        e = tl.exp2(x - m_ref[None, :])
+        alpha = tl.exp2(m_i - m_ref)
+        if LAYOUT == 0:
+            f = e
+        else:
+            f = e * s_v[:, None]
+        v_t = tl.trans(operand(c, PV_KIND))  # [R, PAGE]: the same latent tile
+        if P_FP8:
+            f_max = rmax(f, 0, NATIVE)
+            pi_floor = tl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
+            pi_new = tl.where(f_max > 0, tl.maximum(tl.math.div_rn(f_max, E4M3_MAX), pi_floor), pi_i)
+            pi_max = tl.maximum(pi_max * alpha, pi_new)
+            if P_RCP:
+                y = f * tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), pi_new)[None, :]
+            else:
+                y = tl.math.div_rn(f, pi_new[None, :])
+            p_hat = round_e4m3(tl.clamp(y, -E4M3_MAX, E4M3_MAX), NATIVE)
+            beta = tl.math.div_rn(alpha * pi_i, pi_new)
+            acc_t = mma(v_t, operand(p_hat, PV_KIND), acc_t * beta[None, :], PV_KIND)
+            l_i = beta * l_i + tl.math.div_rn(rsum(e, 0, NATIVE), pi_new)
+            pi_i = pi_new
+        else:
+            p16 = round_bf16(f, NATIVE)
+            acc_t = mma(v_t, operand(p16, PV_KIND), acc_t * alpha[None, :], PV_KIND)
+            l_i = alpha * l_i + rsum(e, 0, NATIVE)
+        m_i = m_new
+    return tl.trans(acc_t), m_i, l_i, pi_i
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, pi_i):
+    """-> (out, lse in log2 units); rows that saw nothing give out = 0, lse = -inf."""
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i * pi_i)))
+    return out, lse
+
+
+@triton.jit
+def _mla_decode_stage1(
+    Q, LAT, ROPE, SCALE, BT, LENS, O_PART, LSE_PART,
+    sm_scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+    stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
+    H, NSPLIT,
+    S: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+    LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
+    NATIVE: tl.constexpr, QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr,
+    P_RCP: tl.constexpr, TOKENS_M: tl.constexpr, LSE_NATURAL: tl.constexpr,
+):
+    """Uniform schedule: program (b, row tile, split * NB + chunk) owns split `split` of request b."""
+    BW: tl.constexpr = R // NB
+    b = tl.program_id(0)
+    split = tl.program_id(2) // NB
+    chunk = tl.program_id(2) % NB
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    length = tl.load(LENS + b)
+    n_pages = (length + PAGE - 1) // PAGE
+    per_split = (n_pages + NSPLIT - 1) // NSPLIT
+    p_lo = split * per_split
+    p_hi = tl.minimum(p_lo + per_split, n_pages)
+    if TOKENS_M:
+        acc, m_i, l_i, pi_i = _attend_tokens(
+            Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, sm_scale_log2,
+            stride_qb, stride_qs, stride_qh,
+            stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_bt,
+            H, S, R, D, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+            QK_KIND, PV_KIND, R_KIND, P_RCP,
+        )
+    else:
+        acc, m_i, l_i, pi_i = _attend(
+            Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, chunk, sm_scale_log2,
+            stride_qb, stride_qs, stride_qh,
+            stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+            H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+            QK_KIND, PV_KIND, R_KIND, P_RCP,
+        )
+    out, lse = _finish(acc, m_i, l_i, pi_i)
+    if LSE_NATURAL:
+        lse = lse * LN2
+    row_ok = rows < S * H
+    offs_w = tl.arange(0, BW)
+    o_ptr = O_PART + b.to(tl.int64) * stride_ob + rows[:, None] * stride_om + split * stride_os + chunk * BW
+    tl.store(o_ptr + offs_w[None, :], out, mask=row_ok[:, None])
+    tl.store(LSE_PART + b.to(tl.int64) * stride_lb + rows * stride_lm + split * stride_ls + chunk, lse, mask=row_ok)
+
+
+@triton.jit
+def _balanced_metadata(LENS, CUM, B, PAGE: tl.constexpr, BLOCK_B: tl.constexpr):
+    """CUM[0] = 0, CUM[b + 1] = pages of requests 0..b (one program; B <= BLOCK_B)."""
+    offs = tl.arange(0, BLOCK_B)
+    ok = offs < B
+    n = tl.load(LENS + offs, mask=ok, other=0)
+    pages = (tl.maximum(n, 0) + PAGE - 1) // PAGE
+    cum = tl.associative_scan(pages, 0, _add_i32)
+    tl.store(CUM + 1 + offs, cum, mask=ok)
+    tl.store(CUM + offs, 0 * offs, mask=offs == 0)
+
+
+@triton.jit
+def _first_index(A, x, n, GREATER: tl.constexpr):
+    """Smallest i in [0, n) with A[i] > x (GREATER) or A[i] >= x, n if none; A non-decreasing."""
+    lo = 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        a = tl.load(A + mid)
+        if GREATER:
+            go_left = a > x
+        else:
+            go_left = a >= x
+        hi = tl.where(go_left, mid, hi)
+        lo = tl.where(go_left, lo, mid + 1)
+    return lo
+
+
+@triton.jit
+def _part_range(CUM, part, B, NPARTS):
+    """Pages [lo, hi) of the batch's page sequence that part `part` owns."""
+    total = tl.load(CUM + B)
+    per = tl.maximum((total + NPARTS - 1) // NPARTS, 1)
+    lo = part * per
+    hi = tl.minimum(lo + per, total)
+    return lo, hi, per
+
+
+@triton.jit
+def _mla_decode_balanced(
+    Q, LAT, ROPE, SCALE, BT, LENS, CUM, OUT, LSE_OUT, O_PART, LSE_PART,
+    sm_scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+    stride_ob, stride_om, stride_eb, stride_ps, stride_pm, stride_ls, stride_lm,
+    H, B, NPARTS,
+    S: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+    LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
+    NATIVE: tl.constexpr, QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr,
+    P_RCP: tl.constexpr, TOKENS_M: tl.constexpr,
+):
+    """Balanced schedule: program (part, row tile, chunk) owns pages [lo, hi) of the batch's page
+    sequence, which may cover the end of one request and the start of the next ones."""
+    BW: tl.constexpr = R // NB
+    part = tl.program_id(0)
+    chunk = tl.program_id(2)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < S * H
+    offs_w = tl.arange(0, BW)
+    lo, hi, _ = _part_range(CUM, part, B, NPARTS)
+    b_first = _first_index(CUM + 1, lo, B, True)  # first request whose pages end after lo
+    b_stop = _first_index(CUM, hi, B, False)  # first request starting at or after hi
+    for b in range(b_first, b_stop):
+        start = tl.load(CUM + b)
+        n = tl.load(CUM + b + 1) - start
+        s_lo = tl.maximum(lo - start, 0)
+        s_hi = tl.minimum(hi - start, n)
+        if s_lo < s_hi:
+            length = tl.load(LENS + b)
+            if TOKENS_M:
+                acc, m_i, l_i, pi_i = _attend_tokens(
+                    Q, LAT, ROPE, SCALE, BT, b, rows, length, s_lo, s_hi, sm_scale_log2,
+                    stride_qb, stride_qs, stride_qh,
+                    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_bt,
+                    H, S, R, D, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+                    QK_KIND, PV_KIND, R_KIND, P_RCP,
+                )
+            else:
+                acc, m_i, l_i, pi_i = _attend(
+                    Q, LAT, ROPE, SCALE, BT, b, rows, length, s_lo, s_hi, chunk, sm_scale_log2,
+                    stride_qb, stride_qs, stride_qh,
+                    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+                    H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+                    QK_KIND, PV_KIND, R_KIND, P_RCP,
+                )
+            out, lse = _finish(acc, m_i, l_i, pi_i)
+            b64 = tl.cast(b, tl.int64)
+            if (s_lo == 0) & (s_hi == n):  # the whole request: final output, natural-log LSE
+                o_ptr = OUT + b64 * stride_ob + rows[:, None] * stride_om + chunk * BW
+                tl.store(o_ptr + offs_w[None, :], out, mask=row_ok[:, None])
+                if chunk == 0:
+                    tl.store(LSE_OUT + b64 * stride_eb + rows, lse * LN2, mask=row_ok)
+            else:  # a partial, in slot part + b (log2 LSE)
+                slot = (part + b).to(tl.int64)
+                o_ptr = O_PART + slot * stride_ps + rows[:, None] * stride_pm + chunk * BW
+                tl.store(o_ptr + offs_w[None, :], out, mask=row_ok[:, None])
+                tl.store(LSE_PART + slot * stride_ls + rows * stride_lm + chunk, lse, mask=row_ok)
+
+
+@triton.jit
+def _mla_decode_combine(
+    O_PART, LSE_PART, OUT, LSE_OUT,
+    stride_pb, stride_pm, stride_ps, stride_lb, stride_lm, stride_ls,
+    stride_ob, stride_om, stride_eb,
+    NSPLIT, NSPLIT_P2: tl.constexpr, NB: tl.constexpr, BW: tl.constexpr, NATIVE: tl.constexpr,
+):
+    """out = sum_s w_s out_s / sum_s w_s with w_s = 2^(lse_s - max lse); lse = max + log2(sum w), as ln."""
+    b = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1)
+    chunk = tl.program_id(2)
+    offs_s = tl.arange(0, NSPLIT_P2)
+    lse_ptr = LSE_PART + b * stride_lb + row * stride_lm + chunk
+    lse = tl.load(lse_ptr + offs_s * stride_ls, mask=offs_s < NSPLIT, other=float("-inf"))
+    mx = rmax(lse, 0, NATIVE)
+    mx_ref = tl.where(mx == float("-inf"), 0.0, mx)
+    total = rsum(tl.exp2(lse - mx_ref), 0, NATIVE)
+    offs_w = tl.arange(0, BW)
+    acc = tl.full([BW], 0.0, tl.float32)
+    o_ptr = O_PART + b * stride_pb + row * stride_pm + chunk * BW + offs_w
+    for s in range(NSPLIT):
+        w = tl.exp2(tl.load(lse_ptr + s * stride_ls) - mx_ref)
+        o = tl.load(o_ptr + s * stride_ps)
+        acc += tl.where(w > 0, w * o, 0.0)
+    out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(OUT + b * stride_ob + row * stride_om + chunk * BW + offs_w, out)
+    if chunk == 0:
+        lse_out = tl.where(total > 0, (mx + tl.log2(tl.where(total > 0, total, 1.0))) * LN2, float("-inf"))
+        tl.store(LSE_OUT + b * stride_eb + row, lse_out)
+
+
+@triton.jit
+def _mla_decode_combine_balanced(
+    CUM, O_PART, LSE_PART, OUT, LSE_OUT,
+    stride_ps, stride_pm, stride_ls, stride_lm, stride_ob, stride_om, stride_eb,
+    B, NPARTS, BW: tl.constexpr,
+):
+    """Merge request b's partials (slots first + b .. last + b), as `_mla_decode_combine` does.
+    Requests that one part covered whole were written by stage 1; empty ones get out 0, lse -inf."""
+    b = tl.program_id(0)
+    row = tl.program_id(1)
+    chunk = tl.program_id(2)
+    offs_w = tl.arange(0, BW)
+    out_ptr = OUT + b.to(tl.int64) * stride_ob + row * stride_om + chunk * BW + offs_w
+    lse_out_ptr = LSE_OUT + b.to(tl.int64) * stride_eb + row
+    start = tl.load(CUM + b)
+    n = tl.load(CUM + b + 1) - start
+    _, _, per = _part_range(CUM, 0, B, NPARTS)
+    first = start // per
+    last = (start + n - 1) // per
+    if n == 0:
+        tl.store(out_ptr, tl.full([BW], 0.0, tl.float32))
+        if chunk == 0:
+            tl.store(lse_out_ptr, float("-inf"))
+    elif first < last:
+        lse_ptr = LSE_PART + row * stride_lm + chunk
+        o_ptr = O_PART + row * stride_pm + chunk * BW + offs_w
+        mx = float("-inf")
+        for s in range(first, last + 1):
+            mx = tl.maximum(mx, tl.load(lse_ptr + (s + b).to(tl.int64) * stride_ls))
+        mx_ref = tl.where(mx == float("-inf"), 0.0, mx)
+        total = 0.0
+        acc = tl.full([BW], 0.0, tl.float32)
+        for s in range(first, last + 1):
+            w = tl.exp2(tl.load(lse_ptr + (s + b).to(tl.int64) * stride_ls) - mx_ref)
+            o = tl.load(o_ptr + (s + b).to(tl.int64) * stride_ps)
+            acc += tl.where(w > 0, w * o, 0.0)
+            total += w
+        tl.store(out_ptr, tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0))
+        if chunk == 0:
+            lse_out = tl.where(total > 0, (mx + tl.log2(tl.where(total > 0, total, 1.0))) * LN2, float("-inf"))
+            tl.store(lse_out_ptr, lse_out)
