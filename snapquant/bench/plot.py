@@ -62,8 +62,9 @@ def plot_decode(rows: list[dict[str, Any]], png: Path, pdf: Path | None = None, 
             xs.append(j + (i - (n - 1) / 2) * width)
             us.append(r["us"])
             sp.append(base["us"] / r["us"])
-        ax_t.bar(xs, us, width, label=name, color=color)
-        ax_s.bar(xs, sp, width, color=color)
+        if xs:  # a series with no measurement gets no legend entry
+            ax_t.bar(xs, us, width, label=name, color=color)
+            ax_s.bar(xs, sp, width, color=color)
     for j, s in enumerate(shapes):
         t = targets.get(s)
         if t is None:
