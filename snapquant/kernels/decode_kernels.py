@@ -128,6 +128,36 @@ def _add_i32(a, b):
 
 
 @triton.jit
+def _query_rows(
+    Q, b64, rows, length, stride_qb, stride_qs, stride_qh, H, S: tl.constexpr, R: tl.constexpr,
+    D: tl.constexpr, Q_FP8: tl.constexpr, Q_BITS16: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, NATIVE: tl.constexpr,
+):
+    """Prologue shared by `_attend` and `_attend_tokens`: per query row, whether it exists, its
+    pointer, how many cache positions it sees, the full NoPE query, its fp8 scale sigma (1 for a
+    16-bit query) and the RoPE query divided by sigma and rounded to bf16 (as fp32 values)."""
+    row_ok = rows < S * H
+    q_ptr = Q + b64 * stride_qb + (rows // H) * stride_qs + (rows % H) * stride_qh
+    if CAUSAL:  # query token i of S sees cache positions < length - (S - 1 - i)
+        limit = length - (S - 1 - rows // H)
+    else:
+        limit = length + 0 * rows
+    limit = tl.where(row_ok, limit, 0)
+    offs_r = tl.arange(0, R)
+    offs_d = tl.arange(0, D)
+    q_full = _load_q(q_ptr[:, None] + offs_r[None, :], row_ok[:, None], Q_BITS16)
+    if Q_FP8:
+        amax = rmax(tl.abs(q_full), 1, NATIVE)
+        sigma = scale_rule(amax, False)
+    else:
+        sigma = tl.full([BLOCK_M], 1.0, tl.float32)
+    q_rope = _load_q(q_ptr[:, None] + R + offs_d[None, :], row_ok[:, None], Q_BITS16)
+    if Q_FP8:
+        q_rope = tl.clamp(tl.math.div_rn(q_rope, sigma[:, None]), -BF16_MAX, BF16_MAX)
+    return row_ok, q_ptr, limit, q_full, sigma, round_bf16(q_rope, NATIVE)
+
+
+@triton.jit
 def _attend(
     Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, chunk, sm_scale_log2,
     stride_qb, stride_qs, stride_qh,
@@ -140,28 +170,14 @@ def _attend(
     """Online softmax of query rows `rows` of request b over its pages [p_lo, p_hi), output chunk
     `chunk`. Returns (acc [BLOCK_M, R / NB], m, l, pi): out = acc / l, lse2 = m + log2(l pi)."""
     BW: tl.constexpr = R // NB  # channels per scale block = width of this program's output chunk
-    row_ok = rows < S * H
     b64 = tl.cast(b, tl.int64)  # a Python int in the interpreter when b comes from a loop
-    q_ptr = Q + b64 * stride_qb + (rows // H) * stride_qs + (rows % H) * stride_qh
-    if CAUSAL:  # query token i of S sees cache positions < length - (S - 1 - i)
-        limit = length - (S - 1 - rows // H)
-    else:
-        limit = length + 0 * rows
-    limit = tl.where(row_ok, limit, 0)
-
-    # ---- query: per-row scale (fp8) and the RoPE operand, once per run of pages
     offs_r = tl.arange(0, R)
     offs_d = tl.arange(0, D)
-    q_full = _load_q(q_ptr[:, None] + offs_r[None, :], row_ok[:, None], Q_BITS16)
-    if Q_FP8:
-        amax = rmax(tl.abs(q_full), 1, NATIVE)
-        sigma = scale_rule(amax, False)
-    else:
-        sigma = tl.full([BLOCK_M], 1.0, tl.float32)
-    q_rope = _load_q(q_ptr[:, None] + R + offs_d[None, :], row_ok[:, None], Q_BITS16)
-    if Q_FP8:
-        q_rope = tl.clamp(tl.math.div_rn(q_rope, sigma[:, None]), -BF16_MAX, BF16_MAX)
-    q_rope = operand(round_bf16(q_rope, NATIVE), R_KIND)
+    # ---- query: per-row scale (fp8) and the RoPE operand, once per run of pages
+    row_ok, q_ptr, limit, q_full, sigma, q_rope = _query_rows(
+        Q, b64, rows, length, stride_qb, stride_qs, stride_qh, H, S, R, D, Q_FP8, Q_BITS16, CAUSAL,
+        BLOCK_M, NATIVE)
+    q_rope = operand(q_rope, R_KIND)
     if NB == 1:
         q_nope = operand(_quantize_q(q_full, sigma, Q_FP8, NATIVE), QK_KIND)
     coef = sm_scale_log2 * sigma  # [BLOCK_M]: scores go straight to the log2 domain
@@ -263,27 +279,13 @@ def _attend_tokens(
     page's 64 tokens fill the MMA's M dimension (Hopper's wgmma needs M = 64) while the query rows
     become N (>= 16). Same arithmetic per (row, token) as `_attend`: exact products, fp32
     accumulation, softmax and P quantization per query row (here a column). Returns acc untransposed."""
-    row_ok = rows < S * H
     b64 = tl.cast(b, tl.int64)
-    q_ptr = Q + b64 * stride_qb + (rows // H) * stride_qs + (rows % H) * stride_qh
-    if CAUSAL:
-        limit = length - (S - 1 - rows // H)
-    else:
-        limit = length + 0 * rows
-    limit = tl.where(row_ok, limit, 0)
-
     offs_r = tl.arange(0, R)
     offs_d = tl.arange(0, D)
-    q_full = _load_q(q_ptr[:, None] + offs_r[None, :], row_ok[:, None], Q_BITS16)
-    if Q_FP8:
-        amax = rmax(tl.abs(q_full), 1, NATIVE)
-        sigma = scale_rule(amax, False)
-    else:
-        sigma = tl.full([BLOCK_M], 1.0, tl.float32)
-    q_rope = _load_q(q_ptr[:, None] + R + offs_d[None, :], row_ok[:, None], Q_BITS16)
-    if Q_FP8:
-        q_rope = tl.clamp(tl.math.div_rn(q_rope, sigma[:, None]), -BF16_MAX, BF16_MAX)
-    q_rope_t = tl.trans(operand(round_bf16(q_rope, NATIVE), R_KIND))  # [D, BLOCK_M]
+    _, _, limit, q_full, sigma, q_rope = _query_rows(
+        Q, b64, rows, length, stride_qb, stride_qs, stride_qh, H, S, R, D, Q_FP8, Q_BITS16, CAUSAL,
+        BLOCK_M, NATIVE)
+    q_rope_t = tl.trans(operand(q_rope, R_KIND))  # [D, BLOCK_M]
     q_nope_t = tl.trans(operand(_quantize_q(q_full, sigma, Q_FP8, NATIVE), QK_KIND))  # [R, BLOCK_M]
     coef = sm_scale_log2 * sigma
 
