@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import snapquant
     from snapquant.cache import LatentCache
+    from snapquant.sweep.env import environment
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
@@ -142,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
         "layers": args.layers, "batch": args.batch, "steps": args.steps, "backend": args.backend,
         "model": "DeepSeek-V2-Lite attention dims (H=16, r=512, d=64, dn=128, dv=128), dense MLP, random weights",
+        "seeds": {"weights": 0, "cache": 1}, "contexts": contexts, "presets": presets,
     }
     print(json.dumps(env), flush=True)
+    env["environment"] = environment()  # python, package versions, hardware (into the JSON only)
     rows = []
     for L in contexts:
         snapquant.unpatch(model)

@@ -46,13 +46,22 @@ def formats(
         table.add_row(*(_fmt(row[c]) for c in cols))
     console.print(table)
     if out is not None:
+        import json
+
+        from ..sweep.env import environment
+        from ..sweep.store import atomic_write_text
+
+        meta = {"command": "snapquant formats", "parameters": dict(df.attrs), "environment": environment()}
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.suffix == ".csv":
-            df.to_csv(out, index=False)
+            atomic_write_text(out, df.to_csv(index=False))
         elif out.suffix == ".md":
-            out.write_text(df.to_markdown(index=False, floatfmt=".4g") + "\n")
+            atomic_write_text(out, df.to_markdown(index=False, floatfmt=".4g") + "\n\n```json\n"
+                              + json.dumps(meta, indent=1) + "\n```\n")
         else:
-            out.write_text(df.to_json(orient="records", indent=2))
+            atomic_write_text(out, json.dumps({**meta, "rows": df.to_dict(orient="records")}, indent=2))
+        if out.suffix == ".csv":
+            atomic_write_text(out.with_suffix(".meta.json"), json.dumps(meta, indent=2))
         console.print(f"wrote {out}")
 
 

@@ -1,0 +1,40 @@
+"""`snapquant formats`: the table, its files and its errors."""
+
+import json
+
+import pandas as pd
+from typer.testing import CliRunner
+
+from snapquant.cli import app
+from snapquant.quant.report import format_report
+
+
+def test_format_report_rows_are_consistent():
+    df = format_report(["bf16", "snapmla", "rope_fp8_per_token"], num_tokens=192, kv_lora_rank=128,
+                       rope_dim=32, num_heads=4)
+    rows = df.set_index("preset")
+    assert list(rows["bytes_per_token"]) == [320, 128 + 4 + 64, 128 + 4 + 32 + 4]
+    # the 16-bit baseline keeps far more signal than FP8, and FP8 RoPE loses RoPE signal
+    assert rows.loc["bf16", "nope_sqnr_db"] > rows.loc["snapmla", "nope_sqnr_db"] + 15
+    assert rows.loc["rope_fp8_per_token", "rope_sqnr_db"] < rows.loc["snapmla", "rope_sqnr_db"] - 15
+    assert (df["out_rel_l2"] > 0).all() and (df["out_rel_l2"] < 1).all()
+
+
+def test_formats_cli_writes_table_and_metadata(tmp_path):
+    out = tmp_path / "f.csv"
+    args = ["formats", "-p", "bf16", "-p", "snapmla", "--tokens", "96", "--kv-lora-rank", "64",
+            "--rope-dim", "16", "--heads", "2", "--seed", "3", "--out", str(out)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(out)
+    assert list(df["preset"]) == ["bf16", "snapmla"]
+    meta = json.loads(out.with_suffix(".meta.json").read_text())
+    assert meta["parameters"]["seed"] == 3 and meta["parameters"]["num_tokens"] == 96
+    assert meta["environment"]["packages"]["torch"] and "hardware" in meta["environment"]
+
+
+def test_formats_cli_names_a_bad_preset():
+    res = CliRunner().invoke(app, ["formats", "-p", "snapmlaa", "--tokens", "64", "--kv-lora-rank", "64",
+                                   "--rope-dim", "16"])
+    assert res.exit_code == 2
+    assert "snapmlaa" in res.output and "did you mean 'snapmla'" in res.output
