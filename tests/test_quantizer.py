@@ -270,3 +270,12 @@ def test_round_trip_error_bounds(dtype, gran, scale_format, T, log_mag, outliers
     fmt = cfg.nope_format
     if fmt.is_quantized:
         assert kv.latent.codes_f32().abs().max() <= fmt.qmax
+
+
+def test_quantized_kv_moves_between_devices_unchanged():
+    kv = sq.quantize_kv(torch.randn(2, 5, 64), torch.randn(2, 5, 16), sq.PRESETS["ds_model1"].replace(block_size=32))
+    moved = kv.to("cpu")
+    assert moved.nbytes == kv.nbytes and moved.rope_prescaled == kv.rope_prescaled
+    assert moved.latent.scale.dtype == torch.uint8  # e8m0 exponents stay bytes
+    for a, b in zip(moved.dequantize(), kv.dequantize()):
+        assert torch.equal(a, b)
