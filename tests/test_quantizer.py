@@ -277,5 +277,5 @@ def test_quantized_kv_moves_between_devices_unchanged():
     moved = kv.to("cpu")
     assert moved.nbytes == kv.nbytes and moved.rope_prescaled == kv.rope_prescaled
     assert moved.latent.scale.dtype == torch.uint8  # e8m0 exponents stay bytes
-    for a, b in zip(moved.dequantize(), kv.dequantize()):
+    for a, b in zip(moved.dequantize(), kv.dequantize(), strict=True):
         assert torch.equal(a, b)
