@@ -162,7 +162,14 @@ def decode_configs() -> dict:
     }
 
 
-def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: int | None) -> dict:
+KNOBBED = {  # kernel variants checked like the defaults: name -> (config name, mla_decode knobs)
+    "snapmla+pairs": ("snapmla", {"tile": "pairs"}),
+    "snapmla+pairs+rcp+balanced": ("snapmla", {"tile": "pairs", "p_div": "rcp", "schedule": "balanced"}),
+}
+
+
+def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: int | None,
+                 knobs: dict | None = None) -> dict:
     """Kernel on the whole batch; CPU reference and float64 oracle on requests of length 1, 64, 65, L.
 
     The reference runs on CPU, the definitive semantics: on CUDA, torch divides a tensor by a Python
@@ -177,7 +184,7 @@ def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: 
     tau = 1 / math.sqrt(192)  # DeepSeek: 1 / sqrt(qk_nope + qk_rope)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out, lse = mla_decode(q, cache, tau, config, num_splits=num_splits)
+    out, lse = mla_decode(q, cache, tau, config, num_splits=num_splits, **(knobs or {}))
     torch.cuda.synchronize()
     t_kernel = time.perf_counter() - t0
     # Query row s of request b sees lengths[b] - (S - 1 - s) tokens; none -> out 0, lse -inf (the contract).
@@ -215,6 +222,26 @@ def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: 
     return {"part": "decode", "case": f"{name} B={B} H={H} L={L} s_q={S} splits={num_splits or 'auto'}",
             "ok": ok, "rel_l2": rel, "lse_abs": lse_err, "cos_dist": cos, "err_vs_fp64": err_k,
             "ref_err_vs_fp64": err_r, "first_call_s": round(t_kernel, 2), "detail": detail.strip()}
+
+
+def check_subnormal_codes() -> dict:
+    """tile='pairs' widens e4m3 codes with cvt.rn.f16x2.e4m3x2: a latent whose codes are all
+    subnormal (|code| < 8, values m * 2^-9) must give the default path's output (nothing flushed)."""
+    from snapquant import PRESETS
+    from snapquant.kernels import mla_decode
+
+    config = PRESETS["snapmla"]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    cache = build_cache(config, 4, 512, g)
+    codes = torch.randint(-7, 8, cache.latent.shape, device="cuda", generator=g)
+    raw = (codes.abs() | ((codes < 0).to(codes.dtype) << 7)).to(torch.uint8)
+    cache.latent.view(torch.uint8).copy_(raw)
+    q = torch.randn(4, 1, 16, R + D, device="cuda", generator=g).to(torch.bfloat16)
+    a, la = mla_decode(q, cache, 0.07, config, num_splits=1)
+    b, lb = mla_decode(q, cache, 0.07, config, num_splits=1, tile="pairs")
+    rel = ((a - b).norm() / a.norm()).item()
+    ok = bool(torch.isfinite(b).all()) and rel <= 1e-3 and (la - lb).abs().max().item() <= 1e-3
+    return {"part": "decode", "case": "pairs vs default on subnormal codes", "ok": ok, "rel_l2": rel}
 
 
 # ------------------------------------------------------------------------------------------ part 3
@@ -365,10 +392,14 @@ def main() -> int:
     if args.quick:
         shapes = [(["snapmla", "snapmla_kv_only", "ds_v32", "bf16"], 16, 16, 1024, 1, None),
                   (["snapmla"], 4, 128, 4096, 2, None)]
-    for names, B, H, L, S, ns in shapes:
+    knobbed = [(list(KNOBBED), B, H, L, S, ns) for B, H, L, S, ns in
+               ((128, 16, 4096, 1, None), (64, 16, 4096, 2, None), (32, 64, 8192, 1, None), (4, 128, 32768, 1, None))]
+    for names, B, H, L, S, ns in shapes + ([] if args.quick else knobbed):
         for name in names:
-            rows.append(run_case(check_decode, name, configs[name], B, H, L, S, ns,
+            cfg_name, knobs = KNOBBED.get(name, (name, None))
+            rows.append(run_case(check_decode, name, configs[cfg_name], B, H, L, S, ns, knobs,
                                  label=f"{name} B={B} H={H} L={L} s_q={S}"))
+    rows.append(run_case(check_subnormal_codes, label="pairs: subnormal e4m3 codes"))
 
     for name, cfg, dtype in model_cases()[: 2 if args.quick else None]:
         rows.append(run_case(check_patched_model, name, cfg, dtype, label=f"model {name}"))

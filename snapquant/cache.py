@@ -31,19 +31,44 @@ class LatentLayer(CacheLayerMixin):
     is_compileable = False
     supports_early_init = False  # sized by the first real append (widths, dtype, device), not by export
     def __init__(self, config: KVQuantConfig | str = "snapmla", kv_lora_rank: int | None = None,
-                 rope_dim: int | None = None, **kwargs) -> None:
+                 rope_dim: int | None = None, max_cache_len: int | None = None, **kwargs) -> None:
         super().__init__()
         self.config = resolve_config(config)
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
+                                          or max_cache_len < 1):
+            raise ShapeError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+        self.max_cache_len = max_cache_len  # HF positions (padding included), as in HF's StaticCache
         self.store: DenseLatentStore | None = None
         self.seen = 0  # HF positions so far (padding included)
-        self.stored: torch.Tensor | None = None  # [B, seen] bool: HF positions that hold a stored token
+        # [B, seen] bool: HF positions that hold a stored token, kept as a materialized prefix plus a count
+        # of trailing positions stored for every request (the graph-safe decode step only bumps the count).
+        self._stored: torch.Tensor | None = None
+        self._stored_tail = 0
         self.indexer_keys: torch.Tensor | None = None  # DSA indexer keys [B, seen, D], unquantized as in HF
         self.indexer_position_ids = None
         self.is_indexer_initialized = False
 
     def __repr__(self) -> str:
         return f"LatentLayer({self.config.label()}, seen={self.seen})"
+
+    @property
+    def stored(self) -> torch.Tensor | None:
+        """`[B, seen]` bool: HF positions that hold a stored token."""
+        if self._stored_tail and self._stored is not None:
+            B = self._stored.shape[0]
+            tail = torch.ones(B, self._stored_tail, dtype=torch.bool, device=self._stored.device)
+            self._stored = torch.cat([self._stored, tail], dim=1)
+            self._stored_tail = 0
+        return self._stored
+
+    @stored.setter
+    def stored(self, value: torch.Tensor | None) -> None:
+        self._stored, self._stored_tail = value, 0
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self._stored is None else int(self._stored.shape[0])
 
     # ------------------------------------------------------------------ writing
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -53,8 +78,15 @@ class LatentLayer(CacheLayerMixin):
                 raise ShapeError(f"LatentLayer was built for {name}={want} but received width {got}")
         self.kv_lora_rank, self.rope_dim = r, d
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.store = DenseLatentStore(self.config, r, d, key_states.dtype)
+        self.store = DenseLatentStore(self.config, r, d, key_states.dtype, capacity=self.max_cache_len)
         self.is_initialized = True
+
+    def _check_room(self, new_positions: int) -> None:
+        if self.max_cache_len is not None and self.seen + new_positions > self.max_cache_len:
+            raise ShapeError(
+                f"appending {new_positions} position(s) to {self.seen} would exceed max_cache_len="
+                f"{self.max_cache_len} (the cache was preallocated for that many positions, padding included)"
+            )
 
     def append(self, latent: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Store `latent [B,S,r]` and `rope [B,S,d]`; `valid [B,S]` marks real tokens (None = all)."""
@@ -63,12 +95,46 @@ class LatentLayer(CacheLayerMixin):
         B, S = latent.shape[:2]
         if valid is None:
             valid = torch.ones(B, S, dtype=torch.bool, device=latent.device)
-        if self.stored is not None and self.stored.shape[0] != B:
-            raise ShapeError(f"batch size changed from {self.stored.shape[0]} to {B} without batch_select/repeat")
+        if self._stored is not None and self._stored.shape[0] != B:
+            raise ShapeError(f"batch size changed from {self._stored.shape[0]} to {B} without batch_select/repeat")
+        self._check_room(S)
         self.store.append(latent, rope, valid)
         valid = valid.to(latent.device, torch.bool)
         self.stored = valid.clone() if self.stored is None else torch.cat([self.stored, valid], dim=1)
         self.seen += S
+
+    def append_static(self, latent: torch.Tensor, rope: torch.Tensor) -> None:
+        """Graph-safe append of `latent [B,S,r]`, `rope [B,S,d]`, every token real, with no host sync.
+
+        Needs a preallocated, non-empty layer (`max_cache_len`); checks room on the host (positions never
+        exceed HF positions, so `seen + S <= max_cache_len` guarantees the rows exist)."""
+        if self.store is None:
+            raise ShapeError("append_static needs a layer that already holds tokens (prefill first)")
+        B, S = latent.shape[:2]
+        if B != self.batch_size:
+            raise ShapeError(f"batch size changed from {self.batch_size} to {B} without batch_select/repeat")
+        self._check_room(S)
+        self.store.append_static(latent, rope)
+        self.advance(S)
+
+    def advance(self, n: int) -> None:
+        """Host bookkeeping of `n` positions stored for every request (a replayed decode step's append)."""
+        self.seen += n
+        self._stored_tail += n
+
+    def rewind(self, n: int) -> None:
+        """Remove the last `n` positions. With no host sync when they were all real tokens of every request
+        (e.g. decode steps); otherwise the same as `crop(-n)` (which reads the stored mask)."""
+        if n <= 0 or self.store is None:
+            return
+        if n > self._stored_tail or self.config.token_group is not None:
+            self.crop(-n)
+            return
+        self.store.rewind(n)
+        self.seen -= n
+        self._stored_tail -= n
+        if self.indexer_keys is not None:
+            self.indexer_keys = self.indexer_keys[:, : self.seen]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Plain HF API (unpatched model): store every token, return the dequantized cache `[B, 1, T, r|d]`."""
@@ -113,7 +179,7 @@ class LatentLayer(CacheLayerMixin):
         return self.seen + q, 0
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.max_cache_len is None else self.max_cache_len
 
     @property
     def lengths(self) -> torch.Tensor | None:
@@ -172,7 +238,7 @@ class LatentLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.store = None
-        self.stored = None
+        self.stored = None  # (also clears the tail count)
         self.seen = 0
         self.indexer_keys = None
         self.is_indexer_initialized = False
@@ -191,10 +257,21 @@ class LatentCache(DynamicCache):
     `LatentCache("snapmla", model)` builds the layer list for a model (patched or not);
     `LatentCache("snapmla")` alone starts empty and turns each MLA layer into a `LatentLayer` the first
     time a patched model writes it. A patched model's `generate` creates one automatically.
+
+    `max_cache_len=N` (HF StaticCache naming) preallocates every MLA layer's store for N positions per
+    request (rounded up to the 64-token page) at its first append and never reallocates it; going past
+    N raises a ShapeError naming max_cache_len. That is what `snapquant.graphs.DecodeGraph` needs.
+    Without it the stores grow by doubling.
     """
 
-    def __init__(self, config: KVQuantConfig | str = "snapmla", model=None, **kwargs) -> None:
+    def __init__(self, config: KVQuantConfig | str = "snapmla", model=None, max_cache_len: int | None = None,
+                 **kwargs) -> None:
         self.kv_config = resolve_config(config)
+        if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
+                                          or max_cache_len < 1):
+            raise ShapeError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+        self.max_cache_len = max_cache_len
+        self.static_step = False  # set by snapquant.graphs.DecodeGraph around its fixed-shape decode step
         if model is None:
             super().__init__(**kwargs)
             return
@@ -203,7 +280,7 @@ class LatentCache(DynamicCache):
         super().__init__(config=model.config.get_text_config(decoder=True), **kwargs)
         for _, module, adapter in find_mla_modules(model):
             r, d = adapter.dims(module)
-            self._install(module.layer_idx, LatentLayer(self.kv_config, r, d))
+            self._install(module.layer_idx, LatentLayer(self.kv_config, r, d, max_cache_len=max_cache_len))
 
     def _install(self, layer_idx: int, layer: CacheLayerMixin) -> None:
         while len(self.layers) <= layer_idx:
@@ -254,6 +331,7 @@ def latent_layer_for(cache: Cache, layer_idx: int, config: KVQuantConfig, kv_lor
             f"cache layer {layer_idx} is a {kind} already holding {held} tokens written without snapquant; "
             f"start from a fresh cache (or a snapquant.LatentCache) on the patched model"
         )
-    new = LatentLayer(config, kv_lora_rank, rope_dim)
+    new = LatentLayer(config, kv_lora_rank, rope_dim, max_cache_len=getattr(cache, "max_cache_len", None)
+                      if isinstance(cache, LatentCache) else None)
     layers[layer_idx] = new
     return new

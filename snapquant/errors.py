@@ -6,16 +6,24 @@ import difflib
 from collections.abc import Iterable
 
 
-class ConfigError(ValueError):
+class SnapquantError(Exception):
+    """Base class of every error snapquant raises on purpose."""
+
+
+class ConfigError(SnapquantError, ValueError):
     """A configuration field or value is invalid. The message names the field and the allowed values."""
 
 
-class ShapeError(ValueError):
+class ShapeError(SnapquantError, ValueError):
     """A tensor argument has the wrong shape, dtype or device. The message names the argument."""
 
 
-class NonFiniteInputError(ValueError):
+class NonFiniteInputError(SnapquantError, ValueError):
     """Input to a quantizer contains NaN or Inf while checking is enabled."""
+
+
+class HostSyncError(SnapquantError, RuntimeError):
+    """An op that forces a host-device sync ran inside `snapquant.graphs.no_host_sync()`; names the op."""
 
 
 def unknown_choice(field: str, value: object, allowed: Iterable[str]) -> ConfigError:

@@ -49,11 +49,11 @@ import torch
 from torch import nn
 
 from .attention.absorbed import absorbed_attention
-from .attention.backends import check_backend_name, resolve_backend
+from .attention.backends import check_backend_name, resolve_backend, static_backend
 from .attention.masks import hf_visibility, indices_visibility, standard_visibility, token_validity
 from .cache import LatentCache, LatentLayer, latent_layer_for
 from .config import KVQuantConfig
-from .errors import ConfigError
+from .errors import ConfigError, ShapeError
 from .models.registry import MLAAdapter, cache_layout, find_mla_modules
 from .presets import resolve_config
 
@@ -80,6 +80,7 @@ class _Call:
     mode: str  # "absorbed" | "stock"
     temporary: bool
     positions: torch.Tensor | None = None  # [B, S] stored row of each new token, -1 = padding
+    static: bool = False  # DecodeGraph's fixed-shape step: no mask, every token real, no host sync
 
 
 class _CacheProxy:
@@ -176,9 +177,18 @@ class _MLAHook:
             _reject_foreign_cache(cache, m.layer_idx)
             layer, temporary = latent_layer_for(cache, m.layer_idx, cfg, r, d), False
         cfg = layer.config
-        valid = token_validity(a.get("attention_mask"), B, S, layer.get_seq_length())
-        mode = "absorbed" if (S == 1 or cfg.prefill == "quantized") else "stock"
-        call = _Call(layer, valid.to(hidden.device), mode, temporary)
+        static = bool(getattr(cache, "static_step", False))
+        if static:
+            # snapquant.graphs.DecodeGraph: one real token per request, no mask (any mask HF built for this
+            # step is not read: it is plain causal); nothing here may read device values on the host.
+            if S != 1:
+                raise ShapeError(f"a static decode step takes one token per request, got S={S}")
+            valid = torch.ones(B, S, dtype=torch.bool, device=hidden.device)
+            mode = "absorbed"
+        else:
+            valid = token_validity(a.get("attention_mask"), B, S, layer.get_seq_length()).to(hidden.device)
+            mode = "absorbed" if (S == 1 or cfg.prefill == "quantized") else "stock"
+        call = _Call(layer, valid, mode, temporary, static=static)
         a[self.cache_param] = _CacheProxy(cache, self, call)
         self.call = call
         if mode == "absorbed":
@@ -216,6 +226,12 @@ class _MLAHook:
     def store_new(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> None:
         """Append the new tokens' latent `[B, 1, S, r]` and RoPE key to the layer; record their stored rows."""
         call, layer = self.call, self.call.layer
+        if call.static:
+            before = layer.lengths.clone()  # (a preallocated store updates its lengths in place)
+            layer.append_static(kv_nope[:, 0], k_rot[:, 0])
+            S = kv_nope.shape[2]
+            call.positions = before[:, None] + torch.arange(S, device=before.device)[None, :]
+            return
         before = layer.lengths.clone() if layer.lengths is not None else torch.zeros(
             kv_nope.shape[0], dtype=torch.long, device=kv_nope.device)
         layer.append(kv_nope[:, 0], k_rot[:, 0], call.valid)
@@ -235,6 +251,8 @@ class _MLAHook:
     def attend(self, query: torch.Tensor, attention_mask, scaling: float | None, kwargs: dict) -> torch.Tensor:
         call = self.call
         layer = call.layer
+        if call.static:
+            return self._attend_static(query, scaling, kwargs)
         B, _, S, _ = query.shape
         T = layer.seen
         vis = hf_visibility(attention_mask, B, S, T)
@@ -260,6 +278,22 @@ class _MLAHook:
         return absorbed_attention(
             query, w_uk, w_uv, layer.store.segments(), call.positions, softmax_scale=tau, config=cfg,
             backend=backend.fn, round_16bit=round_16bit, visibility=visibility, sinks=kwargs.get("s_aux"),
+        )
+
+
+    def _attend_static(self, query: torch.Tensor, scaling: float | None, kwargs: dict) -> torch.Tensor:
+        """The fixed-shape decode step: the whole preallocated store, valid rows given by device lengths."""
+        layer, call = self.call.layer, self.call
+        if kwargs.get("indices") is not None:
+            raise ConfigError("DSA top-k attention (index_topk) is not supported by the static decode step")
+        cfg = layer.config
+        backend = resolve_backend(self.state.backend, cfg, query.device)
+        round_16bit = query.dtype in (torch.bfloat16, torch.float16) if cfg.is_identity else True
+        w_uk, w_uv = self.weights()
+        tau = scaling if scaling is not None else float(self.module.qk_head_dim) ** -0.5
+        return absorbed_attention(
+            query, w_uk, w_uv, layer.store.segments(static=True), call.positions, softmax_scale=tau, config=cfg,
+            backend=static_backend(backend), round_16bit=round_16bit, sinks=kwargs.get("s_aux"),
         )
 
 

@@ -216,6 +216,9 @@ VARIANT_CASES = [
     ("snapmla", {"tile": "tokens", "num_splits": 1}),
     ("snapmla", {"tile": "tokens", "schedule": "balanced", "p_div": "rcp", "num_splits": 4}),
     ("snapmla_q_fp8", {"tile": "tokens", "num_splits": 2}),
+    ("snapmla", {"tile": "pairs", "num_splits": 1}),
+    ("snapmla", {"tile": "pairs", "num_splits": 3}),
+    ("snapmla", {"tile": "pairs", "schedule": "balanced", "p_div": "rcp", "num_splits": 4}),
     ("snapmla_kv_only", {"schedule": "balanced", "num_splits": 5}),
     ("snapmla_q_bf16_pv_fp8", {"tile": "tokens", "num_splits": 1}),
     ("bf16", {"schedule": "balanced", "num_splits": 2}),
@@ -285,6 +288,12 @@ def test_knob_validation_names_the_knob():
     qd, _, cached, _ = make_case(ds, [10], H=2)
     with pytest.raises(ConfigError, match="tokens"):
         mla_decode(qd, cached, 0.1, tile="tokens")
+    with pytest.raises(ConfigError, match="pairs"):  # pairs: snapmla layout, fp8 query and P only
+        mla_decode(qd, cached, 0.1, tile="pairs")
+    with pytest.raises(ConfigError, match="pairs"):
+        mla_decode(q, cache, 0.1, CONFIGS["snapmla_kv_only"], tile="pairs")
+    with pytest.raises(ConfigError, match="pairs"):
+        mla_decode(q, cache, 0.1, tile="pairs", fp8_mma="qk")
 
 
 @pytest.mark.parametrize("fp8_mma,kinds", [(False, (3, 3)), ("qk", (2, 3)), ("pv", (3, 2)), (True, (2, 2))])

@@ -84,12 +84,20 @@ class _Part:
         self.scale: torch.Tensor | None = None  # row: [B, cap, nb]; group: [B, cap/G, w]; shared: [1|B, 1, nb]
 
     # ------------------------------------------------------------------ allocation
-    def ensure(self, batch: int, capacity: int, like_codes: torch.Tensor, like_scale: torch.Tensor | None) -> None:
-        """Grow the row buffers to `capacity` tokens (keeping what is stored)."""
+    def ensure(self, batch: int, capacity: int, like_codes: torch.Tensor, like_scale: torch.Tensor | None,
+               fixed: int | None = None) -> None:
+        """Grow the row buffers to `capacity` tokens (keeping what is stored).
+
+        fixed: a preallocated store's capacity: the buffers get exactly that many rows at the first call
+        and are never reallocated (`capacity` beyond it is the caller's error to report)."""
         if self.codes is None:
-            self.codes = like_codes.new_zeros(batch, 0, like_codes.shape[-1])
+            rows = 0 if fixed is None else fixed
+            self.codes = like_codes.new_zeros(batch, rows, like_codes.shape[-1])
             if self.layout in ("row", "group") and like_scale is not None:
-                self.scale = like_scale.new_zeros(batch, 0, like_scale.shape[-1])
+                srows = rows if self.layout == "row" else math.ceil(rows / self.group)
+                self.scale = like_scale.new_zeros(batch, srows, like_scale.shape[-1])
+        if fixed is not None:
+            return
         if self.codes.shape[1] < capacity:
             self.codes = _grow(self.codes, capacity)
             if self.layout == "row":
@@ -130,12 +138,19 @@ class _Part:
             n += self.scale.numel() * self.scale.element_size()
         return n
 
-    def index_select(self, idx: torch.Tensor) -> None:
+    def index_select(self, idx: torch.Tensor, in_place: bool = False) -> None:
         if self.codes is None:
             return
-        self.codes = self.codes.index_select(0, idx.to(self.codes.device))
+        self.codes = _select_rows(self.codes, idx, in_place)
         if self.scale is not None and (self.layout != "shared" or self.scale.shape[0] > 1):
-            self.scale = self.scale.index_select(0, idx.to(self.scale.device))
+            self.scale = _select_rows(self.scale, idx, in_place)
+
+
+def _select_rows(t: torch.Tensor, idx: torch.Tensor, in_place: bool) -> torch.Tensor:
+    picked = t.index_select(0, idx.to(t.device))
+    if in_place and picked.shape == t.shape:  # a preallocated buffer keeps its memory (CUDA graphs read it)
+        return t.copy_(picked)
+    return picked
 
 
 def _grow(t: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -161,11 +176,23 @@ def _part_layout(config: KVQuantConfig, part: str) -> str:
 
 
 class DenseLatentStore:
-    """Ragged dense rows `[B, capacity, ...]` grown by doubling (the reference storage)."""
+    """Ragged dense rows `[B, capacity, ...]` grown by doubling (the reference storage).
 
-    def __init__(self, config: KVQuantConfig, kv_lora_rank: int, rope_dim: int, act_dtype: torch.dtype):
+    With `capacity` (a LatentCache's `max_cache_len`), rows are allocated once at the first append,
+    rounded up to the 64-token page, and never reallocated: appending beyond raises a ShapeError, and
+    `lengths` / the buffers are updated in place, so a captured CUDA graph keeps reading live state.
+    """
+
+    def __init__(self, config: KVQuantConfig, kv_lora_rank: int, rope_dim: int, act_dtype: torch.dtype,
+                 capacity: int | None = None):
         config.check_dims(kv_lora_rank, rope_dim)
+        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
+            raise ShapeError(f"max_cache_len must be a positive int, got {capacity!r}")
         self.config = config
+        # Preallocated stores: rows per request, a multiple of the 64-token page; allocated at the first
+        # append and never reallocated (lengths and buffers keep their memory: CUDA graphs read them).
+        self.capacity = None if capacity is None else math.ceil(capacity / _MIN_CAPACITY) * _MIN_CAPACITY
+        self._static: dict = {}  # cached index tensors / kernel views of the static append path
         self.r, self.d = kv_lora_rank, rope_dim
         self.act_dtype = act_dtype
         self.identity = config.is_identity
@@ -225,7 +252,117 @@ class DenseLatentStore:
             self._append_grouped(packed_l, packed_r, counts)
         else:
             self._write_rows(packed_l, packed_r, counts, self.lengths.clone())
-        self.lengths = self.lengths + counts
+        if self.capacity is None:
+            self.lengths = self.lengths + counts
+        else:
+            self.lengths.add_(counts)
+
+    def _check_capacity(self, need: int) -> None:
+        if self.capacity is not None and need > self.capacity:
+            raise ShapeError(
+                f"the cache would hold {need} tokens per request but it was preallocated for max_cache_len "
+                f"(capacity {self.capacity} rows); build the LatentCache with a larger max_cache_len"
+            )
+
+    # ------------------------------------------------------------------ static (graph-safe) path
+    @property
+    def is_static_capable(self) -> bool:
+        """True when `append_static` / `segments(static=True)` apply: preallocated, one fixed-shape segment."""
+        return self.capacity is not None and self.group is None
+
+    def static_reason(self) -> str | None:
+        """Why this store cannot run the fixed-shape (CUDA-graph) path; None when it can."""
+        if self.capacity is None:
+            return "the store is not preallocated (build the LatentCache with max_cache_len=N)"
+        if self.group is not None:
+            return (f"token_group={self.group} (KIVI residual window) keeps a second, raw segment whose rows move "
+                    f"every step; only fixed-capacity dense layouts can be captured")
+        if self.lengths is None or self.parts["nope"].codes is None:
+            return "the store is empty: append (prefill) at least once so its buffers exist before capture"
+        return None
+
+    def append_static(self, latent: torch.Tensor, rope: torch.Tensor) -> None:
+        """Store `latent [B,S,r]`, `rope [B,S,d]` (every token real) at rows lengths[b].., with no host sync.
+
+        Fixed shapes and in-place writes only (CUDA-graph capturable): the caller guarantees the store is
+        preallocated, holds B requests and has room (LatentLayer checks that on the host). On CUDA, kernel
+        layouts are written by the fused Triton quantize-append (bit-exact to `quantize_kv`, and free of the
+        host constants `quantize_kv` creates); elsewhere `quantize_kv` (without its finite check) and an
+        index_put at the device-side rows.
+        """
+        reason = self.static_reason()
+        if reason is not None:
+            raise ConfigError(f"append_static: {reason}")
+        B, S = latent.shape[:2]
+        if latent.shape != (B, S, self.r) or rope.shape != (B, S, self.d) or B != self.batch_size:
+            raise ShapeError(
+                f"append_static expects latent [B={self.batch_size}, S, {self.r}] and rope [B, S, {self.d}], got "
+                f"{tuple(latent.shape)} and {tuple(rope.shape)}"
+            )
+        rows = self.lengths.view(B, 1) + self._arange(S).view(1, S)  # [B, S] destination rows
+        paged = self._paged_view(latent, rope)
+        if paged is not None:
+            from ..kernels import quantize_append
+
+            slots = rows + self._arange(B).view(B, 1) * self.capacity
+            quantize_append(latent.contiguous(), rope.contiguous(), paged, slots, self.config, check_bounds=False)
+        else:
+            if self.identity:
+                q = self._quantize(latent, rope)
+            else:
+                frozen = {p: self._frozen_scale(p) for p in ("nope", "rope")}
+                q = quantize_kv(latent, rope, self.config, check_finite=False, nope_scale=frozen["nope"],
+                                rope_scale=frozen["rope"])
+            b_idx = self._arange(B).view(B, 1).expand(B, S)
+            for name, qt in (("nope", q.latent), ("rope", q.rope)):
+                part = self.parts[name]
+                part.codes[b_idx, rows] = qt.data
+                if part.layout == "row":
+                    part.scale[b_idx, rows] = qt.scale
+        self.lengths.add_(S)
+
+    def _arange(self, n: int) -> torch.Tensor:
+        key = ("arange", n)
+        t = self._static.get(key)
+        if t is None:
+            t = self._static[key] = torch.arange(n, device=self.lengths.device)
+        return t
+
+    def _paged_view(self, latent: torch.Tensor, rope: torch.Tensor):
+        """The store's buffers as a `PagedMLACache` for the fused append kernel, or None (use quantize_kv)."""
+        if self.lengths.device.type != "cuda":
+            return None
+        nope, rp = self.parts["nope"], self.parts["rope"]
+        key = ("paged", nope.codes.data_ptr(), rp.codes.data_ptr(),
+               None if nope.scale is None else nope.scale.data_ptr(), latent.dtype, rope.dtype)
+        if key in self._static:
+            return self._static[key]
+        view = None
+        try:
+            from ..kernels.backend import kernel_mismatch
+            from ..kernels.paged import PagedMLACache
+        except ImportError:  # no triton
+            self._static[key] = None
+            return None
+        kv = self.segments(static=True)[0].kv
+        if kernel_mismatch(kv, self.config) is None and nope.layout in ("none", "row") and all(
+                t is None or t.is_contiguous() for t in (nope.codes, nope.scale, rp.codes)):
+            B, cap = self.batch_size, self.capacity
+            pages = B * cap // _MIN_CAPACITY
+            scale = None
+            if nope.scale is not None:
+                scale = nope.scale.view(pages, _MIN_CAPACITY, nope.scale.shape[-1])
+                if scale.shape[-1] == 1:
+                    scale = scale.view(pages, _MIN_CAPACITY)
+            dev = self.lengths.device
+            view = PagedMLACache(
+                nope.codes.view(pages, _MIN_CAPACITY, self.r), scale, rp.codes.view(pages, _MIN_CAPACITY, self.d),
+                torch.zeros(B, 1, dtype=torch.int32, device=dev), torch.zeros(B, dtype=torch.int32, device=dev),
+                self.config,
+            )
+        self._static = {k: v for k, v in self._static.items() if k[0] != "paged"}
+        self._static[key] = view
+        return view
 
     def _quantize(self, latent: torch.Tensor, rope: torch.Tensor) -> QuantizedKV:
         if self.identity:  # the activations themselves, in the model's dtype (no rounding)
@@ -251,12 +388,13 @@ class DenseLatentStore:
             return
         q = self._quantize(latent, rope)
         need = int((start + counts).max())
+        self._check_capacity(need)
         keep = torch.arange(N, device=latent.device).view(1, N) < counts.view(B, 1)
         b_idx, k_idx = keep.nonzero(as_tuple=True)
         t_idx = start[b_idx] + k_idx
         for name, qt in (("nope", q.latent), ("rope", q.rope)):
             part = self.parts[name]
-            part.ensure(B, need, qt.data, qt.scale)
+            part.ensure(B, need, qt.data, qt.scale, self.capacity)
             part.codes[b_idx, t_idx] = qt.data[b_idx, k_idx]
             if part.layout == "row":
                 part.scale[b_idx, t_idx] = qt.scale[b_idx, k_idx]
@@ -311,6 +449,7 @@ class DenseLatentStore:
         # One quantize call on [B*F, G, w]: per_channel over exactly G tokens gives one scale per channel.
         q = self._quantize(latent.reshape(B * F, G, self.r), rope.reshape(B * F, G, self.d))
         need = int((start + counts).max())
+        self._check_capacity(need)
         keep = torch.arange(rows, device=latent.device).view(1, rows) < counts.view(B, 1)
         b_idx, k_idx = keep.nonzero(as_tuple=True)
         t_idx = start[b_idx] + k_idx
@@ -320,7 +459,7 @@ class DenseLatentStore:
         for name, qt in (("nope", q.latent), ("rope", q.rope)):
             part = self.parts[name]
             data = qt.data.reshape(B, rows, qt.data.shape[-1])
-            part.ensure(B, need, data, qt.scale)
+            part.ensure(B, need, data, qt.scale, self.capacity)
             part.codes[b_idx, t_idx] = data[b_idx, k_idx]
             if part.layout == "row":
                 scale = qt.scale.reshape(B, rows, qt.scale.shape[-1])
@@ -332,10 +471,22 @@ class DenseLatentStore:
                 part.scale = qt.scale.clone()  # frozen from the first complete groups
 
     # ------------------------------------------------------------------ views
-    def segments(self) -> list[Segment]:
-        """The stored tokens as QuantizedKV views for the decode backend (one, or two with KIVI)."""
+    def segments(self, static: bool = False) -> list[Segment]:
+        """The stored tokens as QuantizedKV views for the decode backend (one, or two with KIVI).
+
+        static: one fixed-shape view over the whole preallocated capacity (rows past `lengths[b]` are
+        masked by the backend through `lengths`); no host sync. Only for `static_reason() is None`.
+        """
         if self.lengths is None:
             raise ShapeError("the cache layer is empty: nothing has been appended yet")
+        if static:
+            reason = self.static_reason()
+            if reason is not None:
+                raise ConfigError(f"static segments: {reason}")
+            n = self.capacity
+            kv = QuantizedKV(self.parts["nope"].view(n), self.parts["rope"].view(n), self.config,
+                             rope_prescaled=self.config.rope_prescale and not self.identity)
+            return [Segment(kv, self.lengths, torch.zeros_like(self.lengths))]
         q_len = self.quantized_lengths()
         n_rows = int(q_len.max()) if q_len.numel() else 0
         zero = torch.zeros_like(self.lengths)
@@ -412,18 +563,34 @@ class DenseLatentStore:
                     f"cannot crop into a completed token group (token_group={self.group}): its raw values were "
                     f"replaced by int codes; crop is only possible within the residual window"
                 )
-        self.lengths = new_lengths
+        if self.capacity is None:
+            self.lengths = new_lengths
+        else:
+            self.lengths.copy_(new_lengths)
+
+    def rewind(self, n: int) -> None:
+        """Remove the last `n` stored tokens of every request, with no host sync (the caller knows each
+        request holds at least n: LatentLayer checks it on the host). In place for preallocated stores."""
+        if self.lengths is None or n == 0:
+            return
+        if self.group is not None:
+            raise ConfigError(f"rewind is not available with token_group={self.group}; use crop")
+        if self.capacity is None:
+            self.lengths = self.lengths - n
+        else:
+            self.lengths.sub_(n)
 
     def index_select(self, idx: torch.Tensor) -> None:
         """Rows of the new batch are rows idx of the old one (beam reorder, batch select, repeat)."""
         if self.lengths is None:
             return
         idx = idx.to(self.lengths.device).long()
+        fixed = self.capacity is not None
         for part in self.parts.values():
-            part.index_select(idx)
+            part.index_select(idx, in_place=fixed)
         if self.residual is not None:
             self.residual = tuple(t.index_select(0, idx) for t in self.residual)
-        self.lengths = self.lengths.index_select(0, idx)
+        self.lengths = _select_rows(self.lengths, idx, fixed)
 
 
 def _compact(latent: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor):

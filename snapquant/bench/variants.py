@@ -118,6 +118,10 @@ VARIANTS: tuple[Variant, ...] = (
     _v("snapmla+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3, p_div="rcp"),
     _v("snapmla+balanced+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3,
        schedule="balanced", p_div="rcp"),
+    _v("snapmla+pairs", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="pairs",
+       note="fp8 tile read as int16 code pairs (pipelined) and widened by integer ops"),
+    _v("snapmla+pairs+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3, tile="pairs",
+       p_div="rcp"),
     _v("snapmla+fp8qk", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, fp8_mma="qk",
        note="native FP8 QK MMA, exact fp16 PV"),
     # H * S < 64: 64-row tiles. Compile stats (sm_90): Triton pipelines the 8-bit tile only with wgmma

@@ -158,6 +158,43 @@ def _query_rows(
 
 
 @triton.jit
+def _online_softmax(x, m_i, AXIS: tl.constexpr, NATIVE: tl.constexpr):
+    """One page of the log2-domain online softmax, tokens along AXIS: (m_new, e, alpha). Rows with
+    nothing visible yet keep m = -inf (their e and alpha are then exp2(-inf) = 0)."""
+    m_new = tl.maximum(m_i, rmax(x, AXIS, NATIVE))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    e = tl.exp2(x - tl.expand_dims(m_ref, AXIS))
+    alpha = tl.exp2(m_i - m_ref)
+    return m_new, e, alpha
+
+
+@triton.jit
+def _page_weights(e, f, alpha, l_i, pi_i, pi_max, AXIS: tl.constexpr, P_FP8: tl.constexpr,
+                  P_RCP: tl.constexpr, NATIVE: tl.constexpr):
+    """P of one page (values exact in the PV operand type) and the running state it implies:
+    (p, rescale of the accumulator, l, pi, pi_max); f = e times the token scales, tokens along AXIS.
+    fp8_scale_fused: pi = max_j f / 448 (floored), P^ = e4m3(f / pi), rescale = beta = alpha pi_old / pi."""
+    if P_FP8:
+        f_max = rmax(f, AXIS, NATIVE)
+        pi_floor = tl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
+        pi_new = tl.where(f_max > 0, tl.maximum(tl.math.div_rn(f_max, E4M3_MAX), pi_floor), pi_i)
+        pi_max = tl.maximum(pi_max * alpha, pi_new)
+        if P_RCP:  # one correctly rounded reciprocal per row instead of a division per element
+            y = f * tl.expand_dims(tl.math.div_rn(pi_new * 0.0 + 1.0, pi_new), AXIS)
+        else:
+            y = tl.math.div_rn(f, tl.expand_dims(pi_new, AXIS))
+        p = round_e4m3(tl.clamp(y, -E4M3_MAX, E4M3_MAX), NATIVE)
+        rescale = tl.math.div_rn(alpha * pi_i, pi_new)
+        l_i = rescale * l_i + tl.math.div_rn(rsum(e, AXIS, NATIVE), pi_new)
+        pi_i = pi_new
+    else:
+        p = round_bf16(f, NATIVE)
+        rescale = alpha
+        l_i = alpha * l_i + rsum(e, AXIS, NATIVE)
+    return p, rescale, l_i, pi_i, pi_max
+
+
+@triton.jit
 def _attend(
     Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, chunk, sm_scale_log2,
     stride_qb, stride_qs, stride_qh,
@@ -226,11 +263,7 @@ def _attend(
         x = raw * coef[:, None]
         x = tl.where(pos[None, :] < limit[:, None], x, float("-inf"))
 
-        # online softmax (log2 domain); rows with nothing visible yet keep m = -inf, l = 0
-        m_new = tl.maximum(m_i, rmax(x, 1, NATIVE))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        e = tl.exp2(x - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
+        m_new, e, alpha = _online_softmax(x, m_i, 1, NATIVE)
 
         # V = this program's output chunk of the latent, with its token scale folded into P
         if NB == 1:
@@ -242,24 +275,8 @@ def _attend(
             f = e
         else:
             f = e * s_v[None, :]
-        if P_FP8:
-            f_max = rmax(f, 1, NATIVE)
-            pi_floor = tl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
-            pi_new = tl.where(f_max > 0, tl.maximum(tl.math.div_rn(f_max, E4M3_MAX), pi_floor), pi_i)
-            pi_max = tl.maximum(pi_max * alpha, pi_new)
-            if P_RCP:  # one correctly rounded reciprocal per row instead of a division per element
-                y = f * tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), pi_new)[:, None]
-            else:
-                y = tl.math.div_rn(f, pi_new[:, None])
-            p_hat = round_e4m3(tl.clamp(y, -E4M3_MAX, E4M3_MAX), NATIVE)
-            beta = tl.math.div_rn(alpha * pi_i, pi_new)
-            acc = mma(operand(p_hat, PV_KIND), operand(v, PV_KIND), acc * beta[:, None], PV_KIND)
-            l_i = beta * l_i + tl.math.div_rn(rsum(e, 1, NATIVE), pi_new)
-            pi_i = pi_new
-        else:
-            p16 = round_bf16(f, NATIVE)
-            acc = mma(operand(p16, PV_KIND), operand(v, PV_KIND), acc * alpha[:, None], PV_KIND)
-            l_i = alpha * l_i + rsum(e, 1, NATIVE)
+        p, rescale, l_i, pi_i, pi_max = _page_weights(e, f, alpha, l_i, pi_i, pi_max, 1, P_FP8, P_RCP, NATIVE)
+        acc = mma(operand(p, PV_KIND), operand(v, PV_KIND), acc * rescale[:, None], PV_KIND)
         m_i = m_new
     return acc, m_i, l_i, pi_i
 
@@ -317,35 +334,143 @@ def _attend_tokens(
         x = raw * coef[None, :]
         x = tl.where(pos[:, None] < limit[None, :], x, float("-inf"))
 
-        m_new = tl.maximum(m_i, rmax(x, 0, NATIVE))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        e = tl.exp2(x - m_ref[None, :])
-        alpha = tl.exp2(m_i - m_ref)
+        m_new, e, alpha = _online_softmax(x, m_i, 0, NATIVE)
         if LAYOUT == 0:
             f = e
         else:
             f = e * s_v[:, None]
         v_t = tl.trans(operand(c, PV_KIND))  # [R, PAGE]: the same latent tile
-        if P_FP8:
-            f_max = rmax(f, 0, NATIVE)
-            pi_floor = tl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
-            pi_new = tl.where(f_max > 0, tl.maximum(tl.math.div_rn(f_max, E4M3_MAX), pi_floor), pi_i)
-            pi_max = tl.maximum(pi_max * alpha, pi_new)
-            if P_RCP:
-                y = f * tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), pi_new)[None, :]
-            else:
-                y = tl.math.div_rn(f, pi_new[None, :])
-            p_hat = round_e4m3(tl.clamp(y, -E4M3_MAX, E4M3_MAX), NATIVE)
-            beta = tl.math.div_rn(alpha * pi_i, pi_new)
-            acc_t = mma(v_t, operand(p_hat, PV_KIND), acc_t * beta[None, :], PV_KIND)
-            l_i = beta * l_i + tl.math.div_rn(rsum(e, 0, NATIVE), pi_new)
-            pi_i = pi_new
-        else:
-            p16 = round_bf16(f, NATIVE)
-            acc_t = mma(v_t, operand(p16, PV_KIND), acc_t * alpha[None, :], PV_KIND)
-            l_i = alpha * l_i + rsum(e, 0, NATIVE)
+        p, rescale, l_i, pi_i, pi_max = _page_weights(e, f, alpha, l_i, pi_i, pi_max, 0, P_FP8, P_RCP, NATIVE)
+        acc_t = mma(v_t, operand(p, PV_KIND), acc_t * rescale[None, :], PV_KIND)
         m_i = m_new
     return tl.trans(acc_t), m_i, l_i, pi_i
+
+
+@triton.jit
+def _e4m3_pairs_to_f16(c2, NATIVE: tl.constexpr):
+    """int16 holding two e4m3 codes (channel 2k in the low byte, 2k + 1 in the high byte) -> the two
+    channels' exact values: fp16 on a GPU, fp32 in the interpreter.
+
+    GPU: one `cvt.rn.f16x2.e4m3x2` per pair (exact: fp16 has e4m3's values), written as
+    non-pure inline asm on purpose: Triton may then not rematerialize the conversion in each
+    product's operand layout (it does for pure ops, doubling the work); the fp16 tile is converted
+    once and shared by QK and PV. Interpreter: integer bit moves (fp16 bits of c / 256: sign and
+    the 7 magnitude bits shift into place, the bias difference 15 - 7 = 8 is the 2^-8), times 256."""
+    if NATIVE:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+            "=h,=h,h", [c2], dtype=(tl.float16, tl.float16), is_pure=False, pack=1)
+        return lo, hi
+    else:
+        u = c2.to(tl.int32) & 0xFFFF
+        lo = (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = ((u & 0x8000) | ((u & 0x7F00) >> 1)).to(tl.int16).to(tl.float16, bitcast=True)
+        return lo.to(tl.float32) * 256.0, hi.to(tl.float32) * 256.0
+
+
+@triton.jit
+def _attend_pairs(
+    Q, LAT16, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, sm_scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_bt,
+    H, S: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+    Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, NATIVE: tl.constexpr,
+    KIND: tl.constexpr, R_KIND: tl.constexpr, P_RCP: tl.constexpr,
+):
+    """`_attend` for the snapmla layout with fp8 query and fp8 P (fp8_load="pairs"): the latent tile
+    is loaded as int16 pairs of e4m3 codes, a 16-bit tile that Triton software-pipelines (it does
+    not pipeline an 8-bit tile at BLOCK_M = 16, docs/perf-notes.md), and widened by integer ops to
+    fp16 values c / 256. Even and odd channels become two halves of each product: QK sums two
+    K = R / 2 MMAs, PV keeps two [BLOCK_M, R / 2] accumulators, interleaved back at the end.
+    Same arithmetic as `_attend` (exact products, fp32 accumulation; the 2^-8 factors are exact):
+    scores are multiplied back by 256 before the RoPE part is added, the output at the end."""
+    HALF: tl.constexpr = R // 2
+    b64 = tl.cast(b, tl.int64)
+    offs_d = tl.arange(0, D)
+    offs_h = tl.arange(0, HALF)
+    _, _, limit, q_full, sigma, q_rope = _query_rows(
+        Q, b64, rows, length, stride_qb, stride_qs, stride_qh, H, S, R, D, Q_FP8, Q_BITS16, CAUSAL,
+        BLOCK_M, NATIVE)
+    q_rope = operand(q_rope, R_KIND)
+    q_even, q_odd = tl.split(tl.reshape(_quantize_q(q_full, sigma, Q_FP8, NATIVE), [BLOCK_M, HALF, 2]))
+    q_even = operand(q_even, KIND)
+    q_odd = operand(q_odd, KIND)
+    coef = sm_scale_log2 * sigma
+
+    offs_n = tl.arange(0, PAGE)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    pi_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    pi_max = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc_even = tl.full([BLOCK_M, HALF], 0.0, tl.float32)
+    acc_odd = tl.full([BLOCK_M, HALF], 0.0, tl.float32)
+    zero_qk = tl.full([BLOCK_M, PAGE], 0.0, tl.float32)
+
+    for p in range(p_lo, p_hi):
+        page = tl.load(BT + b64 * stride_bt + p).to(tl.int64)
+        pos = p * PAGE + offs_n
+        tok_ok = pos < length
+        c2 = tl.load(LAT16 + page * stride_lp + offs_n[:, None] * stride_lt + offs_h[None, :],
+                     mask=tok_ok[:, None], other=0)
+        c_even, c_odd = _e4m3_pairs_to_f16(c2, NATIVE)
+        c_even = operand(c_even, KIND)
+        c_odd = operand(c_odd, KIND)
+        qk = mma(q_even, tl.trans(c_even), zero_qk, KIND)
+        qk = mma(q_odd, tl.trans(c_odd), qk, KIND)
+        s_v = tl.load(SCALE + page * stride_sp + offs_n * stride_st, mask=tok_ok, other=0.0)
+        r_bits = tl.load(ROPE + page * stride_rp + offs_n[:, None] * stride_rt + offs_d[None, :],
+                         mask=tok_ok[:, None], other=0)
+        rope_dot = mma(q_rope, tl.trans(operand(bits16(r_bits, NATIVE), R_KIND)), zero_qk, R_KIND)
+        x = (s_v[None, :] * (qk + rope_dot)) * coef[:, None]
+        x = tl.where(pos[None, :] < limit[:, None], x, float("-inf"))
+        m_new, e, alpha = _online_softmax(x, m_i, 1, NATIVE)
+        f = e * s_v[None, :]
+        p_w, rescale, l_i, pi_i, pi_max = _page_weights(e, f, alpha, l_i, pi_i, pi_max, 1, P_FP8, P_RCP, NATIVE)
+        p_op = operand(p_w, KIND)
+        acc_even = mma(p_op, c_even, acc_even * rescale[:, None], KIND)
+        acc_odd = mma(p_op, c_odd, acc_odd * rescale[:, None], KIND)
+        m_i = m_new
+    acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_M, R])
+    return acc, m_i, l_i, pi_i
+
+
+@triton.jit
+def _attend_run(
+    Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, chunk, sm_scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+    H, S: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+    LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, NATIVE: tl.constexpr,
+    QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr, P_RCP: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """One run of pages of request b with the tile formulation TILE (0 rows, 1 tokens, 2 pairs)."""
+    if TILE == 1:
+        return _attend_tokens(
+            Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, sm_scale_log2,
+            stride_qb, stride_qs, stride_qh,
+            stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_bt,
+            H, S, R, D, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+            QK_KIND, PV_KIND, R_KIND, P_RCP,
+        )
+    elif TILE == 2:
+        return _attend_pairs(
+            Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, sm_scale_log2,
+            stride_qb, stride_qs, stride_qh,
+            stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_bt,
+            H, S, R, D, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+            QK_KIND, R_KIND, P_RCP,
+        )
+    else:
+        return _attend(
+            Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, chunk, sm_scale_log2,
+            stride_qb, stride_qs, stride_qh,
+            stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+            H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+            QK_KIND, PV_KIND, R_KIND, P_RCP,
+        )
 
 
 @triton.jit
@@ -369,7 +494,7 @@ def _mla_decode_stage1(
     LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
     NATIVE: tl.constexpr, QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr,
-    P_RCP: tl.constexpr, TOKENS_M: tl.constexpr, LSE_NATURAL: tl.constexpr,
+    P_RCP: tl.constexpr, TILE: tl.constexpr, LSE_NATURAL: tl.constexpr,
 ):
     """Uniform schedule: program (b, row tile, split * NB + chunk) owns split `split` of request b."""
     BW: tl.constexpr = R // NB
@@ -382,22 +507,13 @@ def _mla_decode_stage1(
     per_split = (n_pages + NSPLIT - 1) // NSPLIT
     p_lo = split * per_split
     p_hi = tl.minimum(p_lo + per_split, n_pages)
-    if TOKENS_M:
-        acc, m_i, l_i, pi_i = _attend_tokens(
-            Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, sm_scale_log2,
-            stride_qb, stride_qs, stride_qh,
-            stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_bt,
-            H, S, R, D, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
-            QK_KIND, PV_KIND, R_KIND, P_RCP,
-        )
-    else:
-        acc, m_i, l_i, pi_i = _attend(
-            Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, chunk, sm_scale_log2,
-            stride_qb, stride_qs, stride_qh,
-            stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
-            H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
-            QK_KIND, PV_KIND, R_KIND, P_RCP,
-        )
+    acc, m_i, l_i, pi_i = _attend_run(
+        Q, LAT, ROPE, SCALE, BT, b, rows, length, p_lo, p_hi, chunk, sm_scale_log2,
+        stride_qb, stride_qs, stride_qh,
+        stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+        H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+        QK_KIND, PV_KIND, R_KIND, P_RCP, TILE,
+    )
     out, lse = _finish(acc, m_i, l_i, pi_i)
     if LSE_NATURAL:
         lse = lse * LN2
@@ -459,7 +575,7 @@ def _mla_decode_balanced(
     LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
     NATIVE: tl.constexpr, QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr,
-    P_RCP: tl.constexpr, TOKENS_M: tl.constexpr,
+    P_RCP: tl.constexpr, TILE: tl.constexpr,
 ):
     """Balanced schedule: program (part, row tile, chunk) owns pages [lo, hi) of the batch's page
     sequence, which may cover the end of one request and the start of the next ones."""
@@ -479,22 +595,13 @@ def _mla_decode_balanced(
         s_hi = tl.minimum(hi - start, n)
         if s_lo < s_hi:
             length = tl.load(LENS + b)
-            if TOKENS_M:
-                acc, m_i, l_i, pi_i = _attend_tokens(
-                    Q, LAT, ROPE, SCALE, BT, b, rows, length, s_lo, s_hi, sm_scale_log2,
-                    stride_qb, stride_qs, stride_qh,
-                    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_bt,
-                    H, S, R, D, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
-                    QK_KIND, PV_KIND, R_KIND, P_RCP,
-                )
-            else:
-                acc, m_i, l_i, pi_i = _attend(
-                    Q, LAT, ROPE, SCALE, BT, b, rows, length, s_lo, s_hi, chunk, sm_scale_log2,
-                    stride_qb, stride_qs, stride_qh,
-                    stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
-                    H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
-                    QK_KIND, PV_KIND, R_KIND, P_RCP,
-                )
+            acc, m_i, l_i, pi_i = _attend_run(
+                Q, LAT, ROPE, SCALE, BT, b, rows, length, s_lo, s_hi, chunk, sm_scale_log2,
+                stride_qb, stride_qs, stride_qh,
+                stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
+                H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
+                QK_KIND, PV_KIND, R_KIND, P_RCP, TILE,
+            )
             out, lse = _finish(acc, m_i, l_i, pi_i)
             b64 = tl.cast(b, tl.int64)
             if (s_lo == 0) & (s_hi == n):  # the whole request: final output, natural-log LSE

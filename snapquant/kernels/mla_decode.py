@@ -41,7 +41,8 @@ _LAYOUT_ID = {"bf16": 0, "snapmla": 1, "ds_v32": 2}
 LOG2E = math.log2(math.e)
 SCHEDULES = ("uniform", "balanced")
 P_DIVS = ("exact", "rcp")
-TILES = ("rows", "tokens")
+TILES = ("rows", "tokens", "pairs")
+_TILE_ID = {"rows": 0, "tokens": 1, "pairs": 2}
 # fp8_mma value -> (native FP8 MMA for QK, for PV)
 _FP8_MMA = {False: (False, False), True: (True, True), "none": (False, False), "qk": (True, False),
             "pv": (False, True), "both": (True, True)}
@@ -240,6 +241,10 @@ def plan_decode(
         raise unknown_choice("tile", tile, TILES)
     if tile == "tokens" and nb != 1:
         raise ConfigError(f"tile='tokens' needs one scale per token; the {ops.layout} layout has {nb} scale blocks")
+    if tile == "pairs" and (ops.layout != "snapmla" or config.query != "fp8_e4m3" or config.pv != "fp8_scale_fused"
+                            or fp8_mma not in (False, "none")):
+        raise ConfigError(f"tile='pairs' runs the snapmla layout with an fp8 query, fp8 P and exact fp16 MMAs; got the "
+                          f"{ops.layout} layout, query={config.query!r}, pv={config.pv!r}, fp8_mma={fp8_mma!r}")
     if not isinstance(fp8_mma, (bool, str)) or fp8_mma not in _FP8_MMA:
         raise unknown_choice("fp8_mma", fp8_mma, [str(k) for k in _FP8_MMA])
     native = (not interpreting(dev)) if native is None else bool(native)
@@ -283,11 +288,16 @@ def plan_decode(
         S=S, R=r, D=d, NB=nb, LAYOUT=_LAYOUT_ID[ops.layout], Q_FP8=q_fp8, P_FP8=p_fp8,
         Q_BITS16=q.dtype == torch.bfloat16, CAUSAL=bool(causal), BLOCK_M=block_m, PAGE=PAGE_SIZE,
         NATIVE=native, QK_KIND=qk_kind, PV_KIND=pv_kind, R_KIND=r_kind, P_RCP=p_div == "rcp",
-        TOKENS_M=tile == "tokens", **launch,
+        TILE=_TILE_ID[tile], **launch,
     )
+    lat_arg, lat_strides = ops.latent, ops.lat_strides
+    if tile == "pairs":  # the same bytes as int16 pairs of codes; strides in int16 units
+        if any(st % 2 for st in lat_strides) or r % 2:
+            raise ShapeError(f"tile='pairs' needs even latent strides, got {lat_strides} (kv_lora_rank {r})")
+        lat_arg, lat_strides = ops.latent.view(torch.int16), tuple(st // 2 for st in lat_strides)
     cache_args = (
         q.stride(0), q.stride(1), q.stride(2),
-        *ops.lat_strides, *ops.rope_strides, *ops.scale_strides, ops.block_table.stride(0),
+        *lat_strides, *ops.rope_strides, *ops.scale_strides, ops.block_table.stride(0),
     )
     out = torch.empty(B, S, H, r, dtype=torch.float32, device=dev)
     lse = torch.empty(B, S, H, dtype=torch.float32, device=dev)
@@ -304,7 +314,7 @@ def plan_decode(
             KernelLaunch("balanced_metadata", _balanced_metadata, (1,), (ops.lengths, cum, B),
                          dict(PAGE=PAGE_SIZE, BLOCK_B=triton.next_power_of_2(B), **small)),
             KernelLaunch("decode_balanced", _mla_decode_balanced, (num_splits, m_blocks, nb), (
-                q_arg, ops.latent, ops.rope, ops.scale, ops.block_table, ops.lengths, cum, out_v, lse_v,
+                q_arg, lat_arg, ops.rope, ops.scale, ops.block_table, ops.lengths, cum, out_v, lse_v,
                 o_part, lse_part, float(softmax_scale) * LOG2E, *cache_args,
                 out_v.stride(0), out_v.stride(1), lse_v.stride(0),
                 o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
@@ -324,7 +334,7 @@ def plan_decode(
         o_part = torch.empty(B, rows, num_splits, r, dtype=torch.float32, device=dev)
         lse_part = torch.empty(B, rows, num_splits, nb, dtype=torch.float32, device=dev)
     plan.launches.append(KernelLaunch("decode_uniform", _mla_decode_stage1, (B, m_blocks, num_splits * nb), (
-        q_arg, ops.latent, ops.rope, ops.scale, ops.block_table, ops.lengths, o_part, lse_part,
+        q_arg, lat_arg, ops.rope, ops.scale, ops.block_table, ops.lengths, o_part, lse_part,
         float(softmax_scale) * LOG2E, *cache_args,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), H, num_splits,
