@@ -44,7 +44,8 @@ class LatentLayer(CacheLayerMixin):
         # [B, seen] bool: HF positions that hold a stored token, kept as a materialized prefix plus a count
         # of trailing positions stored for every request (the graph-safe decode step only bumps the count).
         self._stored: torch.Tensor | None = None
-        self._stored_tail = 0
+        self._stored_pending = 0  # trailing positions, all stored, not yet materialized into _stored
+        self._full_tail = 0  # trailing positions known to be stored for every request (rewind needs no sync)
         self.indexer_keys: torch.Tensor | None = None  # DSA indexer keys [B, seen, D], unquantized as in HF
         self.indexer_position_ids = None
         self.is_indexer_initialized = False
@@ -55,16 +56,16 @@ class LatentLayer(CacheLayerMixin):
     @property
     def stored(self) -> torch.Tensor | None:
         """`[B, seen]` bool: HF positions that hold a stored token."""
-        if self._stored_tail and self._stored is not None:
+        if self._stored_pending and self._stored is not None:
             B = self._stored.shape[0]
-            tail = torch.ones(B, self._stored_tail, dtype=torch.bool, device=self._stored.device)
+            tail = torch.ones(B, self._stored_pending, dtype=torch.bool, device=self._stored.device)
             self._stored = torch.cat([self._stored, tail], dim=1)
-            self._stored_tail = 0
+            self._stored_pending = 0
         return self._stored
 
     @stored.setter
     def stored(self, value: torch.Tensor | None) -> None:
-        self._stored, self._stored_tail = value, 0
+        self._stored, self._stored_pending = value, 0
 
     @property
     def batch_size(self) -> int:
@@ -100,8 +101,10 @@ class LatentLayer(CacheLayerMixin):
         self._check_room(S)
         self.store.append(latent, rope, valid)
         valid = valid.to(latent.device, torch.bool)
+        all_valid = valid is None
         self.stored = valid.clone() if self.stored is None else torch.cat([self.stored, valid], dim=1)
         self.seen += S
+        self._full_tail = self._full_tail + S if all_valid else 0
 
     def append_static(self, latent: torch.Tensor, rope: torch.Tensor) -> None:
         """Graph-safe append of `latent [B,S,r]`, `rope [B,S,d]`, every token real, with no host sync.
@@ -118,21 +121,34 @@ class LatentLayer(CacheLayerMixin):
         self.advance(S)
 
     def advance(self, n: int) -> None:
-        """Host bookkeeping of `n` positions stored for every request (a replayed decode step's append)."""
+        """Host bookkeeping of `n` positions stored for every request (a replayed decode step's append);
+        negative n undoes it (a captured step, whose device work was only recorded)."""
         self.seen += n
-        self._stored_tail += n
+        self._full_tail += n
+        if n >= 0:
+            self._stored_pending += n
+        else:
+            self._drop_positions(-n)
+
+    def _drop_positions(self, n: int) -> None:
+        if n <= self._stored_pending:
+            self._stored_pending -= n
+        else:
+            stored = self.stored
+            self._stored = stored[:, : stored.shape[1] - n]
 
     def rewind(self, n: int) -> None:
         """Remove the last `n` positions. With no host sync when they were all real tokens of every request
         (e.g. decode steps); otherwise the same as `crop(-n)` (which reads the stored mask)."""
         if n <= 0 or self.store is None:
             return
-        if n > self._stored_tail or self.config.token_group is not None:
+        if n > self._full_tail or self.config.token_group is not None:
             self.crop(-n)
             return
         self.store.rewind(n)
         self.seen -= n
-        self._stored_tail -= n
+        self._full_tail -= n
+        self._drop_positions(n)
         if self.indexer_keys is not None:
             self.indexer_keys = self.indexer_keys[:, : self.seen]
 
@@ -205,6 +221,7 @@ class LatentLayer(CacheLayerMixin):
         if keep >= self.seen or self.store is None:
             return
         keep = max(keep, 0)
+        self._full_tail = max(0, self._full_tail - (self.seen - keep))
         self.stored = self.stored[:, :keep]
         self.store.truncate(self.stored.sum(dim=1))
         self.seen = keep
@@ -238,7 +255,8 @@ class LatentLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.store = None
-        self.stored = None  # (also clears the tail count)
+        self.stored = None  # (also clears the pending count)
+        self._full_tail = 0
         self.seen = 0
         self.indexer_keys = None
         self.is_indexer_initialized = False

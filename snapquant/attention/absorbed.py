@@ -1,6 +1,7 @@
 """Absorbed MLA attention over a `LatentStore`, through a decode backend (numerics.md, "MLA in one paragraph").
 
-    q_abs[h] = [W_UK[h]^T q_nope[h] | q_rope[h]]        (fp32; the backend applies the config's query format)
+    q_abs[h] = [W_UK[h]^T q_nope[h] | q_rope[h]]        (fp32 products and sums of the stored weights;
+                                                         the backend applies the config's query format)
     (o, lse) = backend(q_abs, cache segment, lengths)   (latent-space output, natural-log LSE)
     out[h]   = W_UV[h] o[h]
 
@@ -55,8 +56,9 @@ def absorbed_attention(
     """
     B, H, S, _ = query.shape
     dn = w_uk.shape[1]
-    q = query.transpose(1, 2).float()  # [B, S, H, dn + dr]
-    q_abs = absorb_query(q[..., :dn], q[..., dn:], w_uk.float())  # [B, S, H, r + dr]
+    q = query.transpose(1, 2)  # [B, S, H, dn + dr]
+    # fp32 products of the weights as stored (no per-step fp32 copy of W_UK / W_UV where torch can).
+    q_abs = absorb_query(q[..., :dn], q[..., dn:], w_uk, fp32=True)  # [B, S, H, r + dr] fp32
     if visibility is None and len(segments) == 1:
         out, lse = _standard(q_abs, segments[0], positions, softmax_scale, config, backend, round_16bit)
     else:
@@ -67,7 +69,7 @@ def absorbed_attention(
         sink = sinks.to(device=lse.device, dtype=torch.float32).view(1, 1, H)
         out = out * torch.sigmoid(lse - sink).nan_to_num(0.0)[..., None]
     out = out.masked_fill((positions < 0).view(B, S, 1, 1), 0.0)
-    return project_output(out, w_uv.float()).to(query.dtype)
+    return project_output(out, w_uv, fp32=True).to(query.dtype)
 
 
 def _standard(q_abs, seg: Segment, positions, tau, config, backend, round_16bit):

@@ -13,8 +13,11 @@ by sweeps).
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -90,3 +93,52 @@ def resolve_backend(name: str, config: KVQuantConfig, device: torch.device) -> B
             f"to the reference for it"
         )
     return triton
+
+
+# ---------------------------------------------------------------------------------------------- static path
+_TRUST = threading.local()
+
+
+@contextmanager
+def trusted_lengths() -> Iterator[None]:
+    """Within this block, backends skip value checks of `lengths` that need a host read (a device sync).
+
+    Used by the fixed-shape decode step (snapquant.graphs.DecodeGraph), whose lengths come from the
+    cache's own device counters and are bounded on the host by max_cache_len."""
+    depth = getattr(_TRUST, "depth", 0)
+    _TRUST.depth = depth + 1
+    try:
+        yield
+    finally:
+        _TRUST.depth = depth
+
+
+def lengths_trusted() -> bool:
+    """True inside `trusted_lengths()` or while the current CUDA stream is being captured into a graph."""
+    if getattr(_TRUST, "depth", 0):
+        return True
+    return stream_capturing()
+
+
+def stream_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def static_backend(backend: Backend) -> Callable:
+    """`backend.fn` as the fixed-shape decode step calls it: lengths trusted (no host-read checks).
+
+    The reference backend validates lengths with a host read it has no switch for; it is never captured
+    (DecodeGraph captures only the Triton backend: the reference also creates host constants per call),
+    so that one read is allowed by `snapquant.graphs.no_host_sync` by name."""
+
+    @functools.wraps(backend.fn)
+    def call(*args, **kwargs):
+        with trusted_lengths():
+            if backend.name == "reference":
+                from ..graphs import allow_host_sync
+
+                with allow_host_sync("mla_decode_reference's lengths check (the reference is never captured)"):
+                    return backend.fn(*args, **kwargs)
+            return backend.fn(*args, **kwargs)
+
+    return call

@@ -292,14 +292,15 @@ def measure_decode(v: Variant, data: ShapeData, timer: Any, num_sms: int,
 
 
 # ------------------------------------------------------------------------------------------ append
-APPEND_VARIANTS: tuple[tuple[str, str, int], ...] = (  # (name, layout, tokens_per_program)
-    ("append_snapmla", "snapmla", 1), ("append_snapmla+t4", "snapmla", 4), ("append_snapmla+t8", "snapmla", 8),
-    ("append_snapmla+t16", "snapmla", 16), ("append_ds_v32", "ds_v32", 1), ("append_ds_v32+t8", "ds_v32", 8),
-    ("append_bf16", "bf16", 1), ("append_bf16+t8", "bf16", 8),
+# (name, layout, tokens_per_program); None = quantize_append's default (8 for a 64K-token append)
+APPEND_VARIANTS: tuple[tuple[str, str, int | None], ...] = (
+    ("append_snapmla", "snapmla", None), ("append_snapmla+t1", "snapmla", 1), ("append_snapmla+t4", "snapmla", 4),
+    ("append_snapmla+t16", "snapmla", 16), ("append_ds_v32", "ds_v32", None), ("append_ds_v32+t1", "ds_v32", 1),
+    ("append_bf16", "bf16", None), ("append_bf16+t1", "bf16", 1),
 )
 
 
-def measure_append(name: str, layout: str, tpp: int, tokens: int, timer: Any, device: torch.device, *,
+def measure_append(name: str, layout: str, tpp: int | None, tokens: int, timer: Any, device: torch.device, *,
                    r: int = acc.R, d: int = acc.D, seed: int = 1, rotate_factor: float = 4.0,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """Quantize-and-append of `tokens` bf16 tokens into a fresh cache; bits checked against the
@@ -309,7 +310,7 @@ def measure_append(name: str, layout: str, tpp: int, tokens: int, timer: Any, de
     cfg = LAYOUT_CONFIG[layout]
     row: dict[str, Any] = {"op": "append", "shape": f"append{tokens}", "label": f"append {tokens} tokens",
                            "tokens": tokens, "variant": name, "family": "bf16" if layout == "bf16" else "fp8",
-                           "layout": layout, "impl": "kernel", "knobs": f"tokens_per_program={tpp}",
+                           "layout": layout, "impl": "kernel", "knobs": f"tokens_per_program={tpp or 'default'}",
                            "status": "ok", "error": ""}
     t0 = time.perf_counter()
     try:
@@ -331,7 +332,7 @@ def measure_append(name: str, layout: str, tpp: int, tokens: int, timer: Any, de
         fns[0]()
         if tpp != 1:  # same bits as the validated kernel
             ref = PagedMLACache.empty(1, tokens, r, d, cfg, device=device)
-            quantize_append(sets[0][0], sets[0][1], ref, slots, check_bounds=False)
+            quantize_append(sets[0][0], sets[0][1], ref, slots, check_bounds=False, tokens_per_program=1)
             got = sets[0][2]
             same = all(torch.equal(_bits(a), _bits(b)) for a, b in
                        ((ref.latent, got.latent), (ref.rope, got.rope)) + (((ref.scale, got.scale),) if ref.scale is not None else ()))

@@ -122,6 +122,10 @@ VARIANTS: tuple[Variant, ...] = (
        note="fp8 tile read as int16 code pairs (pipelined) and widened by integer ops"),
     _v("snapmla+pairs+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3, tile="pairs",
        p_div="rcp"),
+    _v("snapmla+pairs+balanced", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="pairs",
+       schedule="balanced"),
+    _v("snapmla+pairs+balanced+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3, tile="pairs",
+       schedule="balanced", p_div="rcp"),
     _v("snapmla+fp8qk", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, fp8_mma="qk",
        note="native FP8 QK MMA, exact fp16 PV"),
     # H * S < 64: 64-row tiles. Compile stats (sm_90): Triton pipelines the 8-bit tile only with wgmma
@@ -166,6 +170,12 @@ VARIANTS: tuple[Variant, ...] = (
     _v("snapmla+s3", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_stages=3),
     _v("snapmla+fp8mma", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", tol=1e-2, where="headline",
        fp8_mma=True, note="native FP8 MMA for QK and PV (PV needs an 8-bit transpose)"),
+    _v("snapmla+pairs+s3", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", tile="pairs",
+       num_stages=3),
+    _v("snapmla+pairs+w4", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", tile="pairs",
+       num_warps=4),
+    _v("snapmla+pairs+splits8", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline",
+       tile="pairs", num_splits=8),
     _v("snapmla_kv_only+splits8", "fp8", "snapmla", priority=2, check="snapmla_kv_only", where="headline",
        num_splits=8),
 )

@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from ..attention.backends import lengths_trusted
 from ..config import KVQuantConfig
 from ..errors import ShapeError
 from ..quant.quantizer import QuantizedKV
@@ -84,7 +85,8 @@ def kernel_mismatch(kv: QuantizedKV, config: KVQuantConfig, round_16bit: bool = 
 def operands_from_kv(kv: QuantizedKV, lengths: torch.Tensor | None, config: KVQuantConfig) -> KernelOperands:
     """Zero-copy kernel operands over `kv`'s rows (copies only when the three tensors' strides disagree).
 
-    Checks lengths against T (one device sync, as the reference does)."""
+    Checks lengths against T (one device sync, as the reference does), except inside
+    `snapquant.attention.backends.trusted_lengths()` or while a CUDA graph is being captured."""
     layout = layout_of(config)
     latent, rope = kv.latent.data, kv.rope.data
     scale = kv.latent.scale
@@ -110,8 +112,9 @@ def operands_from_kv(kv: QuantizedKV, lengths: torch.Tensor | None, config: KVQu
         lens = torch.as_tensor(lengths, device=dev)
         if lens.shape != (B,):
             raise ShapeError(f"lengths must have shape [B={B}], got {tuple(lens.shape)}")
-        raise_on_flags(((lens < 0) | (lens > T)).any()[None],
-                       [f"lengths must lie in [0, {T}] (the cache holds {T} tokens)"])
+        if not lengths_trusted():  # a host read; skipped by the fixed-shape decode step and in graph capture
+            raise_on_flags(((lens < 0) | (lens > T)).any()[None],
+                           [f"lengths must lie in [0, {T}] (the cache holds {T} tokens)"])
         lens = lens.to(torch.int32).contiguous()
     st_l, st_r = latent.stride(1), rope.stride(1)
     if scale is None:

@@ -11,7 +11,8 @@ the reference's.
 `tokens_per_program` > 1 runs `_quantize_append_tokens` instead: one program quantizes a block of
 tokens as a [tokens x scale blocks, block width] tile (fewer, larger programs for big appends such as
 a 64K-token prefill). Every token is still quantized on its own with the same operations, so the
-stored bits are the same; the default (1) keeps the kernel that was validated on the H200.
+stored bits are the same (checked on the H200 by scripts/bench_decode.py). Large appends use it by
+default (results/bench/decode_h200.md: 3.1 TB/s with 8 tokens per program vs 1.9 TB/s with 1).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from ._launch import for_device, interpreting
 from ._tl import BF16_MAX, E4M3_MAX, bf16_bits_to_f32, rmax, scale_rule, store_bf16_bits, store_e4m3
 from .layouts import PAGE_SIZE, layout_of
 from .paged import PagedMLACache
+
+BIG_APPEND = 4096  # tokens; from here on the default is 8 tokens per program
 
 _LAYOUT_ID = {"bf16": 0, "snapmla": 1, "ds_v32": 2}
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -133,7 +136,7 @@ def quantize_append(
     config: KVQuantConfig | None = None,
     *,
     check_bounds: bool = True,
-    tokens_per_program: int = 1,
+    tokens_per_program: int | None = None,
     num_warps: int | None = None,
 ) -> None:
     """Quantize new tokens and write them into `paged_cache` at `slot_mapping` (in place).
@@ -145,7 +148,9 @@ def quantize_append(
         slot_mapping: `[...]` int32/int64 slots (page * 64 + row); negative entries are skipped.
         config: must match the cache's storage (default: the cache's config).
         check_bounds: verify every slot lies inside the page pool (one device sync).
-        tokens_per_program: tokens one program quantizes (a power of two; 1 = the validated kernel).
+        tokens_per_program: tokens one program quantizes (a power of two). Default: 8 for appends of
+            at least `BIG_APPEND` tokens (H200, 64K tokens: 3.1 TB/s vs 1.9 TB/s with 1), else 1 (one
+            program per token: the least latency for a decode step's few tokens). Same bits either way.
         num_warps: launch knob (GPU only; default Triton's).
     """
     if not isinstance(paged_cache, PagedMLACache):
@@ -175,6 +180,8 @@ def quantize_append(
         raise_on_flags((slots >= cache.num_pages * PAGE_SIZE).any()[None], [
             f"slot_mapping has a slot beyond the page pool ({cache.num_pages} pages x {PAGE_SIZE} slots)"])
 
+    if tokens_per_program is None:
+        tokens_per_program = 8 if n >= BIG_APPEND else 1
     if (not isinstance(tokens_per_program, int) or isinstance(tokens_per_program, bool) or tokens_per_program < 1
             or tokens_per_program & (tokens_per_program - 1)):
         raise ShapeError(f"tokens_per_program must be a power of two >= 1, got {tokens_per_program!r}")

@@ -1,0 +1,366 @@
+"""A decode step of a patched model that a CUDA graph can capture, and a guard against host syncs.
+
+    no_host_sync()       raise HostSyncError at any op that makes the host wait for the device (works on
+                         CPU too, where it proves a code path free of them before it meets a GPU)
+    DecodeGraph          one fixed-shape decode step (B requests x 1 token) over a preallocated
+                         LatentCache: captured as a torch.cuda.CUDAGraph on CUDA, run eagerly elsewhere
+
+Benchmark use (CUDA, backend='triton'; the cache is filled with L random tokens per request directly):
+
+    model = snapquant.patch(model, "snapmla", backend="triton")
+    cache = snapquant.LatentCache("snapmla", model, max_cache_len=L + 64)
+    for i, layer in enumerate(cache.latent_layers):      # or cache.layer(i, 512, 64) by layer index
+        layer.append(latent_bf16[B, L, 512], rope_bf16[B, L, 64])
+    g = DecodeGraph(model, cache)                         # warms up, then captures one step
+    ids = torch.randint(0, V, (B, 1), device="cuda")
+    for _ in range(n):
+        g.step(ids)                                       # replay: writes token L, attends L + 1 rows
+        g.rewind(1)                                       # back to L tokens, no host sync
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .cache import LatentCache, LatentLayer
+from .errors import ConfigError, HostSyncError, ShapeError
+
+aten = torch.ops.aten
+
+# ---------------------------------------------------------------------------------------------- no_host_sync
+# Ops whose result size or value the host must read from the device (on CUDA each one waits for the stream).
+_SYNC_OPS = {
+    aten._local_scalar_dense: "reads a device value on the host (.item(), int(t), float(t), bool(t), if t: ...)",
+    aten.is_nonzero: "reads a device value on the host (bool(t))",
+    aten.item: "reads a device value on the host (.item())",
+    aten.nonzero: "has a data-dependent output size (nonzero / torch.where(cond) / boolean indexing)",
+    aten.masked_select: "has a data-dependent output size (boolean masking)",
+    aten.equal: "returns a Python bool computed on the device (torch.equal)",
+    aten.allclose: "returns a Python bool computed on the device (torch.allclose)",
+    aten.unique_consecutive: "has a data-dependent output size",
+    aten._unique2: "has a data-dependent output size",
+    aten._unique: "has a data-dependent output size",
+    aten.unique_dim: "has a data-dependent output size",
+    aten.bincount: "sizes its output from the input's maximum",
+}
+_BOOL_INDEX_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+_HOST_READS = {"tolist": "copies the tensor to host Python objects (.tolist())",
+               "numpy": "copies the tensor to host memory (.numpy())"}
+_ALLOW = threading.local()
+
+
+@contextmanager
+def allow_host_sync(reason: str) -> Iterator[None]:
+    """Inside `no_host_sync()`, let this block sync (for code documented never to run in a graph)."""
+    stack = getattr(_ALLOW, "stack", None)
+    if stack is None:
+        stack = _ALLOW.stack = []
+    stack.append(reason)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _allowed() -> bool:
+    return bool(getattr(_ALLOW, "stack", None))
+
+
+def _raise(what: str, why: str) -> None:
+    raise HostSyncError(f"{what} {why}: a host-device sync inside no_host_sync() (not capturable in a CUDA graph)")
+
+
+def _is_host(dev) -> bool:
+    return dev is not None and torch.device(dev).type == "cpu"
+
+
+class _NoSyncDispatch(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _allowed():
+            packet = func.overloadpacket
+            if packet in _SYNC_OPS:
+                _raise(f"aten.{packet.__name__}", _SYNC_OPS[packet])
+            if packet is aten.histc:
+                lo = args[2] if len(args) > 2 else kwargs.get("min", 0)
+                hi = args[3] if len(args) > 3 else kwargs.get("max", 0)
+                if lo == hi:
+                    _raise("aten.histc", "with min == max reads the input's range on the host")
+            if packet in _BOOL_INDEX_OPS:
+                indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+                for i in indices or ():
+                    if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
+                        _raise(f"aten.{packet.__name__}", "with a boolean mask index has a data-dependent size")
+            if packet is aten._to_copy and isinstance(args[0], torch.Tensor):
+                _check_transfer(args[0], kwargs.get("device"), bool(kwargs.get("non_blocking", False)), "_to_copy")
+            if packet is aten.copy_ and len(args) > 1 and isinstance(args[1], torch.Tensor):
+                _check_transfer(args[1], args[0].device, bool(args[2] if len(args) > 2 else
+                                                             kwargs.get("non_blocking", False)), "copy_")
+        return func(*args, **kwargs)
+
+
+def _check_transfer(src: torch.Tensor, dst_device, non_blocking: bool, name: str) -> None:
+    if dst_device is None:
+        return
+    dst = torch.device(dst_device)
+    if src.device.type != "cpu" and dst.type == "cpu":
+        _raise(f"aten.{name}", f"copies a {src.device.type} tensor to the host (.cpu() / .to('cpu') / .tolist())")
+    if src.device.type == "cpu" and dst.type != "cpu" and not (non_blocking and src.is_pinned()):
+        _raise(f"aten.{name}", f"copies pageable host memory to {dst.type} (synchronous; not capturable)")
+
+
+class _NoSyncFunction(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _HOST_READS and not _allowed():
+            _raise(f"Tensor.{name}()", _HOST_READS[name])
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Raise `HostSyncError` (naming the op) when code in this block would make the host wait for the device.
+
+    Flags `.item()` / `int(t)` / `float(t)` / `bool(t)` (aten._local_scalar_dense, is_nonzero), ops with
+    data-dependent output sizes (nonzero, masked_select, boolean-mask indexing, unique, bincount),
+    torch.equal / torch.allclose, `.tolist()` / `.numpy()`, device-to-host copies (`.cpu()`, `.to('cpu')`)
+    and synchronous host-to-device copies. On a CPU run every tensor is on the host, so value reads are
+    flagged whatever the device (that is what makes a CPU test a proof for the GPU), while copies are
+    flagged only when they cross devices. Blocks inside `allow_host_sync(reason)` are exempt.
+    Not visible to the guard: `torch.tensor(data, device=cuda)` (its copy happens below the Python
+    dispatch key) and syncs inside non-PyTorch code (Triton launches are host-side only).
+    """
+    with _NoSyncFunction(), _NoSyncDispatch():
+        yield
+
+
+# ---------------------------------------------------------------------------------------------- DecodeGraph
+class DecodeGraph:
+    """One decode step of a patched MLA model over a preallocated `LatentCache`, with static shapes.
+
+    `DecodeGraph(model, cache, capture=None, warmup=2)`: `model` patched with `snapquant.patch`; `cache` a
+    `LatentCache(..., max_cache_len=N)` whose MLA layers already hold the prompt (prefilled by the model
+    or by `layer.append`; left padding in the prefill is fine). `capture=None` captures a CUDA graph
+    when the cache lives on CUDA (after `warmup` eager steps, each rewound) and otherwise runs the same
+    fixed-shape step eagerly (CPU tests); `capture=True` insists on it.
+
+    `step(input_ids [B, 1]) -> logits [B, 1, V]`: writes each request's new token at its current length
+    and advances the cache by one position: device lengths (in place), and on the host `seen` and the
+    stored-position mask, so eager forwards, `cache.crop(...)` and further steps all see a consistent
+    cache. Position ids are derived on the device from the stored lengths (HF generate's convention,
+    cumsum(attention_mask) - 1, for padded prompts). Attention reads the whole preallocated store with
+    the device lengths marking the valid rows. With a graph the returned logits are a static buffer
+    overwritten by the next replay (clone to keep them). `replay()` re-runs the step on the current
+    static input ids; `rewind(n)` removes the last n positions of every layer (as `crop(-n)`, with no
+    host sync when they were all decode steps).
+
+    What may change between replays: the token ids (copied into the static buffer by `step`), the
+    cache's contents and lengths (each step's append, rewind / crop, eager forwards of one token per
+    request or more). Nothing shape-related: the batch, the store buffers (a `reset`, or a
+    `batch_select_indices` / `reorder_cache` that changes the batch, reallocates them and is refused
+    at the next step: build a new DecodeGraph), the model's weights' storage, the backend.
+
+    Refused with a clear error: an `attention_mask` (padding masks; the step is plain causal), S > 1
+    (`input_ids` must be [B, 1]), a cache without `max_cache_len`, an empty layer, a config whose store
+    is not one fixed-capacity dense segment (KIVI `token_group` residual windows), DSA sparse attention
+    (`index_topk`), dynamic RoPE (`rope_type` 'dynamic' reads the max position on the host), non-MLA
+    cache layers (hybrid models), going past max_cache_len, and capture on CUDA with a backend other
+    than the Triton kernel (the reference decode and quantizer create host constants each call).
+    Not covered: model parts outside attention that sync (e.g. transformers' eager MoE expert loop,
+    which calls nonzero); `no_host_sync()` finds them.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: LatentCache, *, capture: bool | None = None,
+                 warmup: int = 2) -> None:
+        from .patching import _STATE_ATTR
+
+        state = getattr(model, _STATE_ATTR, None)
+        if state is None:
+            raise ConfigError("model: DecodeGraph needs a model patched with snapquant.patch(model, preset, backend=...)")
+        if not isinstance(cache, LatentCache):
+            raise ConfigError(f"cache must be a snapquant.LatentCache(config, model, max_cache_len=N), got "
+                              f"{type(cache).__name__}")
+        if cache.max_cache_len is None:
+            raise ConfigError("max_cache_len: DecodeGraph needs a preallocated cache; build it with "
+                              "LatentCache(config, model, max_cache_len=N)")
+        if not isinstance(warmup, int) or warmup < 1:
+            raise ConfigError(f"warmup must be a positive int, got {warmup!r}")
+        self.model, self.cache, self.state = model, cache, state
+        self.layers = self._check_layers(model, cache, state)
+        self._check_model(model)
+        first = self.layers[0].store
+        self.batch_size, self.device = first.batch_size, first.lengths.device
+        for i, layer in enumerate(self.layers):
+            if layer.batch_size != self.batch_size or layer.store.lengths.device != self.device:
+                raise ShapeError(f"cache layer {i} holds {layer.batch_size} requests on {layer.store.lengths.device}, "
+                                 f"layer 0 {self.batch_size} on {self.device}")
+        capture = self.device.type == "cuda" if capture is None else bool(capture)
+        if capture:
+            self._check_capturable()
+        self.capture = capture
+        B = self.batch_size
+        self.input_ids = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+        self.position_ids = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self._ptrs = self._buffer_ptrs()
+        if capture:
+            self._capture(warmup)
+
+    # ------------------------------------------------------------------ checks
+    @staticmethod
+    def _check_layers(model, cache: LatentCache, state) -> list[LatentLayer]:
+        mla = {hook.module.layer_idx for hook in state.hooks}
+        for i, layer in enumerate(cache.layers):
+            if not isinstance(layer, LatentLayer):
+                raise ConfigError(f"cache layer {i} is a {type(layer).__name__}: DecodeGraph needs every cache layer "
+                                  f"to be an MLA LatentLayer (hybrid models with other attention are not supported)")
+        layers = []
+        for idx in sorted(mla):
+            layer = cache.layers[idx] if idx < len(cache.layers) else None
+            if layer is None or layer.store is None or layer.store.lengths is None:
+                raise ShapeError(f"cache layer {idx} is empty: prefill the cache (or append to every layer) before "
+                                 f"building a DecodeGraph")
+            if layer.max_cache_len is None:
+                raise ConfigError(f"max_cache_len: cache layer {idx} was not preallocated (build the LatentCache "
+                                  f"with max_cache_len=N before its first append)")
+            if layer.config.token_group is not None:
+                raise ConfigError(f"token_group={layer.config.token_group}: the KIVI residual window is a second "
+                                  f"segment whose rows move every step; DecodeGraph needs a fixed-capacity dense store")
+            reason = layer.store.static_reason()
+            if reason is not None:
+                raise ConfigError(f"cache layer {idx}: {reason}")
+            if layer.indexer_keys is not None:
+                raise ConfigError("index_topk: DSA sparse attention (indexer keys) is not supported by DecodeGraph")
+            layers.append(layer)
+        if not layers:
+            raise ConfigError("the patched model has no MLA layer in this cache")
+        return layers
+
+    @staticmethod
+    def _check_model(model) -> None:
+        cfg = getattr(model, "config", None)
+        text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+        if getattr(text, "index_topk", None):
+            raise ConfigError(f"index_topk={text.index_topk}: DSA sparse attention is not supported by DecodeGraph")
+        for name, m in model.named_modules():
+            rope_type = getattr(m, "rope_type", None)
+            types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+            if any(isinstance(t, str) and "dynamic" in t for t in types):
+                raise ConfigError(f"rope_parameters.rope_type={rope_type!r} ({name}): dynamic RoPE reads the largest "
+                                  f"position on the host every step; use a static RoPE type")
+
+    def _check_capturable(self) -> None:
+        from .attention.backends import resolve_backend
+
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise ConfigError(f"capture=True needs the model and cache on CUDA (the cache is on {self.device})")
+        for layer in self.layers:
+            backend = resolve_backend(self.state.backend, layer.config, self.device)
+            if backend.name != "triton":
+                raise ConfigError(
+                    f"backend={self.state.backend!r} runs {backend.name!r} for config {layer.config.label()!r}: "
+                    f"capturing a CUDA graph needs backend='triton' with a kernel layout (the reference decode and "
+                    f"quantizer create host constants every call); use capture=False to run the step eagerly"
+                )
+            from .kernels.backend import kernel_mismatch
+
+            kv = layer.store.segments(static=True)[0].kv
+            reason = kernel_mismatch(kv, layer.config, round_16bit=layer.dtype in (torch.bfloat16, torch.float16)
+                                     or not layer.config.is_identity)
+            if reason is not None:
+                raise ConfigError(f"backend='triton' would fall back to the reference for this cache ({reason}); "
+                                  f"it cannot be captured")
+
+    def _buffer_ptrs(self) -> list[tuple]:
+        out = []
+        for layer in self.layers:
+            st = layer.store
+            if st is None or st.lengths is None:
+                out.append(None)
+                continue
+            out.append((id(st), st.lengths.data_ptr(), st.batch_size,
+                        *(t.data_ptr() if t is not None else 0 for p in st.parts.values() for t in (p.codes, p.scale))))
+        return out
+
+    def _check_live(self) -> None:
+        if self._buffer_ptrs() != self._ptrs:
+            raise ShapeError("the cache's buffers changed since this DecodeGraph was built (reset, or a "
+                             "batch_select / reorder that changed the batch size); build a new DecodeGraph")
+
+    # ------------------------------------------------------------------ the step
+    def _forward(self) -> torch.Tensor:
+        """The fixed-shape step (what the graph records): positions from the device lengths, then the model."""
+        self.position_ids.copy_(self.layers[0].store.lengths.view(-1, 1))
+        self.cache.static_step = True
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=None,
+                                 use_cache=True, **{self._cache_kw: self.cache})
+        finally:
+            self.cache.static_step = False
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+    def _capture(self, warmup: int) -> None:
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # compile kernels, probe torch paths, fill allocator pools
+            for _ in range(warmup):
+                self._forward()
+                self.rewind(1)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._forward()
+        # Capture ran the Python once (host bookkeeping advanced) but only recorded the device work.
+        for layer in self.layers:
+            layer.advance(-1)
+
+    def _prepare(self) -> None:
+        self._check_live()
+        for layer in self.layers:
+            layer._check_room(1)
+
+    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode one token per request: `input_ids [B, 1]` -> logits `[B, 1, V]` (see the class docstring)."""
+        if attention_mask is not None:
+            raise ConfigError("attention_mask: a DecodeGraph step takes no mask (every request decodes one real "
+                              "token; padding belongs to the prefill); call the model eagerly for masked steps")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.shape != (self.batch_size, 1):
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ShapeError(f"input_ids must be [B={self.batch_size}, 1] (one new token per request; S > 1 is not "
+                             f"a decode step), got {shape}")
+        self._prepare()
+        self.input_ids.copy_(input_ids)
+        return self._run()
+
+    def replay(self) -> torch.Tensor:
+        """Run the step again on the current static input ids (`self.input_ids`)."""
+        self._prepare()
+        return self._run()
+
+    def _run(self) -> torch.Tensor:
+        if self.graph is None:
+            self.logits = self._forward()
+            return self.logits
+        self.graph.replay()
+        for layer in self.layers:
+            layer.advance(1)
+        return self.logits
+
+    def rewind(self, n: int = 1) -> None:
+        """Remove the last `n` positions from every layer (as `cache.crop(-n)`; no host sync after steps)."""
+        if not isinstance(n, int) or n < 0:
+            raise ShapeError(f"rewind takes a non-negative int, got {n!r}")
+        for layer in self.cache.layers:
+            if isinstance(layer, LatentLayer):
+                layer.rewind(n)
