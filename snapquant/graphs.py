@@ -332,6 +332,7 @@ class DecodeGraph:
 
     def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one token per request: `input_ids [B, 1]` -> logits `[B, 1, V]` (see the class docstring)."""
+        self._check_live()
         if attention_mask is not None:
             raise ConfigError("attention_mask: a DecodeGraph step takes no mask (every request decodes one real "
                               "token; padding belongs to the prefill); call the model eagerly for masked steps")

@@ -187,7 +187,7 @@ def test_step_after_padded_prefill_matches_eager_masked_decode():
 
 
 def test_replay_repeats_the_step_and_max_cache_len_is_enforced():
-    model, cg, ce, g = _pair("deepseek_v2", "snapmla", max_cache_len=13)
+    model, cg, _, g = _pair("deepseek_v2", "snapmla", max_cache_len=13)
     graph = DecodeGraph(model, cg)
     ids = torch.randint(3, 256, (B, 1), generator=g)
     first = graph.step(ids).clone()
@@ -289,3 +289,34 @@ def test_cuda_graph_replay_matches_eager_triton(preset):
     got = graph.step(nxt).clone()
     want = _eager(model, ce, nxt)
     assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("preset", ["snapmla", "ds_v32", "bf16"])
+def test_kernel_append_writes_the_same_bits_as_the_reference_quantizer(preset):
+    """The CUDA static append (fused Triton quantize-append on the store's buffers viewed as pages), run in
+    the Triton interpreter, against the quantize_kv path it replaces."""
+    pytest.importorskip("triton")
+    from snapquant import PRESETS
+
+    cfg = PRESETS[preset].replace(block_size=32) if preset == "ds_v32" else PRESETS[preset]
+    g = torch.Generator().manual_seed(3)
+    layers = [LatentLayer(cfg, 64, 16, max_cache_len=100) for _ in range(2)]
+    prompt = (torch.randn(2, 70, 64, generator=g).bfloat16(), torch.randn(2, 70, 16, generator=g).bfloat16())
+    for layer in layers:
+        layer.append(*prompt)
+    layers[0].store.kernel_append = True
+    layers[1].store.kernel_append = False
+    for _ in range(2):
+        new = (torch.randn(2, 1, 64, generator=g).bfloat16() * 3, torch.randn(2, 1, 16, generator=g).bfloat16())
+        for layer in layers:
+            layer.append_static(*new)
+    assert layers[0].store._static  # the paged view was built
+    a, b = layers[0].store, layers[1].store
+    assert torch.equal(a.lengths, b.lengths) and a.lengths.tolist() == [72, 72]
+    for name in ("nope", "rope"):
+        pa, pb = a.parts[name], b.parts[name]
+        assert torch.equal(pa.codes.view(torch.uint8) if pa.codes.element_size() == 1 else pa.codes,
+                           pb.codes.view(torch.uint8) if pb.codes.element_size() == 1 else pb.codes)
+        assert (pa.scale is None) == (pb.scale is None)
+        if pa.scale is not None:
+            assert torch.equal(pa.scale, pb.scale)

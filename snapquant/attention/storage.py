@@ -193,6 +193,9 @@ class DenseLatentStore:
         # append and never reallocated (lengths and buffers keep their memory: CUDA graphs read them).
         self.capacity = None if capacity is None else math.ceil(capacity / _MIN_CAPACITY) * _MIN_CAPACITY
         self._static: dict = {}  # cached index tensors / kernel views of the static append path
+        # append_static through the fused Triton kernel: None = on CUDA when the layout allows (True also
+        # runs it in the Triton interpreter on CPU, for tests).
+        self.kernel_append: bool | None = None
         self.r, self.d = kv_lora_rank, rope_dim
         self.act_dtype = act_dtype
         self.identity = config.is_identity
@@ -330,7 +333,7 @@ class DenseLatentStore:
 
     def _paged_view(self, latent: torch.Tensor, rope: torch.Tensor):
         """The store's buffers as a `PagedMLACache` for the fused append kernel, or None (use quantize_kv)."""
-        if self.lengths.device.type != "cuda":
+        if self.kernel_append is False or (self.kernel_append is None and self.lengths.device.type != "cuda"):
             return None
         nope, rp = self.parts["nope"], self.parts["rope"]
         key = ("paged", nope.codes.data_ptr(), rp.codes.data_ptr(),
