@@ -163,8 +163,8 @@ def decode_configs() -> dict:
 
 
 KNOBBED = {  # kernel variants checked like the defaults: name -> (config name, mla_decode knobs)
-    "snapmla+pairs": ("snapmla", {"tile": "pairs"}),
-    "snapmla+pairs+rcp+balanced": ("snapmla", {"tile": "pairs", "p_div": "rcp", "schedule": "balanced"}),
+    "snapmla+rows+exact": ("snapmla", {"tile": "rows", "p_div": "exact"}),
+    "snapmla+rcp+balanced": ("snapmla", {"p_div": "rcp", "schedule": "balanced"}),
 }
 
 
@@ -237,11 +237,30 @@ def check_subnormal_codes() -> dict:
     raw = (codes.abs() | ((codes < 0).to(codes.dtype) << 7)).to(torch.uint8)
     cache.latent.view(torch.uint8).copy_(raw)
     q = torch.randn(4, 1, 16, R + D, device="cuda", generator=g).to(torch.bfloat16)
-    a, la = mla_decode(q, cache, 0.07, config, num_splits=1)
     b, lb = mla_decode(q, cache, 0.07, config, num_splits=1, tile="pairs")
+    a, la = mla_decode(q, cache, 0.07, config, num_splits=1, tile="rows")
     rel = ((a - b).norm() / a.norm()).item()
     ok = bool(torch.isfinite(b).all()) and rel <= 1e-3 and (la - lb).abs().max().item() <= 1e-3
     return {"part": "decode", "case": "pairs vs default on subnormal codes", "ok": ok, "rel_l2": rel}
+
+
+def check_fma_division_bitwise(B: int, H: int, L: int, tile: str) -> dict:
+    """p_div='fma' claims the correctly rounded f / pi: with one split it must give exactly the bits
+    of p_div='exact' (div_rn per element) on the GPU, where fma and div_rn are the hardware's."""
+    from snapquant import PRESETS
+    from snapquant.kernels import mla_decode
+
+    config = PRESETS["snapmla"]
+    g = torch.Generator(device="cuda").manual_seed(B + H + L)
+    cache = build_cache(config, B, L, g)
+    q = (torch.randn(B, 1, H, R + D, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    a = mla_decode(q, cache, 0.07, config, num_splits=1, tile=tile, p_div="exact")
+    b = mla_decode(q, cache, 0.07, config, num_splits=1, tile=tile, p_div="fma")
+    c = mla_decode(q, cache, 0.07, config, num_splits=1, tile=tile, p_div="rcp")
+    n_diff = int((a[0] != b[0]).sum()) + int((a[1] != b[1]).sum())
+    n_rcp = int((a[0] != c[0]).sum())
+    return {"part": "decode", "case": f"p_div fma == exact bitwise, tile={tile} B={B} H={H} L={L}",
+            "ok": n_diff == 0, "detail": f"{n_diff} differing values (rcp: {n_rcp})"}
 
 
 # ------------------------------------------------------------------------------------------ part 3
@@ -400,6 +419,9 @@ def main() -> int:
             rows.append(run_case(check_decode, name, configs[cfg_name], B, H, L, S, ns, knobs,
                                  label=f"{name} B={B} H={H} L={L} s_q={S}"))
     rows.append(run_case(check_subnormal_codes, label="pairs: subnormal e4m3 codes"))
+    for B, H, L in ((128, 16, 4096), (32, 64, 8192), (4, 128, 32768)):
+        for tile in ("pairs", "rows"):
+            rows.append(run_case(check_fma_division_bitwise, B, H, L, tile, label=f"fma bitwise {tile} {B}x{H}x{L}"))
 
     for name, cfg, dtype in model_cases()[: 2 if args.quick else None]:
         rows.append(run_case(check_patched_model, name, cfg, dtype, label=f"model {name}"))

@@ -17,11 +17,22 @@ def test_sm90_compile_of_a_decode_plan():
     st = rows[0]
     assert "error" not in st, st.get("error")
     assert st["wgmma"] > 0 and st["mma_sync"] == 0 and st["async_loads"] > 0 and st["smem"] > 0
-    assert "64x512:f8E4M3FN" in st["async_tiles"] and "64x512" not in st["sync_tiles"]  # latent tile prefetched
-    assert st["cvt_e4m3"] > 0  # e4m3 -> fp16 widening for the exact fp16 MMAs
+    # the default pairs tile: the latent as int16 code pairs, prefetched; one e4m3x2 -> f16x2 cvt per pair
+    assert "64x256:i16" in st["async_tiles"] and "64x256" not in st["sync_tiles"]
+    assert st["cvt_e4m3"] > 0
     if st.get("regs") is None:
         pytest.skip("cuobjdump not bundled with this triton: no register / SASS report")
     assert 0 < st["regs"] <= 255 and st["loop_total"] > st["loop_mma"] > 0
+
+
+def test_pairs_tile_is_pipelined_where_the_fp8_tile_is_not():
+    """H = 16 (BLOCK_M = 16, mma.sync): Triton loads the 8-bit latent tile synchronously every page
+    (tile='rows') but software-pipelines the same bytes read as int16 pairs (tile='pairs', the default)."""
+    shape = uniform_shape(4, 16, 1024)
+    rows_tile = decode_compile_stats(BY_NAME["snapmla+rows"], shape)[0]
+    pairs_tile = decode_compile_stats(BY_NAME["snapmla"], shape)[0]
+    assert "64x512:f8E4M3FN" in rows_tile["sync_tiles"]
+    assert "64x256:i16" in pairs_tile["async_tiles"] and not pairs_tile["sync_tiles"]
 
 
 def test_loop_mix_picks_the_loop_with_the_mma():

@@ -20,9 +20,12 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from snapquant import PRESETS, KVQuantConfig, mla_decode_oracle, mla_decode_reference, quantize_kv
 from snapquant.kernels import PagedMLACache, mla_decode
+from snapquant.kernels.decode_kernels import _page_weights
 
 SNAPMLA = PRESETS["snapmla"]
 DS = PRESETS["ds_v32"]
@@ -310,3 +313,61 @@ def test_fp8_mma_knob_picks_mma_kinds_on_gpu_plans(fp8_mma, kinds):
     cpu = plan_decode(*make_case(SNAPMLA, [10], H=2)[:1], KernelOperands.from_paged(make_case(SNAPMLA, [10], H=2)[2]),
                       0.1, SNAPMLA, 1, fp8_mma=fp8_mma)
     assert cpu.launches[0].kwargs["QK_KIND"] == OP_F32 and "num_warps" not in cpu.launches[0].kwargs
+
+
+@pytest.mark.parametrize("tile", ["rows", "pairs", "tokens"])
+def test_p_div_fma_is_the_exact_division_bitwise(tile):
+    """p_div='fma' (a reciprocal per row, one fma correction per element) computes the correctly rounded
+    f / pi, so with one split it reproduces p_div='exact' bit for bit; 'rcp' alone is only within ~1 ulp.
+    Wide-range logits make many distinct pi and quotients near e4m3 rounding midpoints."""
+    config = CONFIGS["snapmla"]
+    q, _, cache, _ = make_case(config, [1, 63, 64, 65, 130, 200], H=4, S=2, seed=21)
+    q = q * 6
+    exact = mla_decode(q, cache, 0.1, config, num_splits=1, tile=tile)
+    fma = mla_decode(q, cache, 0.1, config, num_splits=1, tile=tile, p_div="fma")
+    assert torch.equal(exact[0], fma[0]) and torch.equal(exact[1], fma[1])
+
+
+@triton.jit
+def _page_weights_probe(F, P_OUT, PI_OUT, P_DIV: tl.constexpr, M: tl.constexpr, N: tl.constexpr):
+    offs = tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :]
+    f = tl.load(F + offs)
+    one = tl.full([M], 1.0, tl.float32)
+    zero = tl.full([M], 0.0, tl.float32)
+    p, _, _, pi, _ = _page_weights(f, f, one, zero, one, zero, 1, True, P_DIV, False)
+    tl.store(P_OUT + offs, p)
+    tl.store(PI_OUT + tl.arange(0, M), pi)
+
+
+def _midpoint_rows(M: int = 64, N: int = 64, seed: int = 0) -> torch.Tensor:
+    """Rows of f whose quotients f / pi (pi = rn(max f / 448)) fall within a few fp32 ulps of e4m3
+    rounding midpoints, where a quotient that is off by one ulp can round to the other neighbour."""
+    g = torch.Generator().manual_seed(seed)
+    fmax = torch.exp(torch.empty(M, 1).uniform_(-30, 30, generator=g)).float()
+    pi = fmax / 448
+    exp = torch.randint(-6, 8, (M, N - 1), generator=g).float()
+    mant = torch.randint(8, 16, (M, N - 1), generator=g).float()
+    mid = (mant + 0.5) * torch.exp2(exp - 3)  # halfway between two e4m3 neighbours
+    f = (mid * pi).float()
+    ulps = torch.randint(-3, 4, (M, N - 1), generator=g).to(torch.int32)
+    f = (f.view(torch.int32) + ulps).view(torch.float32)
+    return torch.cat([fmax, f.clamp(max=fmax)], dim=1).contiguous()
+
+
+def test_p_division_modes_on_rounding_midpoints():
+    """P^ = e4m3(f / pi): 'exact' and 'fma' equal torch's correctly rounded division on quotients placed
+    at e4m3 midpoints; 'rcp' (f * rn(1 / pi)) does not always (why it is not the default)."""
+    from snapquant.kernels._launch import for_device
+
+    f = _midpoint_rows()
+    pi_ref = f[:, :1] / 448
+    want = (f / pi_ref).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    got = {}
+    for mode, pdiv in (("exact", 0), ("rcp", 1), ("fma", 2)):
+        p_out, pi_out = torch.empty_like(f), torch.empty(f.shape[0])
+        for_device(_page_weights_probe, f.device)[(1,)](f, p_out, pi_out, P_DIV=pdiv, M=f.shape[0], N=f.shape[1])
+        assert torch.equal(pi_out, pi_ref[:, 0])
+        got[mode] = p_out
+    assert torch.equal(got["exact"], want)
+    assert torch.equal(got["fma"], want)
+    assert not torch.equal(got["rcp"], want)  # the probe does reach the cases that matter

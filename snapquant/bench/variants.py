@@ -118,14 +118,10 @@ VARIANTS: tuple[Variant, ...] = (
     _v("snapmla+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3, p_div="rcp"),
     _v("snapmla+balanced+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3,
        schedule="balanced", p_div="rcp"),
-    _v("snapmla+pairs", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="pairs",
-       note="fp8 tile read as int16 code pairs (pipelined) and widened by integer ops"),
-    _v("snapmla+pairs+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3, tile="pairs",
-       p_div="rcp"),
-    _v("snapmla+pairs+balanced", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="pairs",
-       schedule="balanced"),
-    _v("snapmla+pairs+balanced+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3, tile="pairs",
-       schedule="balanced", p_div="rcp"),
+    _v("snapmla+rows", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="rows", p_div="exact",
+       note="the issue-5 kernel: fp8 tile as codes (not pipelined at H = 16), a division per P element"),
+    _v("snapmla+exact", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", p_div="exact",
+       note="div_rn per P element instead of the fma-corrected reciprocal (same bits)"),
     _v("snapmla+fp8qk", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, fp8_mma="qk",
        note="native FP8 QK MMA, exact fp16 PV"),
     # H * S < 64: 64-row tiles. Compile stats (sm_90): Triton pipelines the 8-bit tile only with wgmma
@@ -170,18 +166,15 @@ VARIANTS: tuple[Variant, ...] = (
     _v("snapmla+s3", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_stages=3),
     _v("snapmla+fp8mma", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", tol=1e-2, where="headline",
        fp8_mma=True, note="native FP8 MMA for QK and PV (PV needs an 8-bit transpose)"),
-    _v("snapmla+pairs+s3", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", tile="pairs",
-       num_stages=3),
-    _v("snapmla+pairs+w4", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", tile="pairs",
-       num_warps=4),
-    _v("snapmla+pairs+splits8", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline",
-       tile="pairs", num_splits=8),
+    _v("bf16+w16", "bf16", "bf16", priority=2, check="bf16", where="headline", num_warps=16),
+    _v("snapmla+w16", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_warps=16,
+       note="16 warps: 128 registers per thread, twice the warps to hide latency at one program per SM"),
     _v("snapmla_kv_only+splits8", "fp8", "snapmla", priority=2, check="snapmla_kv_only", where="headline",
        num_splits=8),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
 QUICK = ("bf16", "snapmla", "snapmla_kv_only", "torch", "snapmla+balanced", "snapmla+rcp", "snapmla+fp8qk",
-         "snapmla+bm64", "snapmla+bm64+rcp", "bf16+bm64")
+         "snapmla+rows", "snapmla+bm64", "bf16+bm64")
 BASELINE = "bf16"
 
 

@@ -170,19 +170,27 @@ def _online_softmax(x, m_i, AXIS: tl.constexpr, NATIVE: tl.constexpr):
 
 @triton.jit
 def _page_weights(e, f, alpha, l_i, pi_i, pi_max, AXIS: tl.constexpr, P_FP8: tl.constexpr,
-                  P_RCP: tl.constexpr, NATIVE: tl.constexpr):
+                  P_DIV: tl.constexpr, NATIVE: tl.constexpr):
     """P of one page (values exact in the PV operand type) and the running state it implies:
     (p, rescale of the accumulator, l, pi, pi_max); f = e times the token scales, tokens along AXIS.
-    fp8_scale_fused: pi = max_j f / 448 (floored), P^ = e4m3(f / pi), rescale = beta = alpha pi_old / pi."""
+    fp8_scale_fused: pi = max_j f / 448 (floored), P^ = e4m3(f / pi), rescale = beta = alpha pi_old / pi.
+    P_DIV says how f / pi is computed: 0 div_rn per element; 1 f * rn(1 / pi) (within ~1 ulp);
+    2 the same plus one fma correction, q' = q + fma(-q, pi, f) rn(1 / pi), which is the correctly
+    rounded quotient when rn(1 / pi) is correctly rounded and q faithful (Markstein's theorem;
+    overflow cannot occur, f / pi <= 448, and subnormal quotients round to e4m3 zero either way)."""
     if P_FP8:
         f_max = rmax(f, AXIS, NATIVE)
         pi_floor = tl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
         pi_new = tl.where(f_max > 0, tl.maximum(tl.math.div_rn(f_max, E4M3_MAX), pi_floor), pi_i)
         pi_max = tl.maximum(pi_max * alpha, pi_new)
-        if P_RCP:  # one correctly rounded reciprocal per row instead of a division per element
-            y = f * tl.expand_dims(tl.math.div_rn(pi_new * 0.0 + 1.0, pi_new), AXIS)
-        else:
+        if P_DIV == 0:  # a correctly rounded division per element
             y = tl.math.div_rn(f, tl.expand_dims(pi_new, AXIS))
+        else:  # one correctly rounded reciprocal per row, a multiply per element
+            r_inv = tl.expand_dims(tl.math.div_rn(pi_new * 0.0 + 1.0, pi_new), AXIS)
+            y = f * r_inv
+            if P_DIV == 2:  # one fma-based correction: the correctly rounded quotient (Markstein)
+                pi_b = tl.expand_dims(pi_new, AXIS)
+                y = tl.math.fma(tl.math.fma(-y, pi_b, f), r_inv, y)
         p = round_e4m3(tl.clamp(y, -E4M3_MAX, E4M3_MAX), NATIVE)
         rescale = tl.math.div_rn(alpha * pi_i, pi_new)
         l_i = rescale * l_i + tl.math.div_rn(rsum(e, AXIS, NATIVE), pi_new)
@@ -202,7 +210,7 @@ def _attend(
     H, S: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
     LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, NATIVE: tl.constexpr,
-    QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr, P_RCP: tl.constexpr,
+    QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr, P_DIV: tl.constexpr,
 ):
     """Online softmax of query rows `rows` of request b over its pages [p_lo, p_hi), output chunk
     `chunk`. Returns (acc [BLOCK_M, R / NB], m, l, pi): out = acc / l, lse2 = m + log2(l pi)."""
@@ -275,7 +283,7 @@ def _attend(
             f = e
         else:
             f = e * s_v[None, :]
-        p, rescale, l_i, pi_i, pi_max = _page_weights(e, f, alpha, l_i, pi_i, pi_max, 1, P_FP8, P_RCP, NATIVE)
+        p, rescale, l_i, pi_i, pi_max = _page_weights(e, f, alpha, l_i, pi_i, pi_max, 1, P_FP8, P_DIV, NATIVE)
         acc = mma(operand(p, PV_KIND), operand(v, PV_KIND), acc * rescale[:, None], PV_KIND)
         m_i = m_new
     return acc, m_i, l_i, pi_i
@@ -289,7 +297,7 @@ def _attend_tokens(
     H, S: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
     LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, NATIVE: tl.constexpr,
-    QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr, P_RCP: tl.constexpr,
+    QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr, P_DIV: tl.constexpr,
 ):
     """`_attend` with the products transposed ("swap AB", tile="tokens"; one scale block only):
     scores^T = [c | r] [q^ | q~r]^T is [PAGE, BLOCK_M] and acc^T = c^T P^T is [R, BLOCK_M], so the
@@ -340,7 +348,7 @@ def _attend_tokens(
         else:
             f = e * s_v[:, None]
         v_t = tl.trans(operand(c, PV_KIND))  # [R, PAGE]: the same latent tile
-        p, rescale, l_i, pi_i, pi_max = _page_weights(e, f, alpha, l_i, pi_i, pi_max, 0, P_FP8, P_RCP, NATIVE)
+        p, rescale, l_i, pi_i, pi_max = _page_weights(e, f, alpha, l_i, pi_i, pi_max, 0, P_FP8, P_DIV, NATIVE)
         acc_t = mma(v_t, operand(p, PV_KIND), acc_t * rescale[None, :], PV_KIND)
         m_i = m_new
     return tl.trans(acc_t), m_i, l_i, pi_i
@@ -376,7 +384,7 @@ def _attend_pairs(
     H, S: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
     Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, NATIVE: tl.constexpr,
-    KIND: tl.constexpr, R_KIND: tl.constexpr, P_RCP: tl.constexpr,
+    KIND: tl.constexpr, R_KIND: tl.constexpr, P_DIV: tl.constexpr,
 ):
     """`_attend` for the snapmla layout with fp8 query and fp8 P (fp8_load="pairs"): the latent tile
     is loaded as int16 pairs of e4m3 codes, a 16-bit tile that Triton software-pipelines (it does
@@ -426,7 +434,7 @@ def _attend_pairs(
         x = tl.where(pos[None, :] < limit[:, None], x, float("-inf"))
         m_new, e, alpha = _online_softmax(x, m_i, 1, NATIVE)
         f = e * s_v[None, :]
-        p_w, rescale, l_i, pi_i, pi_max = _page_weights(e, f, alpha, l_i, pi_i, pi_max, 1, P_FP8, P_RCP, NATIVE)
+        p_w, rescale, l_i, pi_i, pi_max = _page_weights(e, f, alpha, l_i, pi_i, pi_max, 1, P_FP8, P_DIV, NATIVE)
         p_op = operand(p_w, KIND)
         acc_even = mma(p_op, c_even, acc_even * rescale[:, None], KIND)
         acc_odd = mma(p_op, c_odd, acc_odd * rescale[:, None], KIND)
@@ -443,7 +451,7 @@ def _attend_run(
     H, S: tl.constexpr, R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
     LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, NATIVE: tl.constexpr,
-    QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr, P_RCP: tl.constexpr,
+    QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr, P_DIV: tl.constexpr,
     TILE: tl.constexpr,
 ):
     """One run of pages of request b with the tile formulation TILE (0 rows, 1 tokens, 2 pairs)."""
@@ -453,7 +461,7 @@ def _attend_run(
             stride_qb, stride_qs, stride_qh,
             stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_bt,
             H, S, R, D, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
-            QK_KIND, PV_KIND, R_KIND, P_RCP,
+            QK_KIND, PV_KIND, R_KIND, P_DIV,
         )
     elif TILE == 2:
         return _attend_pairs(
@@ -461,7 +469,7 @@ def _attend_run(
             stride_qb, stride_qs, stride_qh,
             stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_bt,
             H, S, R, D, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
-            QK_KIND, R_KIND, P_RCP,
+            QK_KIND, R_KIND, P_DIV,
         )
     else:
         return _attend(
@@ -469,7 +477,7 @@ def _attend_run(
             stride_qb, stride_qs, stride_qh,
             stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
             H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
-            QK_KIND, PV_KIND, R_KIND, P_RCP,
+            QK_KIND, PV_KIND, R_KIND, P_DIV,
         )
 
 
@@ -494,7 +502,7 @@ def _mla_decode_stage1(
     LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
     NATIVE: tl.constexpr, QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr,
-    P_RCP: tl.constexpr, TILE: tl.constexpr, LSE_NATURAL: tl.constexpr,
+    P_DIV: tl.constexpr, TILE: tl.constexpr, LSE_NATURAL: tl.constexpr,
 ):
     """Uniform schedule: program (b, row tile, split * NB + chunk) owns split `split` of request b."""
     BW: tl.constexpr = R // NB
@@ -512,7 +520,7 @@ def _mla_decode_stage1(
         stride_qb, stride_qs, stride_qh,
         stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
         H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
-        QK_KIND, PV_KIND, R_KIND, P_RCP, TILE,
+        QK_KIND, PV_KIND, R_KIND, P_DIV, TILE,
     )
     out, lse = _finish(acc, m_i, l_i, pi_i)
     if LSE_NATURAL:
@@ -575,7 +583,7 @@ def _mla_decode_balanced(
     LAYOUT: tl.constexpr, Q_FP8: tl.constexpr, P_FP8: tl.constexpr, Q_BITS16: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
     NATIVE: tl.constexpr, QK_KIND: tl.constexpr, PV_KIND: tl.constexpr, R_KIND: tl.constexpr,
-    P_RCP: tl.constexpr, TILE: tl.constexpr,
+    P_DIV: tl.constexpr, TILE: tl.constexpr,
 ):
     """Balanced schedule: program (part, row tile, chunk) owns pages [lo, hi) of the batch's page
     sequence, which may cover the end of one request and the start of the next ones."""
@@ -600,7 +608,7 @@ def _mla_decode_balanced(
                 stride_qb, stride_qs, stride_qh,
                 stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk, stride_bt,
                 H, S, R, D, NB, LAYOUT, Q_FP8, P_FP8, Q_BITS16, CAUSAL, BLOCK_M, PAGE, NATIVE,
-                QK_KIND, PV_KIND, R_KIND, P_RCP, TILE,
+                QK_KIND, PV_KIND, R_KIND, P_DIV, TILE,
             )
             out, lse = _finish(acc, m_i, l_i, pi_i)
             b64 = tl.cast(b, tl.int64)

@@ -8,8 +8,9 @@
 
 The kernels, their numerics (step by step against `snapquant.mla_decode_reference`), the work
 schedules (uniform / balanced) and the FP8 variants (fp8_mma, tile, p_div) are described in
-`decode_kernels.py`. Defaults are the configuration validated on the H200: uniform schedule with
-the split heuristic below, rows tile, exact P division, exact fp16 MMAs over e4m3 values.
+`decode_kernels.py`. Defaults are the fastest exact configuration measured on the H200: uniform
+schedule with the split heuristic below, the pairs tile for fp8 query and P (rows otherwise), P
+divided by the fma-corrected reciprocal (bit-identical to a division), exact fp16 MMAs over e4m3.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .paged import PagedMLACache
 _LAYOUT_ID = {"bf16": 0, "snapmla": 1, "ds_v32": 2}
 LOG2E = math.log2(math.e)
 SCHEDULES = ("uniform", "balanced")
-P_DIVS = ("exact", "rcp")
+P_DIVS = ("exact", "rcp", "fma")
 TILES = ("rows", "tokens", "pairs")
 _TILE_ID = {"rows": 0, "tokens": 1, "pairs": 2}
 # fp8_mma value -> (native FP8 MMA for QK, for PV)
@@ -137,8 +138,8 @@ def mla_decode(
     num_stages: int | None = None,
     fp8_mma: bool | str = False,
     schedule: str = "uniform",
-    p_div: str = "exact",
-    tile: str = "rows",
+    p_div: str = "fma",
+    tile: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode of `q_abs` over a paged cache; same contract as `mla_decode_reference`.
 
@@ -156,9 +157,13 @@ def mla_decode(
         fp8_mma: native FP8 MMAs (faster, but Hopper accumulates each K=32 step in ~14 bits) for
             the fp8 x fp8 products: False (exact fp16 MMAs), "qk", "pv" or True (both).
         schedule: "uniform" or "balanced" (see the module docstring).
-        p_div: "exact" or "rcp": how fp8 P is scaled (see the module docstring).
-        tile: "rows" (query rows are the MMA's M dimension) or "tokens" (swap AB: the page's 64
-            tokens are; snapmla and bf16 layouts only). See the module docstring.
+        p_div: how fp8 P = e4m3(f / pi) divides: "fma" (default: a reciprocal per row and one fma
+            correction per element, the correctly rounded quotient), "exact" (div_rn per element,
+            same bits, slower) or "rcp" (f * (1 / pi): within ~1 ulp, may flip a rounding).
+        tile: "rows" (query rows are the MMA's M dimension), "tokens" (swap AB: the page's 64
+            tokens are; snapmla and bf16 layouts only) or "pairs" (rows, with the fp8 latent read
+            as int16 pairs of codes: snapmla layout with fp8 query and P). None (default): pairs
+            where it applies, else rows (`default_tile`). See the module docstring.
 
     Returns:
         (out `[B, (S,) H, r]` fp32, lse `[B, (S,) H]` fp32 natural log); rows that see no token
@@ -216,8 +221,8 @@ def plan_decode(
     num_stages: int | None = None,
     fp8_mma: bool | str = False,
     schedule: str = "uniform",
-    p_div: str = "exact",
-    tile: str = "rows",
+    p_div: str = "fma",
+    tile: str | None = None,
     native: bool | None = None,
     num_sms: int | None = None,
 ) -> DecodePlan:
@@ -237,6 +242,8 @@ def plan_decode(
         raise unknown_choice("schedule", schedule, SCHEDULES)
     if p_div not in P_DIVS:
         raise unknown_choice("p_div", p_div, P_DIVS)
+    if tile is None:
+        tile = default_tile(ops.layout, config, fp8_mma)
     if tile not in TILES:
         raise unknown_choice("tile", tile, TILES)
     if tile == "tokens" and nb != 1:
@@ -287,7 +294,7 @@ def plan_decode(
     common = dict(
         S=S, R=r, D=d, NB=nb, LAYOUT=_LAYOUT_ID[ops.layout], Q_FP8=q_fp8, P_FP8=p_fp8,
         Q_BITS16=q.dtype == torch.bfloat16, CAUSAL=bool(causal), BLOCK_M=block_m, PAGE=PAGE_SIZE,
-        NATIVE=native, QK_KIND=qk_kind, PV_KIND=pv_kind, R_KIND=r_kind, P_RCP=p_div == "rcp",
+        NATIVE=native, QK_KIND=qk_kind, PV_KIND=pv_kind, R_KIND=r_kind, P_DIV=P_DIVS.index(p_div),
         TILE=_TILE_ID[tile], **launch,
     )
     lat_arg, lat_strides = ops.latent, ops.lat_strides
@@ -350,6 +357,15 @@ def plan_decode(
         out_v.stride(0), out_v.stride(1), lse_v.stride(0), num_splits,
     ), dict(NSPLIT_P2=triton.next_power_of_2(num_splits), NB=nb, BW=bw, NATIVE=native, **small)))
     return plan
+
+
+def default_tile(layout: str, config: KVQuantConfig, fp8_mma: bool | str = False) -> str:
+    """"pairs" where it applies (snapmla layout, fp8 query and P, exact fp16 MMAs), else "rows".
+
+    H200 (results/bench/decode_h200.md): pairs is faster than rows at every shape measured, e.g.
+    B=128 H=16 L=4096 266 vs 321 us, B=32 H=64 L=8192 332 vs 417 us (both with a reciprocal P scale)."""
+    fp8_both = config.query == "fp8_e4m3" and config.pv == "fp8_scale_fused"
+    return "pairs" if layout == "snapmla" and fp8_both and fp8_mma in (False, "none") else "rows"
 
 
 def default_parts(row_tiles_x_chunks: int, num_sms: int) -> int:
