@@ -38,7 +38,7 @@ class LatentLayer(CacheLayerMixin):
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
                                           or max_cache_len < 1):
             raise ShapeError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
-        self.max_cache_len = max_cache_len  # HF positions (padding included), as in HF's StaticCache
+        self._max_len = max_cache_len  # HF positions (padding included), as in HF's StaticCache
         self.store: DenseLatentStore | None = None
         self.seen = 0  # HF positions so far (padding included)
         # [B, seen] bool: HF positions that hold a stored token, kept as a materialized prefix plus a count
@@ -49,6 +49,16 @@ class LatentLayer(CacheLayerMixin):
         self.indexer_keys: torch.Tensor | None = None  # DSA indexer keys [B, seen, D], unquantized as in HF
         self.indexer_position_ids = None
         self.is_indexer_initialized = False
+
+    # Some transformers versions (5.17) define a read-only `max_cache_len` on Cache / cache layers
+    # (derived from the layers); this one reports the preallocation and may be set by HF's own init.
+    @property
+    def max_cache_len(self) -> int | None:
+        return self._max_len
+
+    @max_cache_len.setter
+    def max_cache_len(self, value: int | None) -> None:
+        self._max_len = value
 
     def __repr__(self) -> str:
         return f"LatentLayer({self.config.label()}, seen={self.seen})"
@@ -288,17 +298,29 @@ class LatentCache(DynamicCache):
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
                                           or max_cache_len < 1):
             raise ShapeError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
-        self.max_cache_len = max_cache_len
+        self._max_len = max_cache_len
         self.static_step = False  # set by snapquant.graphs.DecodeGraph around its fixed-shape decode step
         if model is None:
             super().__init__(**kwargs)
+            self._max_len = max_cache_len  # again: an HF __init__ may have reset it through the setter
             return
         from .models.registry import find_mla_modules
 
         super().__init__(config=model.config.get_text_config(decoder=True), **kwargs)
+        self._max_len = max_cache_len
         for _, module, adapter in find_mla_modules(model):
             r, d = adapter.dims(module)
             self._install(module.layer_idx, LatentLayer(self.kv_config, r, d, max_cache_len=max_cache_len))
+
+    # Some transformers versions (5.17) define a read-only `max_cache_len` on Cache / cache layers
+    # (derived from the layers); this one reports the preallocation and may be set by HF's own init.
+    @property
+    def max_cache_len(self) -> int | None:
+        return self._max_len
+
+    @max_cache_len.setter
+    def max_cache_len(self, value: int | None) -> None:
+        self._max_len = value
 
     def _install(self, layer_idx: int, layer: CacheLayerMixin) -> None:
         while len(self.layers) <= layer_idx:

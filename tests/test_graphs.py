@@ -9,6 +9,8 @@ identical (asserted with torch.equal; were a BLAS to reorder them, the bound wou
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -105,6 +107,11 @@ def test_bad_max_cache_len_is_refused():
 
 
 # ---------------------------------------------------------------------------------------------- DecodeGraph
+def _ck(model, cache) -> dict:
+    """The model's cache keyword: `cache` (transformers >= 5.2x) or `past_key_values` (5.17)."""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
 def _pair(family, preset, max_cache_len=64, seed=0, pads=None, **model_kw):
     """A patched bf16 tiny model and two caches with the same prompt: preallocated (graph) and default (eager)."""
     model = tiny_model(family, dtype=torch.bfloat16, **model_kw)
@@ -117,14 +124,14 @@ def _pair(family, preset, max_cache_len=64, seed=0, pads=None, **model_kw):
     c_graph = LatentCache(preset, model, max_cache_len=max_cache_len)
     c_eager = LatentCache(preset, model)
     with torch.no_grad():
-        model(ids, attention_mask=am, cache=c_graph)
-        model(ids, attention_mask=am, cache=c_eager)
+        model(ids, attention_mask=am, **_ck(model, c_graph))
+        model(ids, attention_mask=am, **_ck(model, c_eager))
     return model, c_graph, c_eager, g
 
 
 def _eager(model, cache, ids):
     with torch.no_grad():
-        return model(ids, cache=cache).logits
+        return model(ids, **_ck(model, cache)).logits
 
 
 def _same_cache(a: LatentCache, b: LatentCache):
@@ -181,7 +188,7 @@ def test_step_after_padded_prefill_matches_eager_masked_decode():
         with no_host_sync():
             got = graph.step(ids)
         with torch.no_grad():
-            want = model(ids, attention_mask=am, position_ids=pos, cache=ce).logits
+            want = model(ids, attention_mask=am, position_ids=pos, **_ck(model, ce)).logits
         assert torch.equal(got, want)
     _same_cache(cg, ce)
 
@@ -272,8 +279,8 @@ def test_cuda_graph_replay_matches_eager_triton(preset):
     cg = LatentCache(preset, model, max_cache_len=200)
     ce = LatentCache(preset, model)
     with torch.no_grad():
-        model(ids, cache=cg)
-        model(ids, cache=ce)
+        model(ids, **_ck(model, cg))
+        model(ids, **_ck(model, ce))
     graph = DecodeGraph(model, cg)
     assert graph.graph is not None
     for _ in range(5):
