@@ -310,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
     }
     print(json.dumps(env), flush=True)
+    from snapquant.bench.runner import git_commit
+
+    env["git_commit"] = git_commit()
     env["environment"] = environment()  # python, package versions, hardware (into the JSON only)
     out_path = Path(args.out)
     rows: list[dict] = []

@@ -31,7 +31,6 @@ import datetime as dt
 import json
 import math
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -60,12 +59,9 @@ def environment() -> dict:
         env["transformers"] = transformers.__version__
     except Exception:  # optional here
         env["transformers"] = None
-    try:
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                           cwd=Path(__file__).parent, timeout=10).stdout.strip()
-        env["git_commit"] = env["git_commit"] if len(env["git_commit"]) == 40 else None
-    except Exception:
-        env["git_commit"] = None
+    from snapquant.bench.runner import git_commit
+
+    env["git_commit"] = git_commit()  # SNAPQUANT_GIT_COMMIT overrides a copied tree's stale .git
     return env
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import re
 import subprocess
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------ environment
 def git_commit() -> str | None:
+    """HEAD of this checkout; SNAPQUANT_GIT_COMMIT overrides it (a copied tree whose .git is stale)."""
+    if os.environ.get("SNAPQUANT_GIT_COMMIT"):
+        return os.environ["SNAPQUANT_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=Path(__file__).resolve().parent).stdout.strip()
