@@ -23,7 +23,23 @@ from .errors import ConfigError, ShapeError
 from .presets import resolve_config
 
 
-class LatentLayer(CacheLayerMixin):
+class _MaxCacheLen:
+    """`max_cache_len` as a settable property over `_max_len`: some transformers versions (5.17) define
+    a read-only `max_cache_len` on Cache and cache layers (derived from the layers), which would make
+    the plain attribute assignment fail; this one reports the preallocation and HF's init may set it."""
+
+    _max_len: int | None = None
+
+    @property
+    def max_cache_len(self) -> int | None:
+        return self._max_len
+
+    @max_cache_len.setter
+    def max_cache_len(self, value: int | None) -> None:
+        self._max_len = value
+
+
+class LatentLayer(_MaxCacheLen, CacheLayerMixin):
     """One MLA layer's quantized latent cache, behind the HF cache-layer API."""
 
     is_sliding = False
@@ -49,16 +65,6 @@ class LatentLayer(CacheLayerMixin):
         self.indexer_keys: torch.Tensor | None = None  # DSA indexer keys [B, seen, D], unquantized as in HF
         self.indexer_position_ids = None
         self.is_indexer_initialized = False
-
-    # Some transformers versions (5.17) define a read-only `max_cache_len` on Cache / cache layers
-    # (derived from the layers); this one reports the preallocation and may be set by HF's own init.
-    @property
-    def max_cache_len(self) -> int | None:
-        return self._max_len
-
-    @max_cache_len.setter
-    def max_cache_len(self, value: int | None) -> None:
-        self._max_len = value
 
     def __repr__(self) -> str:
         return f"LatentLayer({self.config.label()}, seen={self.seen})"
@@ -279,7 +285,7 @@ class LatentLayer(CacheLayerMixin):
         return
 
 
-class LatentCache(DynamicCache):
+class LatentCache(_MaxCacheLen, DynamicCache):
     """HF cache whose MLA layers are `LatentLayer`s; other layers are the stock layers of the model config.
 
     `LatentCache("snapmla", model)` builds the layer list for a model (patched or not);
@@ -311,16 +317,6 @@ class LatentCache(DynamicCache):
         for _, module, adapter in find_mla_modules(model):
             r, d = adapter.dims(module)
             self._install(module.layer_idx, LatentLayer(self.kv_config, r, d, max_cache_len=max_cache_len))
-
-    # Some transformers versions (5.17) define a read-only `max_cache_len` on Cache / cache layers
-    # (derived from the layers); this one reports the preallocation and may be set by HF's own init.
-    @property
-    def max_cache_len(self) -> int | None:
-        return self._max_len
-
-    @max_cache_len.setter
-    def max_cache_len(self, value: int | None) -> None:
-        self._max_len = value
 
     def _install(self, layer_idx: int, layer: CacheLayerMixin) -> None:
         while len(self.layers) <= layer_idx:

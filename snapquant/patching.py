@@ -270,30 +270,29 @@ class _MLAHook:
                 rows = torch.arange(L, device=hf_pos.device).view(1, -1) < layer.lengths.view(-1, 1)
                 visibility = torch.gather(vis, 2, hf_pos[:, None, :].expand(B, S, L))
                 visibility = visibility & rows[:, None, :] & valid[:, :, None]
-        cfg = layer.config
-        backend = resolve_backend(self.state.backend, cfg, query.device)
-        round_16bit = query.dtype in (torch.bfloat16, torch.float16) if cfg.is_identity else True
-        w_uk, w_uv = self.weights()
-        tau = scaling if scaling is not None else float(self.module.qk_head_dim) ** -0.5
-        return absorbed_attention(
-            query, w_uk, w_uv, layer.store.segments(), call.positions, softmax_scale=tau, config=cfg,
-            backend=backend.fn, round_16bit=round_16bit, visibility=visibility, sinks=kwargs.get("s_aux"),
-        )
+        return self._absorbed(query, scaling, kwargs, static=False, visibility=visibility)
 
 
     def _attend_static(self, query: torch.Tensor, scaling: float | None, kwargs: dict) -> torch.Tensor:
         """The fixed-shape decode step: the whole preallocated store, valid rows given by device lengths."""
-        layer, call = self.call.layer, self.call
         if kwargs.get("indices") is not None:
             raise ConfigError("DSA top-k attention (index_topk) is not supported by the static decode step")
+        return self._absorbed(query, scaling, kwargs, static=True, visibility=None)
+
+    def _absorbed(self, query: torch.Tensor, scaling: float | None, kwargs: dict, *, static: bool,
+                  visibility: torch.Tensor | None) -> torch.Tensor:
+        """Absorbed attention over this layer's store: every segment as stored (eager), or the whole
+        preallocated capacity with device lengths and no host checks (static decode step)."""
+        layer, call = self.call.layer, self.call
         cfg = layer.config
         backend = resolve_backend(self.state.backend, cfg, query.device)
         round_16bit = query.dtype in (torch.bfloat16, torch.float16) if cfg.is_identity else True
         w_uk, w_uv = self.weights()
         tau = scaling if scaling is not None else float(self.module.qk_head_dim) ** -0.5
         return absorbed_attention(
-            query, w_uk, w_uv, layer.store.segments(static=True), call.positions, softmax_scale=tau, config=cfg,
-            backend=static_backend(backend), round_16bit=round_16bit, sinks=kwargs.get("s_aux"),
+            query, w_uk, w_uv, layer.store.segments(static=static), call.positions, softmax_scale=tau,
+            config=cfg, backend=static_backend(backend) if static else backend.fn, round_16bit=round_16bit,
+            visibility=visibility, sinks=kwargs.get("s_aux"),
         )
 
 

@@ -25,12 +25,7 @@ from snapquant.reference.absorb import absorb_query, project_output, split_bf16
 B, L = 3, 10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------------- no_host_sync

@@ -158,6 +158,25 @@ def _query_rows(
 
 
 @triton.jit
+def _run_state(BLOCK_M: tl.constexpr):
+    """Online-softmax state of a run of pages, per query row: (m = -inf, l = 0, pi = 1, pi_max = 0);
+    pi_max is the largest P scale so far, in the current max's units (the floor of `_page_weights`)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    pi_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    pi_max = tl.full([BLOCK_M], 0.0, tl.float32)
+    return m_i, l_i, pi_i, pi_max
+
+
+@triton.jit
+def _page_of(BT, b64, stride_bt, p, length, PAGE: tl.constexpr):
+    """Page id (int64) of page p of request b, its token positions, and which of them are cached."""
+    page = tl.load(BT + b64 * stride_bt + p).to(tl.int64)
+    pos = p * PAGE + tl.arange(0, PAGE)
+    return page, pos, pos < length
+
+
+@triton.jit
 def _online_softmax(x, m_i, AXIS: tl.constexpr, NATIVE: tl.constexpr):
     """One page of the log2-domain online softmax, tokens along AXIS: (m_new, e, alpha). Rows with
     nothing visible yet keep m = -inf (their e and alpha are then exp2(-inf) = 0)."""
@@ -229,17 +248,12 @@ def _attend(
 
     offs_n = tl.arange(0, PAGE)
     offs_w = tl.arange(0, BW)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    pi_i = tl.full([BLOCK_M], 1.0, tl.float32)
-    pi_max = tl.full([BLOCK_M], 0.0, tl.float32)  # largest pi so far, in the current max's units
+    m_i, l_i, pi_i, pi_max = _run_state(BLOCK_M)
     acc = tl.full([BLOCK_M, BW], 0.0, tl.float32)
     zero_qk = tl.full([BLOCK_M, PAGE], 0.0, tl.float32)
 
     for p in range(p_lo, p_hi):
-        page = tl.load(BT + b64 * stride_bt + p).to(tl.int64)
-        pos = p * PAGE + offs_n
-        tok_ok = pos < length
+        page, pos, tok_ok = _page_of(BT, b64, stride_bt, p, length, PAGE)
         lat_rows = LAT + page * stride_lp + offs_n[:, None] * stride_lt  # [PAGE, 1]
         s_ptr = SCALE + page * stride_sp + offs_n * stride_st
 
@@ -315,17 +329,12 @@ def _attend_tokens(
     coef = sm_scale_log2 * sigma
 
     offs_n = tl.arange(0, PAGE)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    pi_i = tl.full([BLOCK_M], 1.0, tl.float32)
-    pi_max = tl.full([BLOCK_M], 0.0, tl.float32)
+    m_i, l_i, pi_i, pi_max = _run_state(BLOCK_M)
     acc_t = tl.full([R, BLOCK_M], 0.0, tl.float32)
     zero_s = tl.full([PAGE, BLOCK_M], 0.0, tl.float32)
 
     for p in range(p_lo, p_hi):
-        page = tl.load(BT + b64 * stride_bt + p).to(tl.int64)
-        pos = p * PAGE + offs_n
-        tok_ok = pos < length
+        page, pos, tok_ok = _page_of(BT, b64, stride_bt, p, length, PAGE)
         c = _load_latent(LAT + page * stride_lp + offs_n[:, None] * stride_lt + offs_r[None, :], tok_ok[:, None],
                          LAYOUT)
         if LAYOUT == 0:
@@ -407,18 +416,13 @@ def _attend_pairs(
     coef = sm_scale_log2 * sigma
 
     offs_n = tl.arange(0, PAGE)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    pi_i = tl.full([BLOCK_M], 1.0, tl.float32)
-    pi_max = tl.full([BLOCK_M], 0.0, tl.float32)
+    m_i, l_i, pi_i, pi_max = _run_state(BLOCK_M)
     acc_even = tl.full([BLOCK_M, HALF], 0.0, tl.float32)
     acc_odd = tl.full([BLOCK_M, HALF], 0.0, tl.float32)
     zero_qk = tl.full([BLOCK_M, PAGE], 0.0, tl.float32)
 
     for p in range(p_lo, p_hi):
-        page = tl.load(BT + b64 * stride_bt + p).to(tl.int64)
-        pos = p * PAGE + offs_n
-        tok_ok = pos < length
+        page, pos, tok_ok = _page_of(BT, b64, stride_bt, p, length, PAGE)
         c2 = tl.load(LAT16 + page * stride_lp + offs_n[:, None] * stride_lt + offs_h[None, :],
                      mask=tok_ok[:, None], other=0)
         c_even, c_odd = _e4m3_pairs_to_f16(c2, NATIVE)
