@@ -371,3 +371,18 @@ def test_p_division_modes_on_rounding_midpoints():
     assert torch.equal(got["exact"], want)
     assert torch.equal(got["fma"], want)
     assert not torch.equal(got["rcp"], want)  # the probe does reach the cases that matter
+
+
+def test_default_splits_fill_the_last_wave():
+    """About 2 programs per SM, but never a last wave that is mostly empty (one program per SM runs at a
+    time): 32 requests on 132 SMs take 8 splits (256 programs, 2 full waves), not 9 (288: 3 waves)."""
+    from snapquant.kernels.mla_decode import _default_splits
+
+    assert _default_splits(32, 256, 132) == 8
+    assert _default_splits(64, 512, 132) == 4  # 320 programs would be 3 waves for 2.4 of work
+    for programs, pages, want in ((128, 64, 3), (8, 512, 33), (4, 128, 64), (2, 512, 64), (256, 64, 2)):
+        assert _default_splits(programs, pages, 132) == want  # already-full waves keep the old count
+    for programs in range(1, 300):
+        s = _default_splits(programs, 512, 132)
+        total = programs * s
+        assert 1 <= s <= 64 and (total / (-(-total // 132) * 132) >= 0.9 or s in (1, 64))
