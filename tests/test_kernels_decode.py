@@ -375,11 +375,12 @@ def test_p_division_modes_on_rounding_midpoints():
 
 def test_default_splits_fill_the_last_wave():
     """About 2 programs per SM, but never a last wave that is mostly empty (one program per SM runs at a
-    time): 32 requests on 132 SMs take 8 splits (256 programs, 2 full waves), not 9 (288: 3 waves)."""
+    time): 32 requests on 132 SMs take 12 splits (384 programs, 3 full waves), not 9 (288: 2.2 of 3)."""
     from snapquant.kernels.mla_decode import _default_splits
 
-    assert _default_splits(32, 256, 132) == 8
-    assert _default_splits(64, 512, 132) == 4  # 320 programs would be 3 waves for 2.4 of work
+    assert _default_splits(32, 256, 132) == 12  # 384 programs: 3 full waves (9 splits: 288, 2.2 of 3)
+    assert _default_splits(64, 512, 132) == 6  # 384, not 320 programs
+    assert _default_splits(32, 10, 132) == 8  # at most 10 pages: fewer splits then
     for programs, pages, want in ((128, 64, 3), (8, 512, 33), (4, 128, 64), (2, 512, 64), (256, 64, 2)):
         assert _default_splits(programs, pages, 132) == want  # already-full waves keep the old count
     for programs in range(1, 300):
