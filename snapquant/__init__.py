@@ -35,6 +35,7 @@ _LAZY = {
     "patched_config": "patching",
     "LatentCache": "cache", "LatentLayer": "cache",
     "load_embedded": "embedded", "EMBEDDED_PATH": "embedded",  # the shipped trained model (issue 4)
+    "DecodeGraph": "graphs", "no_host_sync": "graphs",  # CUDA-graph decode steps (issue 7)
 }
 __all__ += list(_LAZY)
 
