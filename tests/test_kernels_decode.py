@@ -387,3 +387,18 @@ def test_default_splits_fill_the_last_wave():
         s = _default_splits(programs, 512, 132)
         total = programs * s
         assert 1 <= s <= 64 and (total / (-(-total // 132) * 132) >= 0.9 or s in (1, 64))
+
+
+def test_maxnreg_reaches_gpu_launches_and_is_validated():
+    """maxnreg (a register cap, e.g. two resident programs per SM) is a launch option of GPU plans only."""
+    from snapquant.errors import ShapeError
+    from snapquant.kernels.mla_decode import KernelOperands, plan_decode
+
+    cache = PagedMLACache.empty(2, 128, 512, 64, SNAPMLA, device="meta")
+    q = torch.empty(2, 1, 16, 576, dtype=torch.bfloat16, device="meta")
+    ops = KernelOperands.from_paged(cache)
+    plan = plan_decode(q, ops, 0.1, SNAPMLA, 2, maxnreg=128, num_stages=1, native=True, num_sms=132)
+    assert plan.launches[0].kwargs["maxnreg"] == 128 and plan.launches[0].kwargs["num_stages"] == 1
+    assert "maxnreg" not in plan_decode(q, ops, 0.1, SNAPMLA, 2, native=True, num_sms=132).launches[0].kwargs
+    with pytest.raises(ShapeError, match="maxnreg"):
+        plan_decode(q, ops, 0.1, SNAPMLA, 2, maxnreg=0, native=True, num_sms=132)

@@ -166,6 +166,14 @@ VARIANTS: tuple[Variant, ...] = (
     _v("snapmla+s3", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_stages=3),
     _v("snapmla+fp8mma", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", tol=1e-2, where="headline",
        fp8_mma=True, note="native FP8 MMA for QK and PV (PV needs an 8-bit transpose)"),
+    # Two programs per SM (static, sm_90: 128 registers with 144-176 B of spills, 92 KB of shared memory
+    # with one stage): latency hidden by a second resident program instead of prefetching. Unmeasured.
+    _v("snapmla+occ2", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="small_rows", num_stages=1,
+       maxnreg=128, note="1 stage, 128 registers: two resident programs per SM"),
+    _v("snapmla+occ2+balanced4", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="small_rows",
+       num_stages=1, maxnreg=128, schedule="balanced", parts_per_sm=4),
+    _v("bf16+occ2", "bf16", "bf16", priority=1, check="bf16", where="small_rows", maxnreg=128,
+       note="128 registers, default stages (95 KB): two resident programs per SM"),
     _v("bf16+w16", "bf16", "bf16", priority=2, check="bf16", where="headline", num_warps=16),
     _v("snapmla+w16", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_warps=16,
        note="16 warps: 128 registers per thread, twice the warps to hide latency at one program per SM"),

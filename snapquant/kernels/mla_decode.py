@@ -140,6 +140,7 @@ def mla_decode(
     schedule: str = "uniform",
     p_div: str = "fma",
     tile: str | None = None,
+    maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode of `q_abs` over a paged cache; same contract as `mla_decode_reference`.
 
@@ -153,7 +154,8 @@ def mla_decode(
             GPU); balanced schedule: parts of the whole batch's pages (default 2 per SM per row tile).
         causal: with S > 1, query token i sees positions < length - (S - 1 - i).
         check_bounds: validate lengths and the block table first (one device sync).
-        block_m, num_warps, num_stages: tuning knobs (rows per program; launch parameters).
+        block_m, num_warps, num_stages, maxnreg: tuning knobs (rows per program; launch
+            parameters; maxnreg caps registers per thread, GPU only).
         fp8_mma: native FP8 MMAs (faster, but Hopper accumulates each K=32 step in ~14 bits) for
             the fp8 x fp8 products: False (exact fp16 MMAs), "qk", "pv" or True (both).
         schedule: "uniform" or "balanced" (see the module docstring).
@@ -172,7 +174,7 @@ def mla_decode(
     return mla_decode_plan(q_abs, paged_cache, softmax_scale, config, num_splits, causal=causal,
                            check_bounds=check_bounds, block_m=block_m, num_warps=num_warps,
                            num_stages=num_stages, fp8_mma=fp8_mma, schedule=schedule, p_div=p_div,
-                           tile=tile).run()
+                           tile=tile, maxnreg=maxnreg).run()
 
 
 def mla_decode_plan(
@@ -219,6 +221,7 @@ def plan_decode(
     block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
     fp8_mma: bool | str = False,
     schedule: str = "uniform",
     p_div: str = "fma",
@@ -271,7 +274,7 @@ def plan_decode(
         raise ShapeError(f"num_splits must be a positive int, got {num_splits!r}")
     if schedule == "balanced" and num_splits > MAX_PARTS:
         raise ShapeError(f"num_splits={num_splits} parts is above the balanced schedule's limit {MAX_PARTS}")
-    for name, v in (("num_warps", num_warps), ("num_stages", num_stages)):
+    for name, v in (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ShapeError(f"{name} must be a positive int, got {v!r}")
 
@@ -293,6 +296,8 @@ def plan_decode(
         # H200 runs (2.81 TB/s); 2 everywhere else (3 stages cost 30-60 % at 64-row tiles)
         stages = 3 if ops.layout == "bf16" and block_m == 16 else 2
         launch = {"num_warps": num_warps or 8, "num_stages": num_stages or stages}
+        if maxnreg is not None:  # a register cap, e.g. 128 with 8 warps lets two programs share an SM
+            launch["maxnreg"] = maxnreg
     q_arg = q.view(torch.int16) if q.dtype == torch.bfloat16 else q
     common = dict(
         S=S, R=r, D=d, NB=nb, LAYOUT=_LAYOUT_ID[ops.layout], Q_FP8=q_fp8, P_FP8=p_fp8,
