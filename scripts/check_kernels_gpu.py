@@ -237,7 +237,7 @@ def check_subnormal_codes() -> dict:
     a, la = mla_decode(q, cache, 0.07, config, num_splits=1, tile="rows")
     rel = ((a - b).norm() / a.norm()).item()
     ok = bool(torch.isfinite(b).all()) and rel <= 1e-3 and (la - lb).abs().max().item() <= 1e-3
-    return {"part": "decode", "case": "pairs vs default on subnormal codes", "ok": ok, "rel_l2": rel}
+    return {"part": "decode", "case": "pairs vs rows tile on subnormal codes", "ok": ok, "rel_l2": rel}
 
 
 def check_fma_division_bitwise(B: int, H: int, L: int, tile: str) -> dict:

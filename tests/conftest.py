@@ -15,9 +15,10 @@ def _seed_and_threads():
     yield
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def one_thread():
-    """One torch CPU thread for the test (many small ops: a busy 2-core box stalls parallel regions)."""
+    """One torch CPU thread per module (many tiny ops: on a shared 2-core box OpenMP barrier stalls
+    cost ~10 ms per bmm). Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -19,12 +19,7 @@ from snapquant.models.tiny import available_families, tiny_model
 R, D = 32, 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _filled_layer(config="snapmla", seed=0):

@@ -31,12 +31,7 @@ from snapquant.quant.scales import get_scale_format
 R, D = 64, 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _chunks(B=3, sizes=(7, 1, 5, 1, 1), seed=0, pad_first=(0, 2, 5)):

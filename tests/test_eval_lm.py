@@ -6,20 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 pytest.importorskip("lm_eval")
 
 from snapquant import PRESETS
 from snapquant.models.tiny import tiny_model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _char_tokenizer():

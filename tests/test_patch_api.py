@@ -17,12 +17,7 @@ from snapquant.patching import ATTN_IMPLEMENTATION, is_patched, patched_config
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_non_mla_model_is_refused_naming_the_class():

@@ -23,13 +23,7 @@ SUPPORTED = [f for f in available_families() if f not in REFUSED]
 TOL = 1e-4  # max |diff| / max |logit|
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny ops: one thread avoids OpenMP barrier stalls on a shared 2-core box (10 ms per bmm otherwise).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _variants(family: str) -> list[dict]:

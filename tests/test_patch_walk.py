@@ -20,12 +20,7 @@ from snapquant.models.tiny import FAMILIES, available_families, tiny_model
 CLASSES = mla_attention_classes()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_the_walk_finds_the_known_families():
