@@ -162,6 +162,8 @@ KNOBBED = {  # kernel variants checked like the defaults: name -> (config name, 
     "snapmla+rows+exact": ("snapmla", {"tile": "rows", "p_div": "exact"}),
     "snapmla+rcp+balanced": ("snapmla", {"p_div": "rcp", "schedule": "balanced"}),
 }
+GLUON = {"snapmla+gluon": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H <= 16
+         "snapmla+gluon+exact+s2": ("snapmla", {"tile": "gluon", "p_div": "exact", "num_stages": 2})}
 
 
 def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: int | None,
@@ -375,6 +377,7 @@ def main() -> int:
     ap.add_argument("--out", default="results/kernels", help="output directory")
     ap.add_argument("--quick", action="store_true", help="a few cases only (smoke test)")
     ap.add_argument("--no-bench", action="store_true", help="skip the timing")
+    ap.add_argument("--only", default=None, help="run only the cases whose label contains this text")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this script checks the compiled kernels on a GPU", file=sys.stderr)
@@ -388,6 +391,8 @@ def main() -> int:
 
     append_cases = [("snapmla", PRESETS["snapmla"]), ("ds_v32", PRESETS["ds_v32"]), ("bf16", PRESETS["bf16"])]
     for name, cfg in append_cases:
+        if args.only and args.only not in f"append {name}":
+            continue
         for dtype in (torch.bfloat16, torch.float32):
             rows.append(run_case(check_append, name, cfg, dtype, label=f"append {name}"))
             if args.quick:
@@ -409,11 +414,20 @@ def main() -> int:
                   (["snapmla"], 4, 128, 4096, 2, None)]
     knobbed = [(list(KNOBBED), B, H, L, S, ns) for B, H, L, S, ns in
                ((128, 16, 4096, 1, None), (64, 16, 4096, 2, None), (32, 64, 8192, 1, None), (4, 128, 32768, 1, None))]
-    for names, B, H, L, S, ns in shapes + ([] if args.quick else knobbed):
+    gluon = [(list(GLUON), B, H, L, S, ns) for B, H, L, S, ns in
+             ((128, 16, 4096, 1, None), (128, 16, 4096, 1, 1), (4, 16, 32768, 1, None), (64, 8, 4096, 2, None),
+              (8, 16, 1000, 1, 3))]
+    if torch.cuda.get_device_capability()[0] != 9:
+        gluon = []
+    for names, B, H, L, S, ns in shapes + ([] if args.quick else knobbed + gluon):
         for name in names:
-            cfg_name, knobs = KNOBBED.get(name, (name, None))
+            cfg_name, knobs = {**KNOBBED, **GLUON}.get(name, (name, None))
+            if args.only and args.only not in f"{name} B={B} H={H} L={L} s_q={S}":
+                continue
             rows.append(run_case(check_decode, name, configs[cfg_name], B, H, L, S, ns, knobs,
                                  label=f"{name} B={B} H={H} L={L} s_q={S}"))
+    if args.only:
+        return finish(args, env, rows, t_start)
     rows.append(run_case(check_subnormal_codes, label="pairs: subnormal e4m3 codes"))
     for B, H, L in ((128, 16, 4096), (32, 64, 8192), (4, 128, 32768)):
         for tile in ("pairs", "rows"):
@@ -427,7 +441,10 @@ def main() -> int:
                 rows.append(row)
                 print(f"[BENCH] {row['case']}: " + (f"{row['us']:.1f} us  {row['GB/s']:.0f} GB/s  "
                       f"{row['TFLOP/s']:.1f} TFLOP/s" if row["ok"] else row["detail"]), flush=True)
+    return finish(args, env, rows, t_start)
 
+
+def finish(args, env: dict, rows: list[dict], t_start: float) -> int:
     n_fail = sum(not r["ok"] for r in rows)
     summary = {"passed": len(rows) - n_fail, "failed": n_fail, "seconds": round(time.perf_counter() - t_start, 1)}
     print(f"\nSUMMARY: {summary['passed']} passed, {summary['failed']} failed in {summary['seconds']} s")

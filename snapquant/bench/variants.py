@@ -32,7 +32,7 @@ from .shapes import HEADLINE, DecodeShape
 
 FAMILIES = ("bf16", "fp8", "torch")
 IMPLS = ("kernel", "torch_matmul", "torch_sdpa")
-WHERE = ("all", "headline", "small_rows", "small_rows_headline")
+WHERE = ("all", "headline", "small_rows", "small_rows_headline", "rows16")
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,8 @@ class Variant:
             return small
         if self.where == "small_rows_headline":
             return small and shape.name in HEADLINE
+        if self.where == "rows16":  # tile="gluon": one 16-row tile per request
+            return shape.heads * shape.q_tokens <= 16
         return True
 
     def kernel_kwargs(self, shape: DecodeShape, num_sms: int) -> dict[str, Any]:
@@ -174,6 +176,13 @@ VARIANTS: tuple[Variant, ...] = (
        num_stages=1, maxnreg=128, schedule="balanced", parts_per_sm=4),
     _v("bf16+occ2", "bf16", "bf16", priority=1, check="bf16", where="small_rows", maxnreg=128,
        note="128 registers, default stages (95 KB): two resident programs per SM"),
+    # Gluon: TMA ring + swap-AB wgmma (snapquant/kernels/gluon_decode.py), one 16-row tile per request
+    _v("snapmla+gluon", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
+       note="Gluon kernel: TMA page ring, fp16 tile in shared memory, swap-AB wgmma (tokens = M)"),
+    _v("snapmla+gluon+s4", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="rows16", tile="gluon",
+       num_stages=4),
+    _v("snapmla+gluon+s2", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="rows16", tile="gluon",
+       num_stages=2),
     _v("bf16+w16", "bf16", "bf16", priority=2, check="bf16", where="headline", num_warps=16),
     _v("snapmla+w16", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_warps=16,
        note="16 warps: 128 registers per thread, twice the warps to hide latency at one program per SM"),

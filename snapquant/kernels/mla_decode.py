@@ -42,11 +42,12 @@ _LAYOUT_ID = {"bf16": 0, "snapmla": 1, "ds_v32": 2}
 LOG2E = math.log2(math.e)
 SCHEDULES = ("uniform", "balanced")
 P_DIVS = ("exact", "rcp", "fma")
-TILES = ("rows", "tokens", "pairs")
-_TILE_ID = {"rows": 0, "tokens": 1, "pairs": 2}
+TILES = ("rows", "tokens", "pairs", "gluon")
+_TILE_ID = {"rows": 0, "tokens": 1, "pairs": 2, "gluon": 2}  # gluon: a separate kernel (gluon_decode.py)
 # fp8_mma value -> (native FP8 MMA for QK, for PV)
 _FP8_MMA = {False: (False, False), True: (True, True), "none": (False, False), "qk": (True, False),
             "pv": (False, True), "both": (True, True)}
+GLUON_ROWS = 16  # tile="gluon": query rows per program
 MAX_PARTS = 8192  # balanced schedule: partial buffers are [parts + B, rows, r] fp32
 
 
@@ -251,16 +252,22 @@ def plan_decode(
         raise unknown_choice("tile", tile, TILES)
     if tile == "tokens" and nb != 1:
         raise ConfigError(f"tile='tokens' needs one scale per token; the {ops.layout} layout has {nb} scale blocks")
-    if tile == "pairs" and (ops.layout != "snapmla" or config.query != "fp8_e4m3" or config.pv != "fp8_scale_fused"
+    if tile == "gluon" and schedule != "uniform":
+        raise ConfigError("tile='gluon' runs the uniform schedule only")
+    if tile in ("pairs", "gluon") and (ops.layout != "snapmla" or config.query != "fp8_e4m3" or config.pv != "fp8_scale_fused"
                             or fp8_mma not in (False, "none")):
-        raise ConfigError(f"tile='pairs' runs the snapmla layout with an fp8 query, fp8 P and exact fp16 MMAs; got the "
+        raise ConfigError(f"tile={tile!r} runs the snapmla layout with an fp8 query, fp8 P and exact fp16 MMAs; got the "
                           f"{ops.layout} layout, query={config.query!r}, pv={config.pv!r}, fp8_mma={fp8_mma!r}")
     if not isinstance(fp8_mma, (bool, str)) or fp8_mma not in _FP8_MMA:
         raise unknown_choice("fp8_mma", fp8_mma, [str(k) for k in _FP8_MMA])
     native = (not interpreting(dev)) if native is None else bool(native)
+    if tile == "gluon":
+        _check_gluon(ops, q.shape[1] * q.shape[2], native)
     sms = num_sms if num_sms is not None else _num_sms(dev)
     bw = r // nb
     rows = S * H
+    if tile == "gluon":
+        block_m = GLUON_ROWS  # the kernel's wgmma N
     if block_m is None:
         block_m = min(64, max(16, triton.next_power_of_2(rows)))
     _check_pow2("block_m", block_m, 16)
@@ -348,12 +355,17 @@ def plan_decode(
     else:
         o_part = torch.empty(B, rows, num_splits, r, dtype=torch.float32, device=dev)
         lse_part = torch.empty(B, rows, num_splits, nb, dtype=torch.float32, device=dev)
-    plan.launches.append(KernelLaunch("decode_uniform", _mla_decode_stage1, (B, m_blocks, num_splits * nb), (
-        q_arg, lat_arg, ops.rope, ops.scale, ops.block_table, ops.lengths, o_part, lse_part,
-        float(softmax_scale) * LOG2E, *cache_args,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), H, num_splits,
-    ), dict(LSE_NATURAL=num_splits == 1, **common)))
+    if tile == "gluon":
+        plan.launches.append(_gluon_launch(q, ops, o_part, lse_part, float(softmax_scale) * LOG2E, num_splits,
+                                           bool(causal), P_DIVS.index(p_div), num_stages or 3, num_warps or 4))
+        knobs.update(num_warps=num_warps or 4, num_stages=num_stages or 3)
+    else:
+        plan.launches.append(KernelLaunch("decode_uniform", _mla_decode_stage1, (B, m_blocks, num_splits * nb), (
+            q_arg, lat_arg, ops.rope, ops.scale, ops.block_table, ops.lengths, o_part, lse_part,
+            float(softmax_scale) * LOG2E, *cache_args,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), H, num_splits,
+        ), dict(LSE_NATURAL=num_splits == 1, **common)))
     if num_splits == 1:
         if nb > 1:  # the final LSE is chunk 0's
             plan.epilogue = functools.partial(lse_v.copy_, lse_part[:, :, 0, 0])
@@ -365,6 +377,36 @@ def plan_decode(
         out_v.stride(0), out_v.stride(1), lse_v.stride(0), num_splits,
     ), dict(NSPLIT_P2=triton.next_power_of_2(num_splits), NB=nb, BW=bw, NATIVE=native, **small)))
     return plan
+
+
+def _check_gluon(ops: KernelOperands, rows: int, native: bool) -> None:
+    from .gluon_decode import gluon_unsupported_reason
+
+    if not native:
+        raise ConfigError("tile='gluon' needs a Hopper GPU (Gluon kernels have no interpreter mode)")
+    if ops.device.type == "cuda" and torch.cuda.get_device_capability(ops.device)[0] != 9:
+        raise ConfigError(f"tile='gluon' runs on Hopper (sm_90) only, not {torch.cuda.get_device_name(ops.device)}")
+    reason = gluon_unsupported_reason(ops.layout, True, True, rows, ops.kv_lora_rank, ops.rope_dim, ops.latent,
+                                      ops.lat_strides, ops.rope, ops.rope_strides)
+    if reason is not None:
+        raise ConfigError(reason)
+
+
+def _gluon_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, stages, warps):
+    """The Gluon page loop (`gluon_decode`) as stage 1 of the uniform schedule."""
+    from .gluon_decode import _snapmla_decode_gluon, make_descriptors
+
+    B, S, H, _ = q.shape
+    (lp, lt), (rp, rt) = ops.lat_strides, ops.rope_strides
+    lat_desc, rope_desc = make_descriptors(ops.latent, lt, ops.rope.view(torch.bfloat16), rt)
+    args = (q, lat_desc, rope_desc, ops.scale, ops.block_table, ops.lengths, o_part, lse_part, sm_scale_log2,
+            q.stride(0), q.stride(1), q.stride(2), lp // lt, rp // rt, ops.scale_strides[0], ops.scale_strides[1],
+            ops.block_table.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), H, num_splits)
+    return KernelLaunch("decode_gluon", _snapmla_decode_gluon, (B, 1, num_splits), args, dict(
+        S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, STAGES=stages, CAUSAL=causal, P_DIV=p_div,
+        LSE_NATURAL=num_splits == 1, num_warps=warps))
 
 
 def default_tile(layout: str, config: KVQuantConfig, fp8_mma: bool | str = False) -> str:

@@ -1,0 +1,283 @@
+"""The snapmla decode's page loop written in Gluon (Triton's explicit-layout dialect), Hopper only.
+
+Plain Triton leaves the H = 16 FP8 page loop latency-bound (docs/perf-notes.md section 6): one
+8-warp program per SM spends ~800 instructions per page on conversions, layout shuffles and
+barriers, and the fp8 tile is only prefetched in its int16-pairs disguise. Gluon lets the kernel say
+what plain Triton decides for it:
+
+  * TMA: the page's fp8 latent ([64, r], as r / 128 boxes of 128 codes) and bf16 RoPE rows go into
+    a ring of STAGES shared-memory slots, each with an mbarrier that counts the bytes in; a page is
+    requested STAGES - 1 pages before it is used, so HBM always has pages in flight.
+  * one conversion per page: fp8 codes -> an fp16 tile in shared memory (exact: fp16 holds every
+    e4m3 value), read by both products; tokens past the request's length become exact zeros there
+    (a TMA slot may hold the next request's rows, or garbage codes such as NaN).
+  * swap AB, so no rows are padded: the page's 64 tokens are wgmma's M dimension and the query rows
+    (16) its N. S^T = C Q^T ([64, r] x [r, 16], plus R Q_r^T for RoPE), softmax per column, then
+    O^T += C^T P^T with A = the same fp16 tile read transposed (wgmma reads 16-bit A operands in
+    either major order) and P^T ([64, 16]) staged in shared memory.
+  * the softmax and P quantization are `decode_kernels._page_weights`'s arithmetic, with the
+    fma-corrected division (P_DIV 2) by default: the same numbers as tile="pairs" up to fp32
+    summation order inside the MMAs.
+
+One program = one (request, 16-row tile, split) as in the uniform schedule of
+`decode_kernels._mla_decode_stage1`; its partial output and LSE go to the same buffers and the same
+combine kernel merges them. The launcher is `mla_decode.plan_decode(tile="gluon")`; eligibility
+(`gluon_unsupported_reason`) is checked on the host. Gluon has no interpreter: this file compiles
+for sm_90 on any machine (tests compile it), and it runs on a Hopper GPU only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+try:  # Gluon ships with triton >= 3.5; older installs simply have no tile="gluon"
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # the TMA load was renamed between triton 3.6 (the H200 image) and 3.9 (CI)
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed triton
+    HAVE_GLUON = False
+
+LN2 = math.log(2.0)
+BOX = 128  # fp8 codes per TMA box row: 128 bytes, the widest swizzle
+ROWS = 16  # query rows per program (wgmma N)
+
+
+def gluon_unsupported_reason(layout: str, q_fp8: bool, p_fp8: bool, rows: int, r: int, d: int,
+                             lat: torch.Tensor, lat_strides: tuple[int, int], rope: torch.Tensor,
+                             rope_strides: tuple[int, int]) -> str | None:
+    """Why tile="gluon" cannot run these operands (None when it can)."""
+    if not HAVE_GLUON:
+        return "this triton has no Gluon (triton.experimental.gluon)"
+    if layout != "snapmla" or not (q_fp8 and p_fp8):
+        return f"tile='gluon' runs the snapmla layout with an fp8 query and fp8 P, got {layout} (q fp8 {q_fp8}, P fp8 {p_fp8})"
+    if rows > ROWS:
+        return f"tile='gluon' takes at most {ROWS} query rows (S * H) per request, got {rows}"
+    if r % BOX or d * 2 > 128 or d < 8:
+        return f"tile='gluon' needs kv_lora_rank a multiple of {BOX} and 8 <= rope_dim <= 64, got {r}, {d}"
+    for name, t, (sp, st), size in (("latent", lat, lat_strides, 1), ("rope", rope, rope_strides, 2)):
+        if t.stride(-1) != 1 or (st * size) % 16 or t.data_ptr() % 16 or sp % st:
+            return (f"tile='gluon' needs the {name} rows 16-byte aligned, contiguous and a page stride that is a "
+                    f"multiple of the row stride (TMA), got strides {tuple(t.stride())}")
+    return None
+
+
+def _rows_view(t: torch.Tensor, row_stride: int) -> tuple[list[int], list[int]]:
+    """Shape and strides of `t` seen as one 2-D table of rows (every row start a multiple of
+    `row_stride` elements from the first): what the TMA descriptor addresses by row index."""
+    last = sum((n - 1) * s for n, s in zip(t.shape[:-1], t.stride()[:-1], strict=True))
+    return [last // row_stride + 1, t.shape[-1]], [row_stride, 1]
+
+
+def make_descriptors(lat: torch.Tensor, lat_row: int, rope_bf16: torch.Tensor, rope_row: int) -> tuple[Any, Any]:
+    """TMA descriptors of the fp8 latent (boxes [64, 128]) and the bf16 RoPE (boxes [64, d])."""
+    shape, strides = _rows_view(lat, lat_row)
+    lat_layout = gl.NVMMASharedLayout.get_default_for([64, BOX], gl.float8e4nv)
+    lat_desc = TensorDescriptor(lat, shape, strides, [64, BOX], lat_layout)
+    shape, strides = _rows_view(rope_bf16, rope_row)
+    d = rope_bf16.shape[-1]
+    rope_layout = gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16)
+    rope_desc = TensorDescriptor(rope_bf16, shape, strides, [64, d], rope_layout)
+    return lat_desc, rope_desc
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, slot, page, lat_page_rows, rope_page_rows,
+                    pred, NBOX: gl.constexpr, BOXW: gl.constexpr):
+        """Ask the TMA unit for one page (latent boxes and RoPE rows) into ring slot `slot`."""
+        bar = bars.index(slot)
+        lat_row = (page * lat_page_rows).to(gl.int32)
+        rope_row = (page * rope_page_rows).to(gl.int32)
+        mbarrier.expect(bar, NBOX * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
+        for k in gl.static_range(NBOX):
+            tma_load(lat_desc, [lat_row, k * BOXW], bar, lat_smem.index(slot * NBOX + k),
+                                            pred=pred)
+        tma_load(rope_desc, [rope_row, 0], bar, rope_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _snapmla_decode_gluon(
+        Q, lat_desc, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
+        stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
+        stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
+        H, NSPLIT,
+        S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        BN: gl.constexpr = 16  # query rows (wgmma N)
+        BOXW: gl.constexpr = 128
+        NBOX: gl.constexpr = R // BOXW
+        E4M3_MAX: gl.constexpr = 448.0
+        BF16_MAX: gl.constexpr = 3.3895313892515355e38
+        SCALE_FLOOR: gl.constexpr = 2.0**-86
+        PI_REL_FLOOR: gl.constexpr = 2.0**-40
+        PI_ABS_FLOOR: gl.constexpr = 2.0**-100
+
+        # ---- layouts: the MMA accumulator (tokens or channels x rows), and plain blocked tiles
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BN, 16])
+        tok_l: gl.constexpr = gl.SliceLayout(1, mma_l)  # along M (tokens / channels)
+        row_l: gl.constexpr = gl.SliceLayout(0, mma_l)  # along N (query rows)
+        cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # 16 codes = 16 B
+        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+
+        b = gl.program_id(0)
+        row0 = gl.program_id(1) * BN
+        split = gl.program_id(2)
+        b64 = b.to(gl.int64)
+        length = gl.load(LENS + b)
+        n_pages = (length + PAGE - 1) // PAGE
+        per_split = (n_pages + NSPLIT - 1) // NSPLIT
+        p_lo = split * per_split
+        n_run = gl.maximum(gl.minimum(p_lo + per_split, n_pages) - p_lo, 0)
+
+        # ---- shared memory: the TMA ring, the fp16 tile, the query operands, P^T, the barriers
+        lat_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * NBOX, PAGE, BOXW], lat_desc.layout)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
+        c16_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], gl.float16)
+        c16_smem = gl.allocate_shared_memory(gl.float16, [PAGE, R], c16_l)
+        q_smem = gl.allocate_shared_memory(gl.float16, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16))
+        p_smem = gl.allocate_shared_memory(gl.float16, [PAGE, BN], gl.NVMMASharedLayout.get_default_for([PAGE, BN], gl.float16))
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+
+        # ---- prologue: the first STAGES - 1 pages in flight before anything else
+        bt_row = BT + b64 * stride_bt + p_lo
+        for s in gl.static_range(STAGES - 1):
+            ok = s < n_run
+            page = gl.load(bt_row + s, mask=ok, other=0).to(gl.int64)
+            _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
+                        ok, NBOX, BOXW)
+
+        # ---- query: per-row fp8 scale sigma, q^ = e4m3(q / sigma) as fp16, q~r = bf16(q_r / sigma)
+        rows_q = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, q_l))
+        rq_ok = rows_q < S * H
+        q_row = Q + b64 * stride_qb + (rows_q // H) * stride_qs + (rows_q % H) * stride_qh
+        offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, q_l))
+        q = gl.load(q_row[:, None] + offs_r[None, :], mask=rq_ok[:, None], other=0.0).to(gl.float32)
+        amax = gl.max(gl.abs(q), 1)
+        sigma = gl.div_rn(amax, gl.full_like(amax, E4M3_MAX))
+        sigma = gl.where(amax == 0, 1.0, gl.maximum(sigma, SCALE_FLOOR))
+        qn = gl.div_rn(q, gl.expand_dims(sigma, 1) + gl.zeros_like(q))
+        qn = gl.minimum(gl.maximum(qn, -E4M3_MAX), E4M3_MAX)
+        q_smem.store(qn.to(gl.float8e4nv).to(gl.float16))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
+        qr = gl.load(q_row[:, None] + R + offs_d[None, :], mask=rq_ok[:, None], other=0.0).to(gl.float32)
+        qr = gl.div_rn(qr, gl.expand_dims(sigma, 1) + gl.zeros_like(qr))
+        qr_smem.store(gl.minimum(gl.maximum(qr, -BF16_MAX), BF16_MAX).to(gl.bfloat16))
+
+        rows = row0 + gl.arange(0, BN, layout=row_l)
+        row_ok = rows < S * H
+        if CAUSAL:  # query token i of S sees cache positions < length - (S - 1 - i)
+            limit = length - (S - 1 - rows // H)
+        else:
+            limit = length + 0 * rows
+        limit = gl.where(row_ok, limit, 0)
+        coef = sm_scale_log2 * gl.convert_layout(sigma, row_l)
+
+        m_i = gl.full([BN], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([BN], gl.float32, row_l)
+        pi_i = gl.full([BN], 1.0, gl.float32, row_l)
+        pi_max = gl.zeros([BN], gl.float32, row_l)
+        acc = gl.zeros([R, BN], gl.float32, mma_l)  # O^T
+        zero_s = gl.zeros([PAGE, BN], gl.float32, mma_l)
+        offs_t = gl.arange(0, PAGE, layout=tok_l)
+        offs_tc = gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))
+        fence_async_shared()
+
+        # page ids one iteration ahead of the TMA issue, scales one page ahead of their use
+        ahead = STAGES - 1
+        page_next = gl.load(bt_row + ahead, mask=ahead < n_run, other=0).to(gl.int64)
+        page_cur = gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64)
+        s_cur = gl.load(SCALE + page_cur * stride_sp + offs_t * stride_st,
+                        mask=(p_lo * PAGE + offs_t) < length, other=0.0)
+        for it in range(n_run):
+            slot = it % STAGES
+            # the slot of page it - 1 is free (its reads finished before last iteration's barriers)
+            nxt = it + ahead
+            _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
+                        rope_page_rows, nxt < n_run, NBOX, BOXW)
+            page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
+            page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
+            base = (p_lo + it) * PAGE
+            s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
+                             mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
+
+            mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
+            # fp8 codes -> fp16 tile (tokens past the length -> 0)
+            tok_ok_c = (base + offs_tc) < length
+            for k in gl.static_range(NBOX):
+                c8 = lat_smem.index(slot * NBOX + k).load(cvt_l)
+                c16 = gl.where(gl.expand_dims(tok_ok_c, 1), c8.to(gl.float16), 0.0)
+                c16_smem.slice(k * BOXW, BOXW, dim=1).store(c16)
+            fence_async_shared()
+
+            # scores^T [PAGE, BN]: NoPE (fp16 products of e4m3 values) + RoPE (bf16), fp32 accumulation
+            qk = warpgroup_mma(c16_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
+
+            pos = base + offs_t
+            x = (gl.expand_dims(s_cur, 1) * (qk + rd)) * gl.expand_dims(coef, 0)
+            x = gl.where(gl.expand_dims(pos, 1) < gl.expand_dims(limit, 0), x, float("-inf"))
+            # online softmax over the page's tokens (axis 0), log2 domain
+            m_new = gl.maximum(m_i, gl.max(x, 0))
+            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+            e = gl.exp2(x - gl.expand_dims(m_ref, 0))
+            alpha = gl.exp2(m_i - m_ref)
+            # fp8_scale_fused P: pi = max f / 448 (floored), P^ = e4m3(f / pi)
+            f = e * gl.expand_dims(s_cur, 1)
+            f_max = gl.max(f, 0)
+            pi_floor = gl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
+            pi_new = gl.where(f_max > 0, gl.maximum(gl.div_rn(f_max, gl.full_like(f_max, E4M3_MAX)), pi_floor), pi_i)
+            pi_max = gl.maximum(pi_max * alpha, pi_new)
+            pi_b = gl.expand_dims(pi_new, 0) + zero_s
+            if P_DIV == 0:
+                y = gl.div_rn(f, pi_b)
+            else:
+                r_inv = gl.expand_dims(gl.div_rn(gl.full_like(pi_new, 1.0), pi_new), 0) + zero_s
+                y = f * r_inv
+                if P_DIV == 2:  # Markstein: one fma correction gives the correctly rounded quotient
+                    y = gl.fma(gl.fma(-y, pi_b, f), r_inv, y)
+            p8 = gl.minimum(gl.maximum(y, -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
+            rescale = gl.div_rn(alpha * pi_i, pi_new)
+            l_i = rescale * l_i + gl.div_rn(gl.sum(e, 0), pi_new)
+            pi_i = pi_new
+            m_i = m_new
+
+            p_smem.store(p8.to(gl.float16))
+            fence_async_shared()
+            # O^T [R, BN] += C^T P^T: the same fp16 tile, read transposed
+            acc = warpgroup_mma(c16_smem.permute((1, 0)), p_smem, acc * gl.expand_dims(rescale, 0), is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            s_cur = s_next
+
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
+
+        # ---- out = acc / l, lse = m + log2(l pi) (rows that saw nothing: 0 and -inf)
+        empty = l_i == 0.0
+        out = acc / gl.expand_dims(gl.where(empty, 1.0, l_i), 0)
+        lse = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i * pi_i)))
+        if LSE_NATURAL:
+            lse = lse * 0.6931471805599453
+        offs_c = gl.arange(0, R, layout=tok_l)
+        o_ptr = O_PART + b64 * stride_ob + split * stride_os + gl.expand_dims(rows * stride_om, 0) + gl.expand_dims(offs_c, 1)
+        gl.store(o_ptr, out, mask=gl.expand_dims(row_ok, 0) & gl.expand_dims(offs_c < R, 1))
+        gl.store(LSE_PART + b64 * stride_lb + rows * stride_lm + split * stride_ls, lse, mask=row_ok)
