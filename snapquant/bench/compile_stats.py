@@ -96,7 +96,12 @@ def compile_launch(launch: Any, arch: int = 90) -> Any:
             constexprs[(i,)] = v
         elif a:
             attrs[(i,)] = a
-    src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
+    if getattr(kernel, "is_gluon", lambda: False)():  # a Gluon kernel (tile="gluon") has its own source type
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
+    else:
+        src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 

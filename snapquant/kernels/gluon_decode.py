@@ -110,6 +110,14 @@ if HAVE_GLUON:
         tma_load(rope_desc, [rope_row, 0], bar, rope_smem.index(slot), pred=pred)
 
     @gluon.jit
+    def _e4m3_to_f16(c8):
+        """e4m3 codes -> exact fp16 values, four codes (one 32-bit register) per asm instance: two
+        cvt.rn.f16x2.e4m3x2 on the register's halves (the generic cast shuffles bytes first)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [c8.to(gl.int8, bitcast=True)], dtype=gl.float16, is_pure=True, pack=4)
+
+    @gluon.jit
     def _snapmla_decode_gluon(
         Q, lat_desc, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
         stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
@@ -220,12 +228,17 @@ if HAVE_GLUON:
                              mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
 
             mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
-            # fp8 codes -> fp16 tile (tokens past the length -> 0)
-            tok_ok_c = (base + offs_tc) < length
-            for k in gl.static_range(NBOX):
-                c8 = lat_smem.index(slot * NBOX + k).load(cvt_l)
-                c16 = gl.where(gl.expand_dims(tok_ok_c, 1), c8.to(gl.float16), 0.0)
-                c16_smem.slice(k * BOXW, BOXW, dim=1).store(c16)
+            # fp8 codes -> fp16 tile; on a request's last page, tokens past its length -> 0
+            if base + PAGE <= length:
+                for k in gl.static_range(NBOX):
+                    c8 = lat_smem.index(slot * NBOX + k).load(cvt_l)
+                    c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
+            else:
+                tok_ok_c = gl.expand_dims((base + offs_tc) < length, 1)
+                for k in gl.static_range(NBOX):
+                    c8 = lat_smem.index(slot * NBOX + k).load(cvt_l)
+                    c8 = gl.where(tok_ok_c, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True)
+                    c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
             fence_async_shared()
 
             # scores^T [PAGE, BN]: NoPE (fp16 products of e4m3 values) + RoPE (bf16), fp32 accumulation

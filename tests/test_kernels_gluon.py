@@ -1,0 +1,103 @@
+"""tile="gluon": the Gluon snapmla decode kernel (snapquant/kernels/gluon_decode.py).
+
+Gluon has no interpreter, so on CPU the kernel is compiled for Hopper (sm_90) and its structure is
+checked (TMA copies, wgmma, no register spills, shared memory within the SM's 227 KB), and the host
+side's refusals are checked; the numbers are checked against the reference on a GPU (`-m gpu`, and
+`scripts/check_kernels_gpu.py`)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from snapquant import PRESETS, mla_decode_reference
+from snapquant.bench.compile_stats import decode_compile_stats
+from snapquant.bench.shapes import uniform_shape
+from snapquant.bench.variants import BY_NAME
+from snapquant.errors import ConfigError
+from snapquant.kernels import PagedMLACache, mla_decode
+from snapquant.kernels.gluon_decode import HAVE_GLUON, gluon_unsupported_reason
+
+needs_gluon = pytest.mark.skipif(not HAVE_GLUON, reason="this triton has no Gluon")
+SMEM_LIMIT = 227 * 1024  # H100 / H200 shared memory per block (opt-in maximum)
+
+
+@needs_gluon
+def test_gluon_kernel_compiles_for_sm90_with_tma_and_wgmma():
+    rows = decode_compile_stats(BY_NAME["snapmla+gluon"], uniform_shape(8, 16, 2048))
+    assert [r["kernel"] for r in rows] == ["decode_gluon", "combine"]
+    st = rows[0]
+    assert "error" not in st, st.get("error")
+    # QK 32 + RoPE 4 + PV 32 wgmma instructions per page at r = 512 (m64n16k16), no mma.sync
+    assert st["wgmma"] == 68 and st["mma_sync"] == 0
+    assert st["async_loads"] > 0 and st["cvt_e4m3"] > 0
+    assert 0 < st["smem"] <= SMEM_LIMIT
+    if st.get("regs") is None:
+        pytest.skip("cuobjdump not bundled with this triton: no register report")
+    assert st["regs"] <= 255 and st["spill_bytes"] == 0
+
+
+def _cache(B=2, L=100, H=16):
+    cfg = PRESETS["snapmla"]
+    cache = PagedMLACache.empty(B, L, 512, 64, cfg)
+    q = torch.randn(B, H, 576)
+    return cfg, cache, q
+
+
+def test_gluon_tile_refuses_cpu_with_a_clear_error():
+    cfg, cache, q = _cache()
+    with pytest.raises(ConfigError, match="Hopper"):
+        mla_decode(q, cache, 0.1, cfg, tile="gluon")
+
+
+def test_gluon_tile_refuses_other_formats_and_schedules():
+    cfg, cache, q = _cache()
+    with pytest.raises(ConfigError, match="tile='gluon'.*snapmla"):
+        mla_decode(q, cache, 0.1, cfg.replace(query="bf16"), tile="gluon")
+    with pytest.raises(ConfigError, match="uniform"):
+        mla_decode(q, cache, 0.1, cfg, tile="gluon", schedule="balanced")
+
+
+@needs_gluon
+def test_gluon_unsupported_reason_names_the_field():
+    lat = torch.empty(4, 64, 512, dtype=torch.float8_e4m3fn, device="meta")
+    rope = torch.empty(4, 64, 64, dtype=torch.int16, device="meta")
+    ok = gluon_unsupported_reason("snapmla", True, True, 16, 512, 64, lat, (64 * 512, 512), rope, (64 * 64, 64))
+    assert ok is None
+    assert "rows" in gluon_unsupported_reason("snapmla", True, True, 32, 512, 64, lat, (64 * 512, 512), rope,
+                                              (64 * 64, 64))
+    assert "snapmla" in gluon_unsupported_reason("ds_v32", True, True, 16, 512, 64, lat, (64 * 512, 512), rope,
+                                                 (64 * 64, 64))
+    assert "kv_lora_rank" in gluon_unsupported_reason("snapmla", True, True, 16, 96, 64, lat, (64 * 512, 512), rope,
+                                                      (64 * 64, 64))
+    odd = torch.empty(4, 64, 520, dtype=torch.float8_e4m3fn, device="meta")[..., :512]
+    assert "TMA" in gluon_unsupported_reason("snapmla", True, True, 16, 512, 64, odd, (64 * 520, 520), rope,
+                                             (64 * 64, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("B,H,S,L,splits", [(6, 16, 1, 700, None), (3, 8, 2, 130, 1), (5, 16, 1, 64, 3)])
+def test_gluon_kernel_matches_the_reference(B, H, S, L, splits):
+    """Against `mla_decode_reference` (CPU, the definitive semantics) on requests of mixed lengths
+    (partial pages, empty splits): the same arithmetic up to fp32 summation order inside the MMAs."""
+    torch.manual_seed(B * 100 + L)
+    cfg = PRESETS["snapmla"]
+    lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
+    cache = PagedMLACache.empty(B, L, 512, 64, cfg, device="cuda")
+    cache.append(torch.randn(B, L, 512, device="cuda"), torch.randn(B, L, 64, device="cuda"))
+    cache.lengths.copy_(lengths.cuda())  # shorter requests leave written tokens past their length
+    q = torch.randn(B, S, H, 576, device="cuda").to(torch.bfloat16)
+    tau = 1 / math.sqrt(192)
+    out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon")
+    base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="pairs")
+    kv = cache.to_quantized_kv(int(cache.lengths.max())).to("cpu")
+    ref, ref_lse = mla_decode_reference(q.cpu(), kv, cache.lengths.cpu(), tau, cfg)
+    rel = ((out.cpu() - ref).norm() / ref.norm()).item()
+    assert rel < 2e-3, rel
+    assert (lse.cpu() - ref_lse).abs().max().item() < 1e-3
+    assert ((out - base).norm() / base.norm()).item() < 2e-3
+    assert torch.allclose(lse, base_lse, atol=1e-4)
