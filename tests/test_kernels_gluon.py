@@ -54,7 +54,7 @@ def test_gluon_tile_refuses_cpu_with_a_clear_error():
 
 def test_gluon_tile_refuses_other_formats_and_schedules():
     cfg, cache, q = _cache()
-    with pytest.raises(ConfigError, match="tile='gluon'.*snapmla"):
+    with pytest.raises(ConfigError, match=r"tile='gluon'.*snapmla"):
         mla_decode(q, cache, 0.1, cfg.replace(query="bf16"), tile="gluon")
     with pytest.raises(ConfigError, match="uniform"):
         mla_decode(q, cache, 0.1, cfg, tile="gluon", schedule="balanced")
