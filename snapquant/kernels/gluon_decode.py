@@ -41,6 +41,7 @@ try:  # Gluon ships with triton >= 3.5; older installs simply have no tile="gluo
         mbarrier,
         tma,
         warpgroup_mma,
+        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -124,7 +125,8 @@ if HAVE_GLUON:
         stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
         H, NSPLIT,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
+        CAUSAL: gl.constexpr, P_DIV: gl.constexpr, QK_FP8: gl.constexpr, LSE_NATURAL: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         BN: gl.constexpr = 16  # query rows (wgmma N)
         BOXW: gl.constexpr = 128
@@ -138,6 +140,8 @@ if HAVE_GLUON:
         # ---- layouts: the MMA accumulator (tokens or channels x rows), and plain blocked tiles
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, BN, 16])
+        mma8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 32])
         tok_l: gl.constexpr = gl.SliceLayout(1, mma_l)  # along M (tokens / channels)
         row_l: gl.constexpr = gl.SliceLayout(0, mma_l)  # along N (query rows)
         cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # 16 codes = 16 B
@@ -158,7 +162,12 @@ if HAVE_GLUON:
         rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
         c16_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], gl.float16)
         c16_smem = gl.allocate_shared_memory(gl.float16, [PAGE, R], c16_l)
-        q_smem = gl.allocate_shared_memory(gl.float16, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
+        if QK_FP8:  # native e4m3 QK straight from the TMA slots (opt-in, fp8_mma="qk")
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BN, R],
+                                               gl.NVMMASharedLayout.get_default_for([BN, R], gl.float8e4nv))
+        else:
+            q_smem = gl.allocate_shared_memory(gl.float16, [BN, R],
+                                               gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16))
         p_smem = gl.allocate_shared_memory(gl.float16, [PAGE, BN], gl.NVMMASharedLayout.get_default_for([PAGE, BN], gl.float16))
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -184,7 +193,10 @@ if HAVE_GLUON:
         sigma = gl.where(amax == 0, 1.0, gl.maximum(sigma, SCALE_FLOOR))
         qn = gl.div_rn(q, gl.expand_dims(sigma, 1) + gl.zeros_like(q))
         qn = gl.minimum(gl.maximum(qn, -E4M3_MAX), E4M3_MAX)
-        q_smem.store(qn.to(gl.float8e4nv).to(gl.float16))
+        if QK_FP8:
+            q_smem.store(qn.to(gl.float8e4nv))
+        else:
+            q_smem.store(qn.to(gl.float8e4nv).to(gl.float16))
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
         qr = gl.load(q_row[:, None] + R + offs_d[None, :], mask=rq_ok[:, None], other=0.0).to(gl.float32)
         qr = gl.div_rn(qr, gl.expand_dims(sigma, 1) + gl.zeros_like(qr))
@@ -203,7 +215,7 @@ if HAVE_GLUON:
         l_i = gl.zeros([BN], gl.float32, row_l)
         pi_i = gl.full([BN], 1.0, gl.float32, row_l)
         pi_max = gl.zeros([BN], gl.float32, row_l)
-        acc = gl.zeros([R, BN], gl.float32, mma_l)  # O^T
+        acc = warpgroup_mma_init(gl.zeros([R, BN], gl.float32, mma_l))  # O^T, carried as an async accumulator
         zero_s = gl.zeros([PAGE, BN], gl.float32, mma_l)
         offs_t = gl.arange(0, PAGE, layout=tok_l)
         offs_tc = gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))
@@ -228,6 +240,16 @@ if HAVE_GLUON:
                              mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
 
             mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
+            if QK_FP8:  # the tensor cores start on QK while the warps convert the tile for PV
+                qk = gl.zeros([PAGE, BN], gl.float32, mma8_l)  # fp8 wgmma: k = 32 per instruction
+                for k in gl.static_range(NBOX):
+                    qk = warpgroup_mma(lat_smem.index(slot * NBOX + k), q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)),
+                                       qk, use_acc=k > 0, max_num_imprecise_acc=32, is_async=True)
+                rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
+                acc_t = warpgroup_mma_wait(num_outstanding=NBOX + 1, deps=(acc,))  # last page's PV
+            else:
+                acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # last page's PV read the tile
             # fp8 codes -> fp16 tile; on a request's last page, tokens past its length -> 0
             if base + PAGE <= length:
                 for k in gl.static_range(NBOX):
@@ -241,10 +263,13 @@ if HAVE_GLUON:
                     c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
             fence_async_shared()
 
-            # scores^T [PAGE, BN]: NoPE (fp16 products of e4m3 values) + RoPE (bf16), fp32 accumulation
-            qk = warpgroup_mma(c16_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            # scores^T [PAGE, BN]: NoPE (products of e4m3 values) + RoPE (bf16), fp32 accumulation
+            if not QK_FP8:
+                qk = warpgroup_mma(c16_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
             qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
+            qk = gl.convert_layout(qk, mma_l)  # the same register layout (no data movement)
 
             pos = base + offs_t
             x = (gl.expand_dims(s_cur, 1) * (qk + rd)) * gl.expand_dims(coef, 0)
@@ -277,9 +302,10 @@ if HAVE_GLUON:
             p_smem.store(p8.to(gl.float16))
             fence_async_shared()
             # O^T [R, BN] += C^T P^T: the same fp16 tile, read transposed
-            acc = warpgroup_mma(c16_smem.permute((1, 0)), p_smem, acc * gl.expand_dims(rescale, 0), is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            # (waited for at the next page, or after the loop)
+            acc = warpgroup_mma(c16_smem.permute((1, 0)), p_smem, acc_t * gl.expand_dims(rescale, 0), is_async=True)
             s_cur = s_next
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))

@@ -254,8 +254,9 @@ def plan_decode(
         raise ConfigError(f"tile='tokens' needs one scale per token; the {ops.layout} layout has {nb} scale blocks")
     if tile == "gluon" and schedule != "uniform":
         raise ConfigError("tile='gluon' runs the uniform schedule only")
-    if tile in ("pairs", "gluon") and (ops.layout != "snapmla" or config.query != "fp8_e4m3" or config.pv != "fp8_scale_fused"
-                            or fp8_mma not in (False, "none")):
+    mma_ok = (False, "none", "qk") if tile == "gluon" else (False, "none")
+    if tile in ("pairs", "gluon") and (ops.layout != "snapmla" or config.query != "fp8_e4m3"
+                                       or config.pv != "fp8_scale_fused" or fp8_mma not in mma_ok):
         raise ConfigError(f"tile={tile!r} runs the snapmla layout with an fp8 query, fp8 P and exact fp16 MMAs; got the "
                           f"{ops.layout} layout, query={config.query!r}, pv={config.pv!r}, fp8_mma={fp8_mma!r}")
     if not isinstance(fp8_mma, (bool, str)) or fp8_mma not in _FP8_MMA:
@@ -357,7 +358,8 @@ def plan_decode(
         lse_part = torch.empty(B, rows, num_splits, nb, dtype=torch.float32, device=dev)
     if tile == "gluon":
         plan.launches.append(_gluon_launch(q, ops, o_part, lse_part, float(softmax_scale) * LOG2E, num_splits,
-                                           bool(causal), P_DIVS.index(p_div), num_stages or 3, num_warps or 4))
+                                           bool(causal), P_DIVS.index(p_div), fp8_mma == "qk", num_stages or 3,
+                                           num_warps or 4))
         knobs.update(num_warps=num_warps or 4, num_stages=num_stages or 3)
     else:
         plan.launches.append(KernelLaunch("decode_uniform", _mla_decode_stage1, (B, m_blocks, num_splits * nb), (
@@ -392,7 +394,7 @@ def _check_gluon(ops: KernelOperands, rows: int, native: bool) -> None:
         raise ConfigError(reason)
 
 
-def _gluon_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, stages, warps):
+def _gluon_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, qk_fp8, stages, warps):
     """The Gluon page loop (`gluon_decode`) as stage 1 of the uniform schedule."""
     from .gluon_decode import _snapmla_decode_gluon, make_descriptors
 
@@ -406,7 +408,7 @@ def _gluon_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p
             lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), H, num_splits)
     return KernelLaunch("decode_gluon", _snapmla_decode_gluon, (B, 1, num_splits), args, dict(
         S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, STAGES=stages, CAUSAL=causal, P_DIV=p_div,
-        LSE_NATURAL=num_splits == 1, num_warps=warps))
+        QK_FP8=qk_fp8, LSE_NATURAL=num_splits == 1, num_warps=warps))
 
 
 def default_tile(layout: str, config: KVQuantConfig, fp8_mma: bool | str = False) -> str:
