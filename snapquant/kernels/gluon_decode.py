@@ -52,7 +52,6 @@ try:  # Gluon ships with triton >= 3.5; older installs simply have no tile="gluo
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
-LN2 = math.log(2.0)
 BOX = 128  # fp8 codes per TMA box row: 128 bytes, the widest swizzle
 ROWS = 16  # query rows per program (wgmma N)
 
@@ -96,6 +95,13 @@ def make_descriptors(lat: torch.Tensor, lat_row: int, rope_bf16: torch.Tensor, r
 
 
 if HAVE_GLUON:
+    # globals read inside Gluon functions must be constexpr
+    LN2 = gl.constexpr(math.log(2.0))
+    E4M3_MAX = gl.constexpr(448.0)
+    BF16_MAX = gl.constexpr(3.3895313892515355e38)  # largest finite bf16
+    SCALE_FLOOR = gl.constexpr(2.0**-86)  # snapquant.quant.scales.SCALE_FLOOR
+    PI_REL_FLOOR = gl.constexpr(2.0**-40)  # decode_kernels: P scale floors
+    PI_ABS_FLOOR = gl.constexpr(2.0**-100)
 
     @gluon.jit
     def _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, slot, page, lat_page_rows, rope_page_rows,
@@ -119,6 +125,76 @@ if HAVE_GLUON:
             "=r,=r,r", [c8.to(gl.int8, bitcast=True)], dtype=gl.float16, is_pure=True, pack=4)
 
     @gluon.jit
+    def _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S: gl.constexpr,
+                        R: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, QK_FP8: gl.constexpr, q_l: gl.constexpr):
+        """Stores q^ = e4m3(q / sigma) (as fp16, or e4m3 for a native fp8 QK) and q~r = bf16(q_r / sigma)
+        of the program's BN query rows into shared memory; returns sigma = amax(q) / 448 per row."""
+        rows_q = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, q_l))
+        rq_ok = rows_q < S * H
+        q_row = Q + b64 * stride_qb + (rows_q // H) * stride_qs + (rows_q % H) * stride_qh
+        offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, q_l))
+        q = gl.load(q_row[:, None] + offs_r[None, :], mask=rq_ok[:, None], other=0.0).to(gl.float32)
+        amax = gl.max(gl.abs(q), 1)
+        sigma = gl.div_rn(amax, gl.full_like(amax, E4M3_MAX))
+        sigma = gl.where(amax == 0, 1.0, gl.maximum(sigma, SCALE_FLOOR))
+        qn = gl.div_rn(q, gl.expand_dims(sigma, 1) + gl.zeros_like(q))
+        qn = gl.minimum(gl.maximum(qn, -E4M3_MAX), E4M3_MAX)
+        if QK_FP8:
+            q_smem.store(qn.to(gl.float8e4nv))
+        else:
+            q_smem.store(qn.to(gl.float8e4nv).to(gl.float16))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
+        qr = gl.load(q_row[:, None] + R + offs_d[None, :], mask=rq_ok[:, None], other=0.0).to(gl.float32)
+        qr = gl.div_rn(qr, gl.expand_dims(sigma, 1) + gl.zeros_like(qr))
+        qr_smem.store(gl.minimum(gl.maximum(qr, -BF16_MAX), BF16_MAX).to(gl.bfloat16))
+        return sigma
+
+    @gluon.jit
+    def _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, P_DIV: gl.constexpr):
+        """One page of the online softmax and of fp8_scale_fused P, tokens along axis 0 (the arithmetic
+        of `decode_kernels._online_softmax` and `_page_weights`): raw = <q^, c^> + <q~r, r~> per
+        (token, row) -> (P^ as e4m3, accumulator rescale beta, m, l, pi, pi_max)."""
+        x = (gl.expand_dims(s_cur, 1) * raw) * gl.expand_dims(coef, 0)
+        x = gl.where(gl.expand_dims(pos, 1) < gl.expand_dims(limit, 0), x, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(x, 0))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        e = gl.exp2(x - gl.expand_dims(m_ref, 0))
+        alpha = gl.exp2(m_i - m_ref)
+        # pi = max f / 448 (floored), P^ = e4m3(f / pi), f = e times the token scale
+        f = e * gl.expand_dims(s_cur, 1)
+        f_max = gl.max(f, 0)
+        pi_floor = gl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
+        pi_new = gl.where(f_max > 0, gl.maximum(gl.div_rn(f_max, gl.full_like(f_max, E4M3_MAX)), pi_floor), pi_i)
+        pi_max = gl.maximum(pi_max * alpha, pi_new)
+        pi_b = gl.expand_dims(pi_new, 0) + zero_s
+        if P_DIV == 0:
+            y = gl.div_rn(f, pi_b)
+        else:
+            r_inv = gl.expand_dims(gl.div_rn(gl.full_like(pi_new, 1.0), pi_new), 0) + zero_s
+            y = f * r_inv
+            if P_DIV == 2:  # Markstein: one fma correction gives the correctly rounded quotient
+                y = gl.fma(gl.fma(-y, pi_b, f), r_inv, y)
+        p8 = gl.minimum(gl.maximum(y, -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
+        rescale = gl.div_rn(alpha * pi_i, pi_new)
+        l_i = rescale * l_i + gl.div_rn(gl.sum(e, 0), pi_new)
+        return p8, rescale, m_new, l_i, pi_new, pi_max
+
+    @gluon.jit
+    def _store_result(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
+                      stride_lb, stride_lm, stride_ls, R: gl.constexpr, LSE_NATURAL: gl.constexpr, tok_l: gl.constexpr):
+        """out = acc / l (acc is O^T), lse = m + log2(l pi); rows that saw nothing give 0 and -inf."""
+        empty = l_i == 0.0
+        out = acc / gl.expand_dims(gl.where(empty, 1.0, l_i), 0)
+        lse = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i * pi_i)))
+        if LSE_NATURAL:
+            lse = lse * LN2
+        offs_c = gl.arange(0, R, layout=tok_l)
+        o_ptr = (O_PART + b64 * stride_ob + split * stride_os + gl.expand_dims(rows * stride_om, 0)
+                 + gl.expand_dims(offs_c, 1))
+        gl.store(o_ptr, out, mask=gl.expand_dims(row_ok, 0) & gl.expand_dims(offs_c < R, 1))
+        gl.store(LSE_PART + b64 * stride_lb + rows * stride_lm + split * stride_ls, lse, mask=row_ok)
+
+    @gluon.jit
     def _snapmla_decode_gluon(
         Q, lat_desc, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
         stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
@@ -131,11 +207,6 @@ if HAVE_GLUON:
         BN: gl.constexpr = 16  # query rows (wgmma N)
         BOXW: gl.constexpr = 128
         NBOX: gl.constexpr = R // BOXW
-        E4M3_MAX: gl.constexpr = 448.0
-        BF16_MAX: gl.constexpr = 3.3895313892515355e38
-        SCALE_FLOOR: gl.constexpr = 2.0**-86
-        PI_REL_FLOOR: gl.constexpr = 2.0**-40
-        PI_ABS_FLOOR: gl.constexpr = 2.0**-100
 
         # ---- layouts: the MMA accumulator (tokens or channels x rows), and plain blocked tiles
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -183,25 +254,8 @@ if HAVE_GLUON:
                         ok, NBOX, BOXW)
 
         # ---- query: per-row fp8 scale sigma, q^ = e4m3(q / sigma) as fp16, q~r = bf16(q_r / sigma)
-        rows_q = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, q_l))
-        rq_ok = rows_q < S * H
-        q_row = Q + b64 * stride_qb + (rows_q // H) * stride_qs + (rows_q % H) * stride_qh
-        offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, q_l))
-        q = gl.load(q_row[:, None] + offs_r[None, :], mask=rq_ok[:, None], other=0.0).to(gl.float32)
-        amax = gl.max(gl.abs(q), 1)
-        sigma = gl.div_rn(amax, gl.full_like(amax, E4M3_MAX))
-        sigma = gl.where(amax == 0, 1.0, gl.maximum(sigma, SCALE_FLOOR))
-        qn = gl.div_rn(q, gl.expand_dims(sigma, 1) + gl.zeros_like(q))
-        qn = gl.minimum(gl.maximum(qn, -E4M3_MAX), E4M3_MAX)
-        if QK_FP8:
-            q_smem.store(qn.to(gl.float8e4nv))
-        else:
-            q_smem.store(qn.to(gl.float8e4nv).to(gl.float16))
-        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
-        qr = gl.load(q_row[:, None] + R + offs_d[None, :], mask=rq_ok[:, None], other=0.0).to(gl.float32)
-        qr = gl.div_rn(qr, gl.expand_dims(sigma, 1) + gl.zeros_like(qr))
-        qr_smem.store(gl.minimum(gl.maximum(qr, -BF16_MAX), BF16_MAX).to(gl.bfloat16))
-
+        sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, QK_FP8,
+                                q_l)
         rows = row0 + gl.arange(0, BN, layout=row_l)
         row_ok = rows < S * H
         if CAUSAL:  # query token i of S sees cache positions < length - (S - 1 - i)
@@ -271,34 +325,8 @@ if HAVE_GLUON:
             qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
             qk = gl.convert_layout(qk, mma_l)  # the same register layout (no data movement)
 
-            pos = base + offs_t
-            x = (gl.expand_dims(s_cur, 1) * (qk + rd)) * gl.expand_dims(coef, 0)
-            x = gl.where(gl.expand_dims(pos, 1) < gl.expand_dims(limit, 0), x, float("-inf"))
-            # online softmax over the page's tokens (axis 0), log2 domain
-            m_new = gl.maximum(m_i, gl.max(x, 0))
-            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-            e = gl.exp2(x - gl.expand_dims(m_ref, 0))
-            alpha = gl.exp2(m_i - m_ref)
-            # fp8_scale_fused P: pi = max f / 448 (floored), P^ = e4m3(f / pi)
-            f = e * gl.expand_dims(s_cur, 1)
-            f_max = gl.max(f, 0)
-            pi_floor = gl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
-            pi_new = gl.where(f_max > 0, gl.maximum(gl.div_rn(f_max, gl.full_like(f_max, E4M3_MAX)), pi_floor), pi_i)
-            pi_max = gl.maximum(pi_max * alpha, pi_new)
-            pi_b = gl.expand_dims(pi_new, 0) + zero_s
-            if P_DIV == 0:
-                y = gl.div_rn(f, pi_b)
-            else:
-                r_inv = gl.expand_dims(gl.div_rn(gl.full_like(pi_new, 1.0), pi_new), 0) + zero_s
-                y = f * r_inv
-                if P_DIV == 2:  # Markstein: one fma correction gives the correctly rounded quotient
-                    y = gl.fma(gl.fma(-y, pi_b, f), r_inv, y)
-            p8 = gl.minimum(gl.maximum(y, -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
-            rescale = gl.div_rn(alpha * pi_i, pi_new)
-            l_i = rescale * l_i + gl.div_rn(gl.sum(e, 0), pi_new)
-            pi_i = pi_new
-            m_i = m_new
-
+            p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(qk + rd, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
+                                                          pi_max, zero_s, P_DIV)
             p_smem.store(p8.to(gl.float16))
             fence_async_shared()
             # O^T [R, BN] += C^T P^T: the same fp16 tile, read transposed
@@ -310,13 +338,5 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
-        # ---- out = acc / l, lse = m + log2(l pi) (rows that saw nothing: 0 and -inf)
-        empty = l_i == 0.0
-        out = acc / gl.expand_dims(gl.where(empty, 1.0, l_i), 0)
-        lse = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i * pi_i)))
-        if LSE_NATURAL:
-            lse = lse * 0.6931471805599453
-        offs_c = gl.arange(0, R, layout=tok_l)
-        o_ptr = O_PART + b64 * stride_ob + split * stride_os + gl.expand_dims(rows * stride_om, 0) + gl.expand_dims(offs_c, 1)
-        gl.store(o_ptr, out, mask=gl.expand_dims(row_ok, 0) & gl.expand_dims(offs_c < R, 1))
-        gl.store(LSE_PART + b64 * stride_lb + rows * stride_lm + split * stride_ls, lse, mask=row_ok)
+        _store_result(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
+                      stride_lb, stride_lm, stride_ls, R, LSE_NATURAL, tok_l)
