@@ -80,8 +80,9 @@ def test_gluon_unsupported_reason_names_the_field():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
+@pytest.mark.parametrize("tile", ["gluon", "gluon_ws"])
 @pytest.mark.parametrize("B,H,S,L,splits", [(6, 16, 1, 700, None), (3, 8, 2, 130, 1), (5, 16, 1, 64, 3)])
-def test_gluon_kernel_matches_the_reference(B, H, S, L, splits):
+def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, tile):
     """Against `mla_decode_reference` (CPU, the definitive semantics) on requests of mixed lengths
     (partial pages, empty splits): the same arithmetic up to fp32 summation order inside the MMAs."""
     torch.manual_seed(B * 100 + L)
@@ -92,7 +93,7 @@ def test_gluon_kernel_matches_the_reference(B, H, S, L, splits):
     cache.lengths.copy_(lengths.cuda())  # shorter requests leave written tokens past their length
     q = torch.randn(B, S, H, 576, device="cuda").to(torch.bfloat16)
     tau = 1 / math.sqrt(192)
-    out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon")
+    out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile=tile)
     base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="pairs")
     kv = cache.to_quantized_kv(int(cache.lengths.max())).to("cpu")
     ref, ref_lse = mla_decode_reference(q.cpu(), kv, cache.lengths.cpu(), tau, cfg)
@@ -101,3 +102,13 @@ def test_gluon_kernel_matches_the_reference(B, H, S, L, splits):
     assert (lse.cpu() - ref_lse).abs().max().item() < 1e-3
     assert ((out - base).norm() / base.norm()).item() < 2e-3
     assert torch.allclose(lse, base_lse, atol=1e-4)
+
+
+@needs_gluon
+def test_warp_specialized_kernel_compiles_for_sm90():
+    """tile="gluon_ws": two partitions (register reallocation), no latent ring in shared memory."""
+    st = decode_compile_stats(BY_NAME["snapmla+gluon_ws"], uniform_shape(8, 16, 2048))[0]
+    assert st["kernel"] == "decode_gluon_ws" and "error" not in st, st.get("error")
+    assert st["wgmma"] == 68 and 0 < st["smem"] <= SMEM_LIMIT
+    if st.get("regs") is not None:
+        assert st["spill_bytes"] == 0

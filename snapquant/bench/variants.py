@@ -183,6 +183,8 @@ VARIANTS: tuple[Variant, ...] = (
        num_stages=2),
     _v("snapmla+gluon+w8", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
        num_warps=8, note="two warpgroups: each converts half the tile and owns half of the PV output (QK twice)"),
+    _v("snapmla+gluon_ws", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon_ws",
+       note="warp-specialized Gluon kernel: a converter warpgroup and an MMA/softmax warpgroup, two fp16 buffers"),
     _v("snapmla+gluon+fp8qk", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows16",
        tile="gluon", fp8_mma="qk", note="native e4m3 QK from the TMA slots, overlapped with the tile conversion"),
     _v("snapmla+gluon+w8+fp8qk", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", tol=1e-2, where="rows16",

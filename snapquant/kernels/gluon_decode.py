@@ -48,6 +48,7 @@ try:  # Gluon ships with triton >= 3.5; older installs simply have no tile="gluo
 
     # the TMA load was renamed between triton 3.6 (the H200 image) and 3.9 (CI)
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed likewise
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
@@ -340,3 +341,167 @@ if HAVE_GLUON:
 
         _store_result(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
                       stride_lb, stride_lm, stride_ls, R, LSE_NATURAL, tok_l)
+
+    # ------------------------------------------------------------------ warp-specialized (tile="gluon_ws")
+    @gluon.jit
+    def _codes_of_page(LAT, page, stride_lp, stride_lt, ok, BOXW: gl.constexpr, PAGE: gl.constexpr,
+                       cvt_l: gl.constexpr):
+        """The page's fp8 codes as four [64, 128] register tiles (r = 512), masked loads when not `ok`."""
+        offs_t = gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))
+        offs_c = gl.arange(0, BOXW, layout=gl.SliceLayout(0, cvt_l))
+        ptr = LAT + page * stride_lp + gl.expand_dims(offs_t * stride_lt, 1) + gl.expand_dims(offs_c, 0)
+        m = gl.expand_dims(offs_t >= 0, 1) & ok
+        c0 = gl.load(ptr, mask=m, other=0.0)
+        c1 = gl.load(ptr + BOXW, mask=m, other=0.0)
+        c2 = gl.load(ptr + 2 * BOXW, mask=m, other=0.0)
+        c3 = gl.load(ptr + 3 * BOXW, mask=m, other=0.0)
+        return c0, c1, c2, c3
+
+    @gluon.jit
+    def _store_f16(c16_buf, c8, k: gl.constexpr, tok_ok, FULL: gl.constexpr, BOXW: gl.constexpr):
+        if not FULL:  # tokens past the request's length -> exact zeros
+            c8 = gl.where(tok_ok, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True)
+        c16_buf.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
+
+    @gluon.jit
+    def _ws_converter(LAT, rope_desc, BT, c16_smem, rope_smem, ready, empty, b64, length, p_lo, n_run,
+                      stride_lp, stride_lt, rope_page_rows, stride_bt,
+                      PAGE: gl.constexpr, BOXW: gl.constexpr):
+        """Worker partition (4 warps): loads each page's fp8 codes into registers one page ahead,
+        widens them into the free fp16 buffer, asks TMA for the page's RoPE rows next to it, and
+        signals `ready`; the consumer signals `empty` when its PV product has read the buffer."""
+        cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        offs_t = gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))
+        bt_row = BT + b64 * stride_bt + p_lo
+        page = gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64)
+        n0, n1, n2, n3 = _codes_of_page(LAT, page, stride_lp, stride_lt, n_run > 0, BOXW, PAGE, cvt_l)
+        for it in range(n_run):
+            j = it % 2
+            d0, d1, d2, d3 = n0, n1, n2, n3
+            page_cur = page
+            page = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
+            n0, n1, n2, n3 = _codes_of_page(LAT, page, stride_lp, stride_lt, it + 1 < n_run, BOXW, PAGE, cvt_l)
+            # buffer j is free once the consumer's PV of page it - 2 finished (first use: free)
+            mbarrier.wait(empty.index(j), ((it // 2) & 1) ^ 1)
+            mbarrier.expect(ready.index(j), rope_desc.block_type.nbytes)
+            tma_load(rope_desc, [(page_cur * rope_page_rows).to(gl.int32), 0], ready.index(j), rope_smem.index(j))
+            buf = c16_smem.index(j)
+            base = (p_lo + it) * PAGE
+            tok_ok = gl.expand_dims(base + offs_t < length, 1)
+            if base + PAGE <= length:
+                _store_f16(buf, d0, 0, tok_ok, True, BOXW)
+                _store_f16(buf, d1, 1, tok_ok, True, BOXW)
+                _store_f16(buf, d2, 2, tok_ok, True, BOXW)
+                _store_f16(buf, d3, 3, tok_ok, True, BOXW)
+            else:
+                _store_f16(buf, d0, 0, tok_ok, False, BOXW)
+                _store_f16(buf, d1, 1, tok_ok, False, BOXW)
+                _store_f16(buf, d2, 2, tok_ok, False, BOXW)
+                _store_f16(buf, d3, 3, tok_ok, False, BOXW)
+            fence_async_shared()
+            cta_barrier()  # all four warps' stores before the one arrive
+            mbarrier.arrive(ready.index(j))
+
+    @gluon.jit
+    def _ws_consumer(c16_smem, rope_smem, q_smem, qr_smem, p_smem, ready, empty, SCALE, BT, O_PART, LSE_PART,
+                     coef, limit, rows, row_ok, b64, split, length, p_lo, n_run,
+                     stride_sp, stride_st, stride_bt, stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
+                     R: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, P_DIV: gl.constexpr,
+                     LSE_NATURAL: gl.constexpr, mma_l: gl.constexpr):
+        """Default partition (4 warps, one warpgroup): QK and RoPE wgmma on a ready buffer, the
+        softmax and P, then PV, left running while the next page's QK is issued."""
+        row_l: gl.constexpr = gl.SliceLayout(0, mma_l)
+        tok_l: gl.constexpr = gl.SliceLayout(1, mma_l)
+        m_i = gl.full([BN], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([BN], gl.float32, row_l)
+        pi_i = gl.full([BN], 1.0, gl.float32, row_l)
+        pi_max = gl.zeros([BN], gl.float32, row_l)
+        acc = warpgroup_mma_init(gl.zeros([R, BN], gl.float32, mma_l))
+        zero_s = gl.zeros([PAGE, BN], gl.float32, mma_l)
+        offs_t = gl.arange(0, PAGE, layout=tok_l)
+        bt_row = BT + b64 * stride_bt + p_lo
+        page = gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64)
+        s_cur = gl.load(SCALE + page * stride_sp + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length, other=0.0)
+        for it in range(n_run):
+            j = it % 2
+            base = (p_lo + it) * PAGE
+            page = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
+            s_next = gl.load(SCALE + page * stride_sp + offs_t * stride_st,
+                             mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
+            mbarrier.wait(ready.index(j), (it // 2) & 1)
+            buf = c16_smem.index(j)
+            qk = warpgroup_mma(buf, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            rd = warpgroup_mma(rope_smem.index(j), qr_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            # the previous page's PV is done: its buffer goes back to the converter
+            acc_t = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
+            mbarrier.arrive(empty.index((it + 1) % 2), pred=it > 0)
+            qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
+            p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(qk + rd, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
+                                                          pi_max, zero_s, P_DIV)
+            p_smem.store(p8.to(gl.float16))
+            fence_async_shared()
+            acc = warpgroup_mma(buf.permute((1, 0)), p_smem, acc_t * gl.expand_dims(rescale, 0), is_async=True)
+            s_cur = s_next
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _store_result(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
+                      stride_lb, stride_lm, stride_ls, R, LSE_NATURAL, tok_l)
+
+    @gluon.jit
+    def _snapmla_decode_gluon_ws(
+        Q, LAT, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
+        stride_qb, stride_qs, stride_qh, stride_lp, stride_lt, rope_page_rows, stride_sp, stride_st, stride_bt,
+        stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
+        H, NSPLIT,
+        S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr,
+        P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, CVT_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """`_snapmla_decode_gluon` split into a converter partition and an MMA/softmax partition that
+        run concurrently on two fp16 buffers (r = 512 only: the converter holds four 128-code boxes)."""
+        BN: gl.constexpr = 16
+        BOXW: gl.constexpr = 128
+        gl.static_assert(R == 4 * BOXW)
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BN, 16])
+        row_l: gl.constexpr = gl.SliceLayout(0, mma_l)
+        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        b = gl.program_id(0)
+        row0 = gl.program_id(1) * BN
+        split = gl.program_id(2)
+        b64 = b.to(gl.int64)
+        length = gl.load(LENS + b)
+        n_pages = (length + PAGE - 1) // PAGE
+        per_split = (n_pages + NSPLIT - 1) // NSPLIT
+        p_lo = split * per_split
+        n_run = gl.maximum(gl.minimum(p_lo + per_split, n_pages) - p_lo, 0)
+
+        c16_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], gl.float16)
+        c16_smem = gl.allocate_shared_memory(gl.float16, [2, PAGE, R], c16_l)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, PAGE, D], rope_desc.layout)
+        q_smem = gl.allocate_shared_memory(gl.float16, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16))
+        p_smem = gl.allocate_shared_memory(gl.float16, [PAGE, BN], gl.NVMMASharedLayout.get_default_for([PAGE, BN], gl.float16))
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(ready.index(s), count=2)  # the RoPE TMA's expect + the converter's arrive
+            mbarrier.init(empty.index(s), count=1)
+
+        sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, False,
+                                q_l)
+        rows = row0 + gl.arange(0, BN, layout=row_l)
+        row_ok = rows < S * H
+        if CAUSAL:
+            limit = length - (S - 1 - rows // H)
+        else:
+            limit = length + 0 * rows
+        limit = gl.where(row_ok, limit, 0)
+        coef = sm_scale_log2 * gl.convert_layout(sigma, row_l)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_ws_consumer, (c16_smem, rope_smem, q_smem, qr_smem, p_smem, ready, empty, SCALE, BT, O_PART, LSE_PART,
+                            coef, limit, rows, row_ok, b64, split, length, p_lo, n_run,
+                            stride_sp, stride_st, stride_bt, stride_ob, stride_om, stride_os, stride_lb, stride_lm,
+                            stride_ls, R, PAGE, BN, P_DIV, LSE_NATURAL, mma_l)),
+            (_ws_converter, (LAT, rope_desc, BT, c16_smem, rope_smem, ready, empty, b64, length, p_lo, n_run,
+                             stride_lp, stride_lt, rope_page_rows, stride_bt, PAGE, BOXW)),
+        ], [4], [CVT_REGS])
