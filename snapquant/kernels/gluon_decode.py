@@ -203,7 +203,7 @@ if HAVE_GLUON:
         H, NSPLIT,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, QK_FP8: gl.constexpr, LSE_NATURAL: gl.constexpr,
-        num_warps: gl.constexpr,
+        num_warps: gl.constexpr, ABLATE: gl.constexpr = 0,
     ):
         BN: gl.constexpr = 16  # query rows (wgmma N)
         BOXW: gl.constexpr = 128
@@ -287,14 +287,15 @@ if HAVE_GLUON:
             # the slot of page it - 1 is free (its reads finished before last iteration's barriers)
             nxt = it + ahead
             _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
-                        rope_page_rows, nxt < n_run, NBOX, BOXW)
+                        rope_page_rows, (nxt < n_run) & (ABLATE & 16 == 0), NBOX, BOXW)
             page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
             page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
             base = (p_lo + it) * PAGE
             s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
                              mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
 
-            mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
+            if ABLATE & 16 == 0:
+                mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
             if QK_FP8:  # the tensor cores start on QK while the warps convert the tile for PV
                 qk = gl.zeros([PAGE, BN], gl.float32, mma8_l)  # fp8 wgmma: k = 32 per instruction
                 for k in gl.static_range(NBOX):
@@ -306,7 +307,9 @@ if HAVE_GLUON:
             else:
                 acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # last page's PV read the tile
             # fp8 codes -> fp16 tile; on a request's last page, tokens past its length -> 0
-            if base + PAGE <= length:
+            if ABLATE & 1:
+                pass
+            elif base + PAGE <= length:
                 for k in gl.static_range(NBOX):
                     c8 = lat_smem.index(slot * NBOX + k).load(cvt_l)
                     c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
@@ -319,20 +322,32 @@ if HAVE_GLUON:
             fence_async_shared()
 
             # scores^T [PAGE, BN]: NoPE (products of e4m3 values) + RoPE (bf16), fp32 accumulation
-            if not QK_FP8:
-                qk = warpgroup_mma(c16_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
-                                   is_async=True)
-            qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
-            qk = gl.convert_layout(qk, mma_l)  # the same register layout (no data movement)
+            if ABLATE & 2:  # (timing probes only, scripts/probe_gluon_decode.py: wrong results)
+                qk = zero_s + it
+                rd = zero_s
+            else:
+                if not QK_FP8:
+                    qk = warpgroup_mma(c16_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
+                                       is_async=True)
+                qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
+                qk = gl.convert_layout(qk, mma_l)  # the same register layout (no data movement)
 
-            p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(qk + rd, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
-                                                          pi_max, zero_s, P_DIV)
+            if ABLATE & 8:
+                p8 = (qk + rd).to(gl.float8e4nv)
+                rescale = gl.full([BN], 1.0, gl.float32, row_l)
+            else:
+                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(qk + rd, s_cur, coef, base + offs_t, limit, m_i, l_i,
+                                                              pi_i, pi_max, zero_s, P_DIV)
             p_smem.store(p8.to(gl.float16))
             fence_async_shared()
             # O^T [R, BN] += C^T P^T: the same fp16 tile, read transposed
             # (waited for at the next page, or after the loop)
-            acc = warpgroup_mma(c16_smem.permute((1, 0)), p_smem, acc_t * gl.expand_dims(rescale, 0), is_async=True)
+            if ABLATE & 4:
+                acc = warpgroup_mma_init(acc_t * gl.expand_dims(rescale, 0))
+            else:
+                acc = warpgroup_mma(c16_smem.permute((1, 0)), p_smem, acc_t * gl.expand_dims(rescale, 0),
+                                    is_async=True)
             s_cur = s_next
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 

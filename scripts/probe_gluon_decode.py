@@ -1,0 +1,89 @@
+"""Where the Gluon decode kernel's time goes: time it with parts of its page loop switched off.
+
+    python scripts/probe_gluon_decode.py [--shape 128x16x4096] [--out results/bench/gluon_probe_h200.json]
+
+`_snapmla_decode_gluon`'s ABLATE constexpr drops parts of each page's work (the results are then
+wrong; only the time means something): 1 the fp8 -> fp16 conversion, 2 the QK and RoPE MMAs,
+4 the PV MMA, 8 the softmax and P quantization, 16 the TMA copies and their waits. Each row is
+timed with CUDA graphs (triton.testing.do_bench_cudagraph) in one process beside our BF16 kernel
+and the default SnapMLA kernel, over a cache far larger than L2. Hopper GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ABLATIONS = {0: "full page loop", 1: "no conversion", 2: "no QK/RoPE MMA", 4: "no PV MMA", 8: "no softmax/P",
+             16: "no TMA (compute only)", 2 | 4: "no MMAs", 1 | 2 | 4 | 8: "TMA only", 1 | 8: "no conversion, no softmax",
+             2 | 4 | 8: "conversion + TMA only", 1 | 16: "no TMA, no conversion"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="128x16x4096", help="BxHxL")
+    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--out", default="results/bench/gluon_probe_h200.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("needs a Hopper GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    from snapquant import PRESETS
+    from snapquant.bench.runner import environment
+    from snapquant.kernels import PagedMLACache
+    from snapquant.kernels.mla_decode import mla_decode_plan
+
+    B, H, L = (int(x) for x in args.shape.split("x"))
+    torch.manual_seed(0)
+    r, d = 512, 64
+    caches = {}
+    for name in ("snapmla", "bf16"):
+        cache = PagedMLACache.empty(B, L, r, d, PRESETS[name], device="cuda")
+        if name == "snapmla":  # random finite e4m3 codes (0x7f / 0xff are NaN)
+            codes = torch.randint(0, 0x7F, cache.latent.shape, device="cuda", dtype=torch.uint8)
+            codes |= torch.randint(0, 2, cache.latent.shape, device="cuda", dtype=torch.uint8) << 7
+            cache.latent.view(torch.uint8).copy_(codes)
+            cache.scale.uniform_(0.001, 0.01)
+        else:
+            cache.latent.copy_(torch.randn_like(cache.latent, dtype=torch.float32).to(cache.latent.dtype))
+        cache.rope.copy_(torch.randn(cache.rope.shape, device="cuda").to(cache.rope.dtype))
+        cache.lengths.fill_(L)
+        caches[name] = cache
+    q = torch.randn(B, H, r + d, device="cuda").to(torch.bfloat16)
+    tau = 0.07
+    fmt_bytes = {"snapmla": r + 2 * d + 4, "bf16": 2 * (r + d)}
+    rows = []
+
+    def time_plan(label: str, plan, fmt: str) -> None:
+        us = triton.testing.do_bench_cudagraph(plan.run, rep=200) * 1e3
+        gbs = B * L * fmt_bytes[fmt] / (us * 1e-6) / 1e9
+        flops = B * L * H * 2 * (r + d + r)
+        rows.append({"variant": label, "us": round(us, 1), "GB/s": round(gbs), "TFLOP/s": round(flops / us / 1e6, 1)})
+        print(f"{label:48s} {us:8.1f} us {gbs:7.0f} GB/s {flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+
+    time_plan("bf16 (our BF16 kernel)", mla_decode_plan(q, caches["bf16"], tau), "bf16")
+    time_plan("snapmla (default tile)", mla_decode_plan(q, caches["snapmla"], tau), "snapmla")
+    for stages in (int(s) for s in args.stages.split(",")):
+        for ab, what in ABLATIONS.items():
+            plan = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", num_stages=stages)
+            plan.launches[0].kwargs["ABLATE"] = ab
+            time_plan(f"gluon s{stages} ablate={ab:2d} {what}", plan, "snapmla")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    env = environment(torch.device("cuda"))
+    tmp.write_text(json.dumps({"shape": args.shape, "command": " ".join(sys.argv), "environment": env, "rows": rows},
+                              indent=1))
+    tmp.replace(out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
