@@ -164,10 +164,7 @@ KNOBBED = {  # kernel variants checked like the defaults: name -> (config name, 
 }
 GLUON = {"snapmla+gluon": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H <= 16
          "snapmla+gluon+exact+s2": ("snapmla", {"tile": "gluon", "p_div": "exact", "num_stages": 2}),
-         "snapmla+gluon+w8": ("snapmla", {"tile": "gluon", "num_warps": 8}),
-         "snapmla+gluon+fp8qk": ("snapmla", {"tile": "gluon", "fp8_mma": "qk"}),
-         "snapmla+gluon_ws": ("snapmla", {"tile": "gluon_ws"}),
-         "snapmla+gluon_ws+exact": ("snapmla", {"tile": "gluon_ws", "p_div": "exact"})}
+         "snapmla+gluon+fp8qk": ("snapmla", {"tile": "gluon", "fp8_mma": "qk"})}
 
 
 def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: int | None,

@@ -12,6 +12,8 @@ target (sm_90 = Hopper by default) and reads back:
                         `num_stages - 1` pages ahead), e.g. "64x512:f8E4M3FN" = the latent tile
     sync_tiles          2-D tiles the page loop loads synchronously (it waits for them each page)
     wgmma, mma_sync     Hopper warp-group MMAs vs Ampere-style MMAs in the PTX
+    wgmma_waits         SASS waits on the warpgroup MMA pipe (WARPGROUP.DEPBAR); one per wgmma means
+                        ptxas serialized them (its advisories C7514 / C7515), costly for the MMA chain
     cvt_e4m3            fp8 -> 16-bit conversion instructions in the PTX
     loop_*              the SASS instruction mix of the page loop (the backward branch whose body
                         holds the most MMA instructions): total, MMA, conversions (F2FP/F2F/I2F...),
@@ -85,7 +87,7 @@ def compile_launch(launch: Any, arch: int = 90) -> Any:
             options[k] = v
     sig, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
-        v = values[p.name]
+        v = values[p.name] if p.name in values else p.default  # a constexpr left at its default
         if p.is_constexpr:
             sig[p.name] = "constexpr"
             constexprs[(i,)] = v
@@ -137,6 +139,7 @@ def kernel_stats(compiled: Any) -> dict[str, Any]:
             st["spill_bytes"] = int(m.group(1)) if m else None
             sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, timeout=120).stdout
             st.update(loop_mix(sass))
+            st["wgmma_waits"] = sass.count("WARPGROUP.DEPBAR")
         finally:
             os.unlink(path)
     return st

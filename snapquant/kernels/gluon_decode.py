@@ -41,14 +41,12 @@ try:  # Gluon ships with triton >= 3.5; older installs simply have no tile="gluo
         mbarrier,
         tma,
         warpgroup_mma,
-        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     # the TMA load was renamed between triton 3.6 (the H200 image) and 3.9 (CI)
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed likewise
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
@@ -216,6 +214,14 @@ if HAVE_GLUON:
                                                          instr_shape=[16, BN, 32])
         tok_l: gl.constexpr = gl.SliceLayout(1, mma_l)  # along M (tokens / channels)
         row_l: gl.constexpr = gl.SliceLayout(0, mma_l)  # along N (query rows)
+        # The softmax runs in a layout where each warp owns whole query rows (8 lanes x 8 registers
+        # over the page's 64 tokens): its reductions are shuffles, with no shared-memory round trip
+        # and barrier each, and each row's scalars (divisions) are computed by 8 lanes, not 128
+        # threads x 4 columns (measured: the softmax was the loop's largest cost, probe_gluon_decode).
+        sm_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+        srow_l: gl.constexpr = gl.SliceLayout(0, sm_l)
+        stok_l: gl.constexpr = gl.SliceLayout(1, sm_l)
+        gl.static_assert(num_warps == 4)
         cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # 16 codes = 16 B
         q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
 
@@ -241,7 +247,7 @@ if HAVE_GLUON:
             q_smem = gl.allocate_shared_memory(gl.float16, [BN, R],
                                                gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16))
-        p_smem = gl.allocate_shared_memory(gl.float16, [PAGE, BN], gl.NVMMASharedLayout.get_default_for([PAGE, BN], gl.float16))
+        p_smem = gl.allocate_shared_memory(gl.float16, [BN, PAGE], gl.NVMMASharedLayout.get_default_for([BN, PAGE], gl.float16))
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
@@ -259,20 +265,23 @@ if HAVE_GLUON:
                                 q_l)
         rows = row0 + gl.arange(0, BN, layout=row_l)
         row_ok = rows < S * H
+        rows_s = row0 + gl.arange(0, BN, layout=srow_l)
         if CAUSAL:  # query token i of S sees cache positions < length - (S - 1 - i)
-            limit = length - (S - 1 - rows // H)
+            limit = length - (S - 1 - rows_s // H)
         else:
-            limit = length + 0 * rows
-        limit = gl.where(row_ok, limit, 0)
-        coef = sm_scale_log2 * gl.convert_layout(sigma, row_l)
+            limit = length + 0 * rows_s
+        limit = gl.where(rows_s < S * H, limit, 0)
+        coef = sm_scale_log2 * gl.convert_layout(sigma, srow_l)
 
-        m_i = gl.full([BN], float("-inf"), gl.float32, row_l)
-        l_i = gl.zeros([BN], gl.float32, row_l)
-        pi_i = gl.full([BN], 1.0, gl.float32, row_l)
-        pi_max = gl.zeros([BN], gl.float32, row_l)
-        acc = warpgroup_mma_init(gl.zeros([R, BN], gl.float32, mma_l))  # O^T, carried as an async accumulator
+        m_i = gl.full([BN], float("-inf"), gl.float32, srow_l)
+        l_i = gl.zeros([BN], gl.float32, srow_l)
+        pi_i = gl.full([BN], 1.0, gl.float32, srow_l)
+        pi_max = gl.zeros([BN], gl.float32, srow_l)
+        acc = gl.zeros([R, BN], gl.float32, mma_l)  # O^T
         zero_s = gl.zeros([PAGE, BN], gl.float32, mma_l)
-        offs_t = gl.arange(0, PAGE, layout=tok_l)
+        zero_s8 = gl.zeros([PAGE, BN], gl.float32, mma8_l)
+        zero_sm = gl.zeros([PAGE, BN], gl.float32, sm_l)
+        offs_t = gl.arange(0, PAGE, layout=stok_l)
         offs_tc = gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))
         fence_async_shared()
 
@@ -297,15 +306,19 @@ if HAVE_GLUON:
             if ABLATE & 16 == 0:
                 mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
             if QK_FP8:  # the tensor cores start on QK while the warps convert the tile for PV
-                qk = gl.zeros([PAGE, BN], gl.float32, mma8_l)  # fp8 wgmma: k = 32 per instruction
-                for k in gl.static_range(NBOX):
-                    qk = warpgroup_mma(lat_smem.index(slot * NBOX + k), q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)),
-                                       qk, use_acc=k > 0, max_num_imprecise_acc=32, is_async=True)
+                q8 = q_smem.permute((1, 0))
+                # one accumulator per 128-channel box, summed in fp32: Hopper's FP8 MMA keeps ~14 bits
+                # inside an accumulation chain (DeepSeek-V3 promotes every 128 products the same way)
+                k0 = warpgroup_mma(lat_smem.index(slot * NBOX), q8.slice(0, BOXW), zero_s8, use_acc=False,
+                                   is_async=True)
+                k1 = warpgroup_mma(lat_smem.index(slot * NBOX + 1), q8.slice(BOXW, BOXW), zero_s8, use_acc=False,
+                                   is_async=True)
+                k2 = warpgroup_mma(lat_smem.index(slot * NBOX + 2), q8.slice(2 * BOXW, BOXW), zero_s8,
+                                   use_acc=False, is_async=True)
+                k3 = warpgroup_mma(lat_smem.index(slot * NBOX + 3), q8.slice(3 * BOXW, BOXW), zero_s8,
+                                   use_acc=False, is_async=True)
                 rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
                                    is_async=True)
-                acc_t = warpgroup_mma_wait(num_outstanding=NBOX + 1, deps=(acc,))  # last page's PV
-            else:
-                acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # last page's PV read the tile
             # fp8 codes -> fp16 tile; on a request's last page, tokens past its length -> 0
             if ABLATE & 1:
                 pass
@@ -325,198 +338,39 @@ if HAVE_GLUON:
             if ABLATE & 2:  # (timing probes only, scripts/probe_gluon_decode.py: wrong results)
                 qk = zero_s + it
                 rd = zero_s
+            elif QK_FP8:
+                k0, k1, k2, k3, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, k2, k3, rd))
+                qk = gl.convert_layout(((k0 + k1) + (k2 + k3)), mma_l)  # the same registers (no data movement)
             else:
-                if not QK_FP8:
-                    qk = warpgroup_mma(c16_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                    rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
-                                       is_async=True)
+                qk = warpgroup_mma(c16_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
                 qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
-                qk = gl.convert_layout(qk, mma_l)  # the same register layout (no data movement)
 
+            raw = gl.convert_layout(qk + rd, sm_l)
             if ABLATE & 8:
-                p8 = (qk + rd).to(gl.float8e4nv)
-                rescale = gl.full([BN], 1.0, gl.float32, row_l)
+                p8 = raw.to(gl.float8e4nv)
+                rescale = gl.full([BN], 1.0, gl.float32, srow_l)
             else:
-                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(qk + rd, s_cur, coef, base + offs_t, limit, m_i, l_i,
-                                                              pi_i, pi_max, zero_s, P_DIV)
-            p_smem.store(p8.to(gl.float16))
+                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i,
+                                                              pi_i, pi_max, zero_sm, P_DIV)
+            p_smem.store(gl.permute(p8.to(gl.float16), [1, 0]))  # P as [rows, tokens]: 16-byte stores
             fence_async_shared()
             # O^T [R, BN] += C^T P^T: the same fp16 tile, read transposed
             # (waited for at the next page, or after the loop)
+            beta = gl.expand_dims(gl.convert_layout(rescale, row_l), 0)
             if ABLATE & 4:
-                acc = warpgroup_mma_init(acc_t * gl.expand_dims(rescale, 0))
+                acc = acc * beta
             else:
-                acc = warpgroup_mma(c16_smem.permute((1, 0)), p_smem, acc_t * gl.expand_dims(rescale, 0),
-                                    is_async=True)
+                # waited for right away: a wait deferred into the next iteration made ptxas serialize
+                # every wgmma of the kernel (advisory C7515: the loop-carried accumulator)
+                acc = warpgroup_mma(c16_smem.permute((1, 0)), p_smem.permute((1, 0)), acc * beta, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             s_cur = s_next
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
-        _store_result(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
+        _store_result(acc, gl.convert_layout(m_i, row_l), gl.convert_layout(l_i, row_l), gl.convert_layout(pi_i, row_l),
+                      O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
                       stride_lb, stride_lm, stride_ls, R, LSE_NATURAL, tok_l)
-
-    # ------------------------------------------------------------------ warp-specialized (tile="gluon_ws")
-    @gluon.jit
-    def _codes_of_page(LAT, page, stride_lp, stride_lt, ok, BOXW: gl.constexpr, PAGE: gl.constexpr,
-                       cvt_l: gl.constexpr):
-        """The page's fp8 codes as four [64, 128] register tiles (r = 512), masked loads when not `ok`."""
-        offs_t = gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))
-        offs_c = gl.arange(0, BOXW, layout=gl.SliceLayout(0, cvt_l))
-        ptr = LAT + page * stride_lp + gl.expand_dims(offs_t * stride_lt, 1) + gl.expand_dims(offs_c, 0)
-        m = gl.expand_dims(offs_t >= 0, 1) & ok
-        c0 = gl.load(ptr, mask=m, other=0.0)
-        c1 = gl.load(ptr + BOXW, mask=m, other=0.0)
-        c2 = gl.load(ptr + 2 * BOXW, mask=m, other=0.0)
-        c3 = gl.load(ptr + 3 * BOXW, mask=m, other=0.0)
-        return c0, c1, c2, c3
-
-    @gluon.jit
-    def _store_f16(c16_buf, c8, k: gl.constexpr, tok_ok, FULL: gl.constexpr, BOXW: gl.constexpr):
-        if not FULL:  # tokens past the request's length -> exact zeros
-            c8 = gl.where(tok_ok, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True)
-        c16_buf.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
-
-    @gluon.jit
-    def _ws_converter(LAT, rope_desc, BT, c16_smem, rope_smem, ready, empty, b64, length, p_lo, n_run,
-                      stride_lp, stride_lt, rope_page_rows, stride_bt,
-                      PAGE: gl.constexpr, BOXW: gl.constexpr):
-        """Worker partition (4 warps): loads each page's fp8 codes into registers one page ahead,
-        widens them into the free fp16 buffer, asks TMA for the page's RoPE rows next to it, and
-        signals `ready`; the consumer signals `empty` when its PV product has read the buffer."""
-        cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        offs_t = gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))
-        bt_row = BT + b64 * stride_bt + p_lo
-        page = gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64)
-        n0, n1, n2, n3 = _codes_of_page(LAT, page, stride_lp, stride_lt, n_run > 0, BOXW, PAGE, cvt_l)
-        for it in range(n_run):
-            j = it % 2
-            d0, d1, d2, d3 = n0, n1, n2, n3
-            page_cur = page
-            page = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
-            n0, n1, n2, n3 = _codes_of_page(LAT, page, stride_lp, stride_lt, it + 1 < n_run, BOXW, PAGE, cvt_l)
-            # buffer j is free once the consumer's PV of page it - 2 finished (first use: free)
-            mbarrier.wait(empty.index(j), ((it // 2) & 1) ^ 1)
-            mbarrier.expect(ready.index(j), rope_desc.block_type.nbytes)
-            tma_load(rope_desc, [(page_cur * rope_page_rows).to(gl.int32), 0], ready.index(j), rope_smem.index(j))
-            buf = c16_smem.index(j)
-            base = (p_lo + it) * PAGE
-            tok_ok = gl.expand_dims(base + offs_t < length, 1)
-            if base + PAGE <= length:
-                _store_f16(buf, d0, 0, tok_ok, True, BOXW)
-                _store_f16(buf, d1, 1, tok_ok, True, BOXW)
-                _store_f16(buf, d2, 2, tok_ok, True, BOXW)
-                _store_f16(buf, d3, 3, tok_ok, True, BOXW)
-            else:
-                _store_f16(buf, d0, 0, tok_ok, False, BOXW)
-                _store_f16(buf, d1, 1, tok_ok, False, BOXW)
-                _store_f16(buf, d2, 2, tok_ok, False, BOXW)
-                _store_f16(buf, d3, 3, tok_ok, False, BOXW)
-            fence_async_shared()
-            cta_barrier()  # all four warps' stores before the one arrive
-            mbarrier.arrive(ready.index(j))
-
-    @gluon.jit
-    def _ws_consumer(c16_smem, rope_smem, q_smem, qr_smem, p_smem, ready, empty, SCALE, BT, O_PART, LSE_PART,
-                     coef, limit, rows, row_ok, b64, split, length, p_lo, n_run,
-                     stride_sp, stride_st, stride_bt, stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
-                     R: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, P_DIV: gl.constexpr,
-                     LSE_NATURAL: gl.constexpr, mma_l: gl.constexpr):
-        """Default partition (4 warps, one warpgroup): QK and RoPE wgmma on a ready buffer, the
-        softmax and P, then PV, left running while the next page's QK is issued."""
-        row_l: gl.constexpr = gl.SliceLayout(0, mma_l)
-        tok_l: gl.constexpr = gl.SliceLayout(1, mma_l)
-        m_i = gl.full([BN], float("-inf"), gl.float32, row_l)
-        l_i = gl.zeros([BN], gl.float32, row_l)
-        pi_i = gl.full([BN], 1.0, gl.float32, row_l)
-        pi_max = gl.zeros([BN], gl.float32, row_l)
-        acc = warpgroup_mma_init(gl.zeros([R, BN], gl.float32, mma_l))
-        zero_s = gl.zeros([PAGE, BN], gl.float32, mma_l)
-        offs_t = gl.arange(0, PAGE, layout=tok_l)
-        bt_row = BT + b64 * stride_bt + p_lo
-        page = gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64)
-        s_cur = gl.load(SCALE + page * stride_sp + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length, other=0.0)
-        for it in range(n_run):
-            j = it % 2
-            base = (p_lo + it) * PAGE
-            page = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
-            s_next = gl.load(SCALE + page * stride_sp + offs_t * stride_st,
-                             mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
-            mbarrier.wait(ready.index(j), (it // 2) & 1)
-            buf = c16_smem.index(j)
-            qk = warpgroup_mma(buf, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            rd = warpgroup_mma(rope_smem.index(j), qr_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            # the previous page's PV is done: its buffer goes back to the converter
-            acc_t = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
-            mbarrier.arrive(empty.index((it + 1) % 2), pred=it > 0)
-            qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
-            p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(qk + rd, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
-                                                          pi_max, zero_s, P_DIV)
-            p_smem.store(p8.to(gl.float16))
-            fence_async_shared()
-            acc = warpgroup_mma(buf.permute((1, 0)), p_smem, acc_t * gl.expand_dims(rescale, 0), is_async=True)
-            s_cur = s_next
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _store_result(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
-                      stride_lb, stride_lm, stride_ls, R, LSE_NATURAL, tok_l)
-
-    @gluon.jit
-    def _snapmla_decode_gluon_ws(
-        Q, LAT, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
-        stride_qb, stride_qs, stride_qh, stride_lp, stride_lt, rope_page_rows, stride_sp, stride_st, stride_bt,
-        stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
-        H, NSPLIT,
-        S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr,
-        P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, CVT_REGS: gl.constexpr, num_warps: gl.constexpr,
-    ):
-        """`_snapmla_decode_gluon` split into a converter partition and an MMA/softmax partition that
-        run concurrently on two fp16 buffers (r = 512 only: the converter holds four 128-code boxes)."""
-        BN: gl.constexpr = 16
-        BOXW: gl.constexpr = 128
-        gl.static_assert(R == 4 * BOXW)
-        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, BN, 16])
-        row_l: gl.constexpr = gl.SliceLayout(0, mma_l)
-        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-        b = gl.program_id(0)
-        row0 = gl.program_id(1) * BN
-        split = gl.program_id(2)
-        b64 = b.to(gl.int64)
-        length = gl.load(LENS + b)
-        n_pages = (length + PAGE - 1) // PAGE
-        per_split = (n_pages + NSPLIT - 1) // NSPLIT
-        p_lo = split * per_split
-        n_run = gl.maximum(gl.minimum(p_lo + per_split, n_pages) - p_lo, 0)
-
-        c16_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], gl.float16)
-        c16_smem = gl.allocate_shared_memory(gl.float16, [2, PAGE, R], c16_l)
-        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, PAGE, D], rope_desc.layout)
-        q_smem = gl.allocate_shared_memory(gl.float16, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
-        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16))
-        p_smem = gl.allocate_shared_memory(gl.float16, [PAGE, BN], gl.NVMMASharedLayout.get_default_for([PAGE, BN], gl.float16))
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(2):
-            mbarrier.init(ready.index(s), count=2)  # the RoPE TMA's expect + the converter's arrive
-            mbarrier.init(empty.index(s), count=1)
-
-        sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, False,
-                                q_l)
-        rows = row0 + gl.arange(0, BN, layout=row_l)
-        row_ok = rows < S * H
-        if CAUSAL:
-            limit = length - (S - 1 - rows // H)
-        else:
-            limit = length + 0 * rows
-        limit = gl.where(row_ok, limit, 0)
-        coef = sm_scale_log2 * gl.convert_layout(sigma, row_l)
-        fence_async_shared()
-        gl.warp_specialize([
-            (_ws_consumer, (c16_smem, rope_smem, q_smem, qr_smem, p_smem, ready, empty, SCALE, BT, O_PART, LSE_PART,
-                            coef, limit, rows, row_ok, b64, split, length, p_lo, n_run,
-                            stride_sp, stride_st, stride_bt, stride_ob, stride_om, stride_os, stride_lb, stride_lm,
-                            stride_ls, R, PAGE, BN, P_DIV, LSE_NATURAL, mma_l)),
-            (_ws_converter, (LAT, rope_desc, BT, c16_smem, rope_smem, ready, empty, b64, length, p_lo, n_run,
-                             stride_lp, stride_lt, rope_page_rows, stride_bt, PAGE, BOXW)),
-        ], [4], [CVT_REGS])

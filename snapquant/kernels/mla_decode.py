@@ -42,9 +42,9 @@ _LAYOUT_ID = {"bf16": 0, "snapmla": 1, "ds_v32": 2}
 LOG2E = math.log2(math.e)
 SCHEDULES = ("uniform", "balanced")
 P_DIVS = ("exact", "rcp", "fma")
-TILES = ("rows", "tokens", "pairs", "gluon", "gluon_ws")
-_TILE_ID = {"rows": 0, "tokens": 1, "pairs": 2, "gluon": 2, "gluon_ws": 2}  # gluon*: separate kernels (gluon_decode.py)
-GLUON_TILES = ("gluon", "gluon_ws")
+TILES = ("rows", "tokens", "pairs", "gluon")
+_TILE_ID = {"rows": 0, "tokens": 1, "pairs": 2, "gluon": 2}  # gluon: a separate kernel (gluon_decode.py)
+GLUON_TILES = ("gluon",)
 # fp8_mma value -> (native FP8 MMA for QK, for PV)
 _FP8_MMA = {False: (False, False), True: (True, True), "none": (False, False), "qk": (True, False),
             "pv": (False, True), "both": (True, True)}
@@ -264,7 +264,7 @@ def plan_decode(
         raise unknown_choice("fp8_mma", fp8_mma, [str(k) for k in _FP8_MMA])
     native = (not interpreting(dev)) if native is None else bool(native)
     if tile in GLUON_TILES:
-        _check_gluon(ops, q.shape[1] * q.shape[2], native, tile)
+        _check_gluon(ops, q.shape[1] * q.shape[2], native, tile, num_warps)
     sms = num_sms if num_sms is not None else _num_sms(dev)
     bw = r // nb
     rows = S * H
@@ -360,7 +360,7 @@ def plan_decode(
     if tile in GLUON_TILES:
         plan.launches.append(_gluon_launch(q, ops, o_part, lse_part, float(softmax_scale) * LOG2E, num_splits,
                                            bool(causal), P_DIVS.index(p_div), fp8_mma == "qk", num_stages or 3,
-                                           num_warps or 4, tile == "gluon_ws"))
+                                           num_warps or 4))
         knobs.update(num_warps=num_warps or 4, num_stages=num_stages or 3)
     else:
         plan.launches.append(KernelLaunch("decode_uniform", _mla_decode_stage1, (B, m_blocks, num_splits * nb), (
@@ -382,37 +382,28 @@ def plan_decode(
     return plan
 
 
-def _check_gluon(ops: KernelOperands, rows: int, native: bool, tile: str) -> None:
+def _check_gluon(ops: KernelOperands, rows: int, native: bool, tile: str, num_warps: int | None) -> None:
     from .gluon_decode import gluon_unsupported_reason
 
     if not native:
         raise ConfigError(f"tile={tile!r} needs a Hopper GPU (Gluon kernels have no interpreter mode)")
+    if num_warps not in (None, 4):
+        raise ConfigError(f"tile={tile!r} runs one warpgroup (num_warps=4), got num_warps={num_warps}")
     if ops.device.type == "cuda" and torch.cuda.get_device_capability(ops.device)[0] != 9:
         raise ConfigError(f"tile={tile!r} runs on Hopper (sm_90) only, not {torch.cuda.get_device_name(ops.device)}")
     reason = gluon_unsupported_reason(ops.layout, True, True, rows, ops.kv_lora_rank, ops.rope_dim, ops.latent,
                                       ops.lat_strides, ops.rope, ops.rope_strides)
-    if reason is None and tile == "gluon_ws" and ops.kv_lora_rank != 512:
-        reason = f"tile='gluon_ws' is written for kv_lora_rank 512 (four 128-code boxes), got {ops.kv_lora_rank}"
     if reason is not None:
         raise ConfigError(reason)
 
 
-def _gluon_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, qk_fp8, stages, warps, ws):
-    """A Gluon page loop (`gluon_decode`) as stage 1 of the uniform schedule; `ws`: warp-specialized."""
-    from .gluon_decode import _snapmla_decode_gluon, _snapmla_decode_gluon_ws, make_descriptors
+def _gluon_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, qk_fp8, stages, warps):
+    """The Gluon page loop (`gluon_decode`) as stage 1 of the uniform schedule."""
+    from .gluon_decode import _snapmla_decode_gluon, make_descriptors
 
     B, S, H, _ = q.shape
     (lp, lt), (rp, rt) = ops.lat_strides, ops.rope_strides
     lat_desc, rope_desc = make_descriptors(ops.latent, lt, ops.rope.view(torch.bfloat16), rt)
-    if ws:
-        args = (q, ops.latent, rope_desc, ops.scale, ops.block_table, ops.lengths, o_part, lse_part, sm_scale_log2,
-                q.stride(0), q.stride(1), q.stride(2), lp, lt, rp // rt, ops.scale_strides[0], ops.scale_strides[1],
-                ops.block_table.stride(0),
-                o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), H, num_splits)
-        return KernelLaunch("decode_gluon_ws", _snapmla_decode_gluon_ws, (B, 1, num_splits), args, dict(
-            S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, CAUSAL=causal, P_DIV=p_div,
-            LSE_NATURAL=num_splits == 1, CVT_REGS=192, num_warps=4))
     args = (q, lat_desc, rope_desc, ops.scale, ops.block_table, ops.lengths, o_part, lse_part, sm_scale_log2,
             q.stride(0), q.stride(1), q.stride(2), lp // lt, rp // rt, ops.scale_strides[0], ops.scale_strides[1],
             ops.block_table.stride(0),
