@@ -163,8 +163,10 @@ KNOBBED = {  # kernel variants checked like the defaults: name -> (config name, 
     "snapmla+rcp+balanced": ("snapmla", {"p_div": "rcp", "schedule": "balanced"}),
 }
 GLUON = {"snapmla+gluon": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H <= 16
-         "snapmla+gluon+exact+s2": ("snapmla", {"tile": "gluon", "p_div": "exact", "num_stages": 2}),
-         "snapmla+gluon+fp8qk": ("snapmla", {"tile": "gluon", "fp8_mma": "qk"})}
+         "snapmla+gluon+exact+s3": ("snapmla", {"tile": "gluon", "p_div": "exact", "num_stages": 3}),
+         "snapmla+gluon+s1": ("snapmla", {"tile": "gluon", "num_stages": 1}),
+         # native FP8 QK: 2e-4..1.2e-3 from the reference measured (H200); judged by its own tolerances
+         "snapmla+gluon+fp8qk": ("snapmla", {"tile": "gluon", "fp8_mma": "qk", "_tol": (3e-3, 5e-3)})}
 
 
 def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: int | None,
@@ -177,13 +179,15 @@ def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: 
     from snapquant import mla_decode_oracle, mla_decode_reference
     from snapquant.kernels import mla_decode
 
+    knobs = dict(knobs or {})
+    out_tol, lse_tol = knobs.pop("_tol", (OUT_TOL, LSE_TOL))
     g = torch.Generator(device="cuda").manual_seed(B * 7 + H * 3 + L + S)
     cache = build_cache(config, B, L, g)
     q = torch.randn(B, S, H, R + D, device="cuda", generator=g).to(torch.bfloat16)
     tau = 1 / math.sqrt(192)  # DeepSeek: 1 / sqrt(qk_nope + qk_rope)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out, lse = mla_decode(q, cache, tau, config, num_splits=num_splits, **(knobs or {}))
+    out, lse = mla_decode(q, cache, tau, config, num_splits=num_splits, **knobs)
     torch.cuda.synchronize()
     t_kernel = time.perf_counter() - t0
     # Query row s of request b sees lengths[b] - (S - 1 - s) tokens; none -> out 0, lse -inf (the contract).
@@ -213,7 +217,7 @@ def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: 
     err_r = ((ref[ok_ref].double() - oracle[ok_ref]).norm() / oracle[ok_ref].norm()).item()
     err_k_live = ((o[ok_ref].double() - oracle[ok_ref]).norm() / oracle[ok_ref].norm()).item()
     lse_vs_oracle = (ls[live].double() - oracle_lse[live]).abs().max().item()
-    ok = (finite and rel <= OUT_TOL and lse_err <= LSE_TOL and err_k_live <= ORACLE_RATIO * err_r + 1e-6
+    ok = (finite and rel <= out_tol and lse_err <= lse_tol and err_k_live <= ORACLE_RATIO * err_r + 1e-6
           and (n_bad_ref == 0 or (err_k <= 5e-2 and lse_vs_oracle <= 2e-2)))
     detail = "" if finite else "non-finite output"
     if n_bad_ref:

@@ -29,6 +29,10 @@ def test_gluon_kernel_compiles_for_sm90_with_tma_and_wgmma():
     rows = decode_compile_stats(BY_NAME["snapmla+gluon"], uniform_shape(8, 16, 2048))
     assert [r["kernel"] for r in rows] == ["decode_gluon", "combine"]
     st = rows[0]
+    one_slot = decode_compile_stats(BY_NAME["snapmla+gluon+s1"], uniform_shape(8, 16, 2048))[0]
+    assert "error" not in one_slot, one_slot.get("error")
+    assert one_slot["smem"] <= SMEM_LIMIT // 2 - 1024  # two programs per SM
+    assert one_slot["wgmma"] == 68 and (one_slot.get("wgmma_waits") or 0) <= 8
     assert "error" not in st, st.get("error")
     # QK 32 + RoPE 4 + PV 32 wgmma instructions per page at r = 512 (m64n16k16), no mma.sync
     assert st["wgmma"] == 68 and st["mma_sync"] == 0
@@ -93,9 +97,9 @@ def test_gluon_unsupported_reason_names_the_field():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
-@pytest.mark.parametrize("fp8_mma", [False, "qk"])
+@pytest.mark.parametrize("fp8_mma,stages", [(False, 2), (False, 1), (False, 3), ("qk", 2)])
 @pytest.mark.parametrize("B,H,S,L,splits", [(6, 16, 1, 700, None), (3, 8, 2, 130, 1), (5, 16, 1, 64, 3)])
-def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma):
+def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages):
     """Against `mla_decode_reference` (CPU, the definitive semantics) on requests of mixed lengths
     (partial pages, empty splits): the same arithmetic up to fp32 summation order inside the MMAs."""
     torch.manual_seed(B * 100 + L)
@@ -106,12 +110,13 @@ def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma):
     cache.lengths.copy_(lengths.cuda())  # shorter requests leave written tokens past their length
     q = torch.randn(B, S, H, 576, device="cuda").to(torch.bfloat16)
     tau = 1 / math.sqrt(192)
-    out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma)
+    out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma,
+                          num_stages=stages)
     base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="pairs")
     kv = cache.to_quantized_kv(int(cache.lengths.max())).to("cpu")
     ref, ref_lse = mla_decode_reference(q.cpu(), kv, cache.lengths.cpu(), tau, cfg)
     # exact fp16 MMAs: summation order only; native fp8 QK (per 128-channel box promoted to fp32): ~1e-4
-    tol, lse_tol = (2e-5, 1e-4) if not fp8_mma else (2e-3, 5e-3)
+    tol, lse_tol = (2e-5, 1e-4) if not fp8_mma else (3e-3, 5e-3)
     rel = ((out.cpu() - ref).norm() / ref.norm()).item()
     assert rel < tol, rel
     assert (lse.cpu() - ref_lse).abs().max().item() < lse_tol

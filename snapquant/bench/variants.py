@@ -179,8 +179,10 @@ VARIANTS: tuple[Variant, ...] = (
     # Gluon: TMA ring + swap-AB wgmma (snapquant/kernels/gluon_decode.py), one 16-row tile per request
     _v("snapmla+gluon", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
        note="Gluon kernel: TMA page ring, fp16 tile in shared memory, swap-AB wgmma (tokens = M)"),
-    _v("snapmla+gluon+s2", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
-       num_stages=2),
+    _v("snapmla+gluon+s1", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
+       num_stages=1, note="one slot converted in place (~100 KB): two programs per SM"),
+    _v("snapmla+gluon+s3", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
+       num_stages=3),
     _v("snapmla+gluon+fp8qk", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows16",
        tile="gluon", fp8_mma="qk", note="native e4m3 QK from the TMA slots, overlapped with the tile conversion"),
     _v("bf16+w16", "bf16", "bf16", priority=2, check="bf16", where="headline", num_warps=16),

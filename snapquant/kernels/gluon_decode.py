@@ -47,6 +47,8 @@ try:  # Gluon ships with triton >= 3.5; older installs simply have no tile="gluo
 
     # the TMA load was renamed between triton 3.6 (the H200 image) and 3.9 (CI)
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed likewise
+    NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # 3.6: _reinterpret
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
@@ -104,15 +106,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, slot, page, lat_page_rows, rope_page_rows,
-                    pred, NBOX: gl.constexpr, BOXW: gl.constexpr):
-        """Ask the TMA unit for one page (latent boxes and RoPE rows) into ring slot `slot`."""
+                    pred, NBOX: gl.constexpr, BOXW: gl.constexpr, BOX0: gl.constexpr):
+        """Ask the TMA unit for one page (latent boxes and RoPE rows) into ring slot `slot` (its boxes
+        start at box BOX0 + slot * NBOX of `lat_smem`)."""
         bar = bars.index(slot)
         lat_row = (page * lat_page_rows).to(gl.int32)
         rope_row = (page * rope_page_rows).to(gl.int32)
         mbarrier.expect(bar, NBOX * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
         for k in gl.static_range(NBOX):
-            tma_load(lat_desc, [lat_row, k * BOXW], bar, lat_smem.index(slot * NBOX + k),
-                                            pred=pred)
+            tma_load(lat_desc, [lat_row, k * BOXW], bar, lat_smem.index(BOX0 + slot * NBOX + k), pred=pred)
         tma_load(rope_desc, [rope_row, 0], bar, rope_smem.index(slot), pred=pred)
 
     @gluon.jit
@@ -236,10 +238,25 @@ if HAVE_GLUON:
         n_run = gl.maximum(gl.minimum(p_lo + per_split, n_pages) - p_lo, 0)
 
         # ---- shared memory: the TMA ring, the fp16 tile, the query operands, P^T, the barriers
-        lat_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * NBOX, PAGE, BOXW], lat_desc.layout)
-        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
         c16_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], gl.float16)
-        c16_smem = gl.allocate_shared_memory(gl.float16, [PAGE, R], c16_l)
+        INPLACE: gl.constexpr = STAGES == 1
+        if INPLACE:
+            # One slot, converted in place: TMA writes the fp8 boxes into the upper half of the fp16
+            # tile's 64 KB; fp16 chunk k (channels 128k.., bytes 16K k..) only overwrites boxes already
+            # read. ~100 KB of shared memory: two programs share an SM and hide each other's waits.
+            gl.static_assert(not QK_FP8)
+            c16_all = gl.allocate_shared_memory(gl.float16, [1, PAGE, R], c16_l)
+            c16_smem = c16_all.index(0)
+            if NEW_REINTERPRET:
+                lat_smem = c16_all.reinterpret(gl.float8e4nv, [2 * NBOX, PAGE, BOXW], lat_desc.layout)
+            else:
+                lat_smem = c16_all._reinterpret(gl.float8e4nv, [2 * NBOX, PAGE, BOXW], lat_desc.layout)
+            BOX0: gl.constexpr = NBOX
+        else:
+            lat_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * NBOX, PAGE, BOXW], lat_desc.layout)
+            c16_smem = gl.allocate_shared_memory(gl.float16, [PAGE, R], c16_l)
+            BOX0: gl.constexpr = 0
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
         if QK_FP8:  # native e4m3 QK straight from the TMA slots (opt-in, fp8_mma="qk")
             q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BN, R],
                                                gl.NVMMASharedLayout.get_default_for([BN, R], gl.float8e4nv))
@@ -252,13 +269,14 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
 
-        # ---- prologue: the first STAGES - 1 pages in flight before anything else
+        # ---- prologue: the first max(STAGES - 1, 1) pages in flight before anything else
         bt_row = BT + b64 * stride_bt + p_lo
-        for s in gl.static_range(STAGES - 1):
+        ahead: gl.constexpr = 1 if INPLACE else STAGES - 1
+        for s in gl.static_range(ahead):
             ok = s < n_run
             page = gl.load(bt_row + s, mask=ok, other=0).to(gl.int64)
             _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
-                        ok, NBOX, BOXW)
+                        ok, NBOX, BOXW, BOX0)
 
         # ---- query: per-row fp8 scale sigma, q^ = e4m3(q / sigma) as fp16, q~r = bf16(q_r / sigma)
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, QK_FP8,
@@ -286,18 +304,17 @@ if HAVE_GLUON:
         fence_async_shared()
 
         # page ids one iteration ahead of the TMA issue, scales one page ahead of their use
-        ahead = STAGES - 1
         page_next = gl.load(bt_row + ahead, mask=ahead < n_run, other=0).to(gl.int64)
         page_cur = gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64)
         s_cur = gl.load(SCALE + page_cur * stride_sp + offs_t * stride_st,
                         mask=(p_lo * PAGE + offs_t) < length, other=0.0)
         for it in range(n_run):
             slot = it % STAGES
-            # the slot of page it - 1 is free (its reads finished before last iteration's barriers)
             nxt = it + ahead
-            _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
-                        rope_page_rows, (nxt < n_run) & (ABLATE & 16 == 0), NBOX, BOXW)
-            page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
+            if not INPLACE:  # the slot of page it - 1 is free (its reads finished before last iteration's barriers)
+                _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
+                            rope_page_rows, (nxt < n_run) & (ABLATE & 16 == 0), NBOX, BOXW, BOX0)
+                page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
             page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
             base = (p_lo + it) * PAGE
             s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
@@ -309,13 +326,13 @@ if HAVE_GLUON:
                 q8 = q_smem.permute((1, 0))
                 # one accumulator per 128-channel box, summed in fp32: Hopper's FP8 MMA keeps ~14 bits
                 # inside an accumulation chain (DeepSeek-V3 promotes every 128 products the same way)
-                k0 = warpgroup_mma(lat_smem.index(slot * NBOX), q8.slice(0, BOXW), zero_s8, use_acc=False,
+                k0 = warpgroup_mma(lat_smem.index(BOX0 + slot * NBOX), q8.slice(0, BOXW), zero_s8, use_acc=False,
                                    is_async=True)
-                k1 = warpgroup_mma(lat_smem.index(slot * NBOX + 1), q8.slice(BOXW, BOXW), zero_s8, use_acc=False,
+                k1 = warpgroup_mma(lat_smem.index(BOX0 + slot * NBOX + 1), q8.slice(BOXW, BOXW), zero_s8, use_acc=False,
                                    is_async=True)
-                k2 = warpgroup_mma(lat_smem.index(slot * NBOX + 2), q8.slice(2 * BOXW, BOXW), zero_s8,
+                k2 = warpgroup_mma(lat_smem.index(BOX0 + slot * NBOX + 2), q8.slice(2 * BOXW, BOXW), zero_s8,
                                    use_acc=False, is_async=True)
-                k3 = warpgroup_mma(lat_smem.index(slot * NBOX + 3), q8.slice(3 * BOXW, BOXW), zero_s8,
+                k3 = warpgroup_mma(lat_smem.index(BOX0 + slot * NBOX + 3), q8.slice(3 * BOXW, BOXW), zero_s8,
                                    use_acc=False, is_async=True)
                 rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
                                    is_async=True)
@@ -324,13 +341,17 @@ if HAVE_GLUON:
                 pass
             elif base + PAGE <= length:
                 for k in gl.static_range(NBOX):
-                    c8 = lat_smem.index(slot * NBOX + k).load(cvt_l)
+                    c8 = lat_smem.index(BOX0 + slot * NBOX + k).load(cvt_l)
+                    if INPLACE and 2 * k >= NBOX:  # chunk k overwrites boxes 2k - NBOX.. (box k is just read)
+                        cta_barrier()
                     c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
             else:
                 tok_ok_c = gl.expand_dims((base + offs_tc) < length, 1)
                 for k in gl.static_range(NBOX):
-                    c8 = lat_smem.index(slot * NBOX + k).load(cvt_l)
+                    c8 = lat_smem.index(BOX0 + slot * NBOX + k).load(cvt_l)
                     c8 = gl.where(tok_ok_c, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True)
+                    if INPLACE and 2 * k >= NBOX:
+                        cta_barrier()
                     c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
             fence_async_shared()
 
@@ -366,6 +387,11 @@ if HAVE_GLUON:
                 # every wgmma of the kernel (advisory C7515: the loop-carried accumulator)
                 acc = warpgroup_mma(c16_smem.permute((1, 0)), p_smem.permute((1, 0)), acc * beta, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if INPLACE:  # the tile is read: the next page may land in it
+                cta_barrier()
+                _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, 0, page_next, lat_page_rows,
+                            rope_page_rows, (nxt < n_run) & (ABLATE & 16 == 0), NBOX, BOXW, BOX0)
+                page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
             s_cur = s_next
 
         for s in gl.static_range(STAGES):
