@@ -29,10 +29,11 @@ def test_gluon_kernel_compiles_for_sm90_with_tma_and_wgmma():
     rows = decode_compile_stats(BY_NAME["snapmla+gluon"], uniform_shape(8, 16, 2048))
     assert [r["kernel"] for r in rows] == ["decode_gluon", "combine"]
     st = rows[0]
-    one_slot = decode_compile_stats(BY_NAME["snapmla+gluon+s1"], uniform_shape(8, 16, 2048))[0]
-    assert "error" not in one_slot, one_slot.get("error")
-    assert one_slot["smem"] <= SMEM_LIMIT // 2 - 1024  # two programs per SM
-    assert one_slot["wgmma"] == 68 and (one_slot.get("wgmma_waits") or 0) <= 8
+    assert st["smem"] <= SMEM_LIMIT // 2 - 1024  # the default (one slot, in place): two programs per SM
+    two_slots = decode_compile_stats(BY_NAME["snapmla+gluon+s2"], uniform_shape(8, 16, 2048))[0]
+    assert "error" not in two_slots, two_slots.get("error")
+    assert SMEM_LIMIT // 2 < two_slots["smem"] <= SMEM_LIMIT
+    assert two_slots["wgmma"] == 68 and (two_slots.get("wgmma_waits") or 0) <= 8
     assert "error" not in st, st.get("error")
     # QK 32 + RoPE 4 + PV 32 wgmma instructions per page at r = 512 (m64n16k16), no mma.sync
     assert st["wgmma"] == 68 and st["mma_sync"] == 0
@@ -75,6 +76,10 @@ def test_gluon_tile_refuses_other_formats_and_schedules():
         mla_decode(q, cache, 0.1, cfg.replace(query="bf16"), tile="gluon")
     with pytest.raises(ConfigError, match="uniform"):
         mla_decode(q, cache, 0.1, cfg, tile="gluon", schedule="balanced")
+    with pytest.raises(ConfigError, match="num_stages"):
+        from snapquant.kernels.mla_decode import _gluon_stages
+
+        _gluon_stages(1, "qk")
 
 
 @needs_gluon

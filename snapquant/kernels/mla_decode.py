@@ -8,9 +8,11 @@
 
 The kernels, their numerics (step by step against `snapquant.mla_decode_reference`), the work
 schedules (uniform / balanced) and the FP8 variants (fp8_mma, tile, p_div) are described in
-`decode_kernels.py`. Defaults are the fastest exact configuration measured on the H200: uniform
-schedule with the split heuristic below, the pairs tile for fp8 query and P (rows otherwise), P
-divided by the fma-corrected reciprocal (bit-identical to a division), exact fp16 MMAs over e4m3.
+`decode_kernels.py`; the Gluon kernel (tile="gluon") in `gluon_decode.py`. Defaults are the fastest
+exact configuration measured on the H200: uniform schedule with the split heuristic below, the
+Gluon kernel for fp8 query and P at <= 16 query rows on Hopper, else the pairs tile (rows for other
+modes), P divided by the fma-corrected reciprocal (bit-identical to a division), exact fp16 MMAs
+over e4m3.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ GLUON_TILES = ("gluon",)
 _FP8_MMA = {False: (False, False), True: (True, True), "none": (False, False), "qk": (True, False),
             "pv": (False, True), "both": (True, True)}
 GLUON_ROWS = 16  # tile="gluon": query rows per program
-# tile="gluon" pages in flight: 2 (one prefetched) measured 194.5 vs 198.7 us for 3 at B=128 H=16 L=4K (H200);
-# 1 converts in place and fits two programs per SM
-GLUON_STAGES = 2
+# tile="gluon" ring slots. 1: the page is converted in place (~100 KB of shared memory), two programs per
+# SM hide each other's waits; H200, B=128 H=16 L=4K: 162.7 us vs 195.1 (2 slots, one page prefetched,
+# one program per SM) and 200.2 (3 slots); mixed lengths 220 vs 306 us (results/bench/h200_gluon6_raw)
+GLUON_STAGES = 1
 MAX_PARTS = 8192  # balanced schedule: partial buffers are [parts + B, rows, r] fp32
 
 
@@ -168,9 +171,11 @@ def mla_decode(
             correction per element, the correctly rounded quotient), "exact" (div_rn per element,
             same bits, slower) or "rcp" (f * (1 / pi): within ~1 ulp, may flip a rounding).
         tile: "rows" (query rows are the MMA's M dimension), "tokens" (swap AB: the page's 64
-            tokens are; snapmla and bf16 layouts only) or "pairs" (rows, with the fp8 latent read
-            as int16 pairs of codes: snapmla layout with fp8 query and P). None (default): pairs
-            where it applies, else rows (`default_tile`). See the module docstring.
+            tokens are; snapmla and bf16 layouts only), "pairs" (rows, with the fp8 latent read
+            as int16 pairs of codes: snapmla layout with fp8 query and P) or "gluon" (the Gluon
+            kernel, `gluon_decode.py`: snapmla with fp8 query and P, <= 16 query rows, Hopper GPU,
+            uniform schedule; fp8_mma "qk" allowed; num_stages 1 fits two programs per SM). None
+            (default): gluon where it runs, else pairs where it applies, else rows (`default_tile`).
 
     Returns:
         (out `[B, (S,) H, r]` fp32, lse `[B, (S,) H]` fp32 natural log); rows that see no token
@@ -252,6 +257,8 @@ def plan_decode(
         raise unknown_choice("p_div", p_div, P_DIVS)
     if tile is None:
         tile = default_tile(ops.layout, config, fp8_mma)
+        if tile == "pairs" and schedule == "uniform" and num_warps in (None, 4) and _gluon_runs(ops, q_abs):
+            tile = "gluon"  # the Gluon kernel where it runs (Hopper, <= 16 query rows)
     if tile not in TILES:
         raise unknown_choice("tile", tile, TILES)
     if tile == "tokens" and nb != 1:
@@ -280,7 +287,7 @@ def plan_decode(
     if num_splits is None:
         if schedule == "uniform":
             # tile="gluon" with one stage fits two programs per SM (shared memory ~100 KB)
-            resident = 2 if tile in GLUON_TILES and (num_stages or GLUON_STAGES) == 1 else 1
+            resident = 2 if tile in GLUON_TILES and _gluon_stages(num_stages, fp8_mma) == 1 else 1
             num_splits = _default_splits(B * m_blocks * nb, ops.block_table.shape[1], sms * resident)
         else:
             num_splits = default_parts(m_blocks * nb, sms)
@@ -365,8 +372,8 @@ def plan_decode(
     if tile in GLUON_TILES:
         plan.launches.append(_gluon_launch(q, ops, o_part, lse_part, float(softmax_scale) * LOG2E, num_splits,
                                            bool(causal), P_DIVS.index(p_div), fp8_mma == "qk",
-                                           num_stages or GLUON_STAGES, num_warps or 4))
-        knobs.update(num_warps=num_warps or 4, num_stages=num_stages or GLUON_STAGES)
+                                           _gluon_stages(num_stages, fp8_mma), num_warps or 4))
+        knobs.update(num_warps=num_warps or 4, num_stages=_gluon_stages(num_stages, fp8_mma))
     else:
         plan.launches.append(KernelLaunch("decode_uniform", _mla_decode_stage1, (B, m_blocks, num_splits * nb), (
             q_arg, lat_arg, ops.rope, ops.scale, ops.block_table, ops.lengths, o_part, lse_part,
@@ -394,12 +401,23 @@ def _check_gluon(ops: KernelOperands, rows: int, native: bool, tile: str, num_wa
         raise ConfigError(f"tile={tile!r} needs a Hopper GPU (Gluon kernels have no interpreter mode)")
     if num_warps not in (None, 4):
         raise ConfigError(f"tile={tile!r} runs one warpgroup (num_warps=4), got num_warps={num_warps}")
-    if ops.device.type == "cuda" and torch.cuda.get_device_capability(ops.device)[0] != 9:
+    if ops.device.type == "cuda" and _capability(ops.device)[0] != 9:
         raise ConfigError(f"tile={tile!r} runs on Hopper (sm_90) only, not {torch.cuda.get_device_name(ops.device)}")
     reason = gluon_unsupported_reason(ops.layout, True, True, rows, ops.kv_lora_rank, ops.rope_dim, ops.latent,
                                       ops.lat_strides, ops.rope, ops.rope_strides)
     if reason is not None:
         raise ConfigError(reason)
+
+
+def _gluon_stages(num_stages: int | None, fp8_mma: bool | str) -> int:
+    """Ring slots of tile="gluon": the in-place single slot, or 2 for a native FP8 QK (it reads the fp8
+    boxes while the tile converts, so they cannot be overwritten)."""
+    if fp8_mma == "qk":
+        if num_stages == 1:
+            raise ConfigError("tile='gluon' with fp8_mma='qk' needs num_stages >= 2 (the QK reads the fp8 page "
+                              "while the single in-place slot is converted)")
+        return num_stages or 2
+    return num_stages or GLUON_STAGES
 
 
 def _gluon_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, qk_fp8, stages, warps):
@@ -426,6 +444,26 @@ def default_tile(layout: str, config: KVQuantConfig, fp8_mma: bool | str = False
     B=128 H=16 L=4096 266 vs 321 us, B=32 H=64 L=8192 332 vs 417 us (both with a reciprocal P scale)."""
     fp8_both = config.query == "fp8_e4m3" and config.pv == "fp8_scale_fused"
     return "pairs" if layout == "snapmla" and fp8_both and fp8_mma in (False, "none") else "rows"
+
+
+def _gluon_runs(ops: KernelOperands, q_abs: torch.Tensor) -> bool:
+    """True when tile="gluon" runs these operands: a Hopper GPU, Gluon, <= 16 query rows, TMA-able."""
+    if ops.device.type != "cuda" or interpreting(ops.device) or _capability(ops.device)[0] != 9:
+        return False
+    from .gluon_decode import gluon_unsupported_reason
+
+    rows = q_abs.shape[-2] * (q_abs.shape[1] if q_abs.dim() == 4 else 1)
+    return gluon_unsupported_reason(ops.layout, True, True, rows, ops.kv_lora_rank, ops.rope_dim, ops.latent,
+                                    ops.lat_strides, ops.rope, ops.rope_strides) is None
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=16)
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def default_parts(row_tiles_x_chunks: int, num_sms: int) -> int:
