@@ -257,8 +257,11 @@ def plan_decode(
         raise unknown_choice("p_div", p_div, P_DIVS)
     if tile is None:
         tile = default_tile(ops.layout, config, fp8_mma)
-        if tile == "pairs" and schedule == "uniform" and num_warps in (None, 4) and _gluon_runs(ops, q_abs):
-            tile = "gluon"  # the Gluon kernel where it runs (Hopper, <= 16 query rows)
+        triton_knobs = (block_m, num_warps, num_stages, maxnreg) != (None, None, None, None)
+        if tile == "pairs" and schedule == "uniform" and not triton_knobs and _gluon_runs(ops, q_abs):
+            # the Gluon kernel where it runs (Hopper, <= 16 query rows); launch knobs given for the
+            # Triton kernels (block_m, num_warps, num_stages, maxnreg) keep the Triton tile
+            tile = "gluon"
     if tile not in TILES:
         raise unknown_choice("tile", tile, TILES)
     if tile == "tokens" and nb != 1:
