@@ -13,7 +13,10 @@ target (sm_90 = Hopper by default) and reads back:
     sync_tiles          2-D tiles the page loop loads synchronously (it waits for them each page)
     wgmma, mma_sync     Hopper warp-group MMAs vs Ampere-style MMAs in the PTX
     wgmma_waits         SASS waits on the warpgroup MMA pipe (WARPGROUP.DEPBAR); one per wgmma means
-                        ptxas serialized them (its advisories C7514 / C7515), costly for the MMA chain
+                        ptxas serialized them, costly for the MMA chain
+    ptxas_advice        the performance advisories ptxas prints and Triton hides (its C75xx codes, e.g.
+                        C7512 "wgmma serialized: insufficient register resources", C7515 "...: non
+                        wgmma instructions defining accumulator registers"), "" when none
     cvt_e4m3            fp8 -> 16-bit conversion instructions in the PTX
     loop_*              the SASS instruction mix of the page loop (the backward branch whose body
                         holds the most MMA instructions): total, MMA, conversions (F2FP/F2F/I2F...),
@@ -140,9 +143,30 @@ def kernel_stats(compiled: Any) -> dict[str, Any]:
             sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, timeout=120).stdout
             st.update(loop_mix(sass))
             st["wgmma_waits"] = sass.count("WARPGROUP.DEPBAR")
+            st["ptxas_advice"] = ptxas_advice(ptx)
         finally:
             os.unlink(path)
     return st
+
+
+def ptxas_advice(ptx: str, arch: str = "sm_90a") -> str | None:
+    """The C75xx performance advisory codes `ptxas -v` prints for `ptx` (comma list; None without ptxas).
+    Uses the ptxas Triton itself compiles sm_90 with (3.9 ships two and picks the newer)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        tool = get_ptxas(90).path
+    except Exception:
+        tool = _tool("ptxas")
+    if tool is None or not ptx:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([tool, f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, timeout=300)
+    return ",".join(sorted(set(re.findall(r"\((C75\d\d)\)", res.stdout + res.stderr))))
 
 
 _ASYNC = re.compile(r"async_copy_global_to_local [^\n]*?tensor<(\d+)x(\d+)x!tt\.ptr<(\w+)>")
