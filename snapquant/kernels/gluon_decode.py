@@ -1,29 +1,36 @@
 """The snapmla decode's page loop written in Gluon (Triton's explicit-layout dialect), Hopper only.
 
-Plain Triton leaves the H = 16 FP8 page loop latency-bound (docs/perf-notes.md section 6): one
-8-warp program per SM spends ~800 instructions per page on conversions, layout shuffles and
-barriers, and the fp8 tile is only prefetched in its int16-pairs disguise. Gluon lets the kernel say
-what plain Triton decides for it:
+Plain Triton leaves the H = 16 FP8 page loop latency-bound (docs/perf-notes.md sections 6 and 10):
+one 8-warp program per SM spends ~800 instructions per page on conversions, layout shuffles and
+barriers. Gluon lets the kernel say what plain Triton decides for it:
 
-  * TMA: the page's fp8 latent ([64, r], as r / 128 boxes of 128 codes) and bf16 RoPE rows go into
-    a ring of STAGES shared-memory slots, each with an mbarrier that counts the bytes in; a page is
-    requested STAGES - 1 pages before it is used, so HBM always has pages in flight.
+  * TMA: the page's fp8 latent ([64, r], as r / 128 boxes of 128 codes) and bf16 RoPE rows land in
+    shared memory, an mbarrier counting the bytes in.
   * one conversion per page: fp8 codes -> an fp16 tile in shared memory (exact: fp16 holds every
-    e4m3 value), read by both products; tokens past the request's length become exact zeros there
-    (a TMA slot may hold the next request's rows, or garbage codes such as NaN).
+    e4m3 value; `cvt.rn.f16x2.e4m3x2` on four codes per register), read by both products; on a
+    request's last page, tokens past its length become exact zeros (the TMA box may hold the next
+    request's rows, or codes such as NaN).
   * swap AB, so no rows are padded: the page's 64 tokens are wgmma's M dimension and the query rows
-    (16) its N. S^T = C Q^T ([64, r] x [r, 16], plus R Q_r^T for RoPE), softmax per column, then
-    O^T += C^T P^T with A = the same fp16 tile read transposed (wgmma reads 16-bit A operands in
-    either major order) and P^T ([64, 16]) staged in shared memory.
+    (16) its N. S^T = C Q^T ([64, r] x [r, 16], plus R Q_r^T for RoPE), then the softmax in a layout
+    where each warp owns whole rows (shuffle reductions), then O^T += C^T P^T with A = the same fp16
+    tile read transposed (wgmma reads 16-bit A operands in either major order), P^T in shared memory.
   * the softmax and P quantization are `decode_kernels._page_weights`'s arithmetic, with the
     fma-corrected division (P_DIV 2) by default: the same numbers as tile="pairs" up to fp32
     summation order inside the MMAs.
 
+Ring slots (STAGES, the launcher's num_stages): 1 (default) is one slot converted in place, TMA
+writing the fp8 boxes into the upper half of the fp16 tile's 64 KB: ~98 KB of shared memory, so two
+programs share an SM and hide each other's latency (measured fastest). 2 or 3 keep separate fp8 slots
+and prefetch STAGES - 1 pages (one program per SM); the opt-in native FP8 QK (QK_FP8) needs them.
+Every wgmma is waited for within its own page: a wait deferred across the loop made ptxas serialize
+all of them (advisory C7515; `compile_stats` reports `wgmma_waits` and `ptxas_advice`).
+
 One program = one (request, 16-row tile, split) as in the uniform schedule of
 `decode_kernels._mla_decode_stage1`; its partial output and LSE go to the same buffers and the same
-combine kernel merges them. The launcher is `mla_decode.plan_decode(tile="gluon")`; eligibility
-(`gluon_unsupported_reason`) is checked on the host. Gluon has no interpreter: this file compiles
-for sm_90 on any machine (tests compile it), and it runs on a Hopper GPU only.
+combine kernel merges them. The launcher is `mla_decode.plan_decode(tile="gluon")` (the default where
+it runs); eligibility (`gluon_unsupported_reason`) is checked on the host. Gluon has no interpreter:
+this file compiles for sm_90 on any machine (tests compile it), and it runs on a Hopper GPU only.
+ABLATE (default 0) drops parts of the page loop for `scripts/probe_gluon_decode.py`'s timing only.
 """
 
 from __future__ import annotations
