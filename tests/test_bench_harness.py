@@ -302,3 +302,12 @@ def test_cuda_graph_timer_control_flow_with_a_fake_device(monkeypatch):
     assert t.timer == "events" and t.us == pytest.approx(7.0) and any("timing eagerly" in m for m in log)
     with pytest.raises(RuntimeError):
         harness.time_fns(timing.EventTimer(runs=2), [broken], torch.device("cpu"), log.append)
+
+
+def test_sdpa_expansion_estimate_matches_the_h200_oom_messages():
+    from snapquant.bench.harness import sdpa_expansion_bytes
+
+    # K alone (r + d = 576 wide, fp32) was the 144 GiB allocation at B=128 H=128 L=4K
+    k_only = sdpa_expansion_bytes(128, 1, 128, 4096, 512, 64) * 576 // (2 * 512 + 64)
+    assert k_only == 144 * 2**30
+    assert sdpa_expansion_bytes(1, 1, 16, 1024, 512, 64) == 16 * 1024 * 1088 * 4

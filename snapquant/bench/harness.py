@@ -164,6 +164,18 @@ def torch_matmul_decode(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | 
     return torch.bmm(p, kv[..., :r]).float().view(B, S, H, r)
 
 
+class VariantSkipped(Exception):
+    """A variant that cannot run at this shape on this device, for a reason known before running it."""
+
+
+def sdpa_expansion_bytes(B: int, S: int, H: int, L: int, r: int, d: int) -> int:
+    """Bytes PyTorch's SDPA allocates for `torch_sdpa_decode`: with head dim r + d = 576 no fused kernel
+    applies, and its math path repeats the one latent KV head for every query head, upcast to fp32
+    (K [B, H, L, r + d] and V [B, H, L, r]); the H200 run's OOM messages asked for K alone 144 GiB at
+    B=128 H=128 L=4K, V alone 64 GiB at B=64 H=16 L=32K (results/bench/h200_gluon7_runB)."""
+    return B * S * H * L * (2 * r + d) * 4
+
+
 def torch_sdpa_decode(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, tau: float, r: int) -> torch.Tensor:
     """`F.scaled_dot_product_attention` with the latent as one KV head shared by all query heads."""
     import torch.nn.functional as F
@@ -193,6 +205,13 @@ def prepare_variant(v: Variant, data: ShapeData, num_sms: int) -> Prepared:
                  for i, (q, cache) in enumerate(zip(data.queries, data.caches[v.layout], strict=True))]
         return Prepared([p.run for p in plans], {"knobs": plans[0].knobs}, plans)
     fn = torch_matmul_decode if v.impl == "torch_matmul" else torch_sdpa_decode
+    if v.impl == "torch_sdpa" and data.device.type == "cuda":
+        sh = data.shape
+        need = sdpa_expansion_bytes(sh.batch, sh.q_tokens, sh.heads, sh.max_len, data.r, data.d)
+        free = torch.cuda.mem_get_info(data.device)[0]
+        if need > 0.9 * free:
+            raise VariantSkipped(f"SDPA's math path would expand the latent per head: {need / 2**30:.0f} GiB "
+                                 f"needed, {free / 2**30:.0f} GiB free")
     fns = [(lambda q=q, kv=kv, m=m: fn(q, kv, m, data.tau, data.r))
            for q, (kv, m) in zip(data.queries, data.dense, strict=True)]
     return Prepared(fns, {"knobs": {}})
@@ -282,6 +301,9 @@ def measure_decode(v: Variant, data: ShapeData, timer: Any, num_sms: int,
         if keep_output and row["status"] == "ok":
             data.outputs[v.name] = out.detach().clone()
         finish_row(row, time_fns(timer, prep.fns, dev, log))
+    except VariantSkipped as e:
+        row["status"] = "skipped"
+        row["error"] = str(e)[:400]
     except Exception as e:
         row["status"] = "error"
         row["error"] = f"{type(e).__name__}: {e}"[:400]
