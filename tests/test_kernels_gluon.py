@@ -50,12 +50,16 @@ def test_gluon_kernel_compiles_for_sm90_with_tma_and_wgmma():
 
 
 @needs_gluon
-def test_native_fp8_qk_variant_compiles_unserialized():
-    st = decode_compile_stats(BY_NAME["snapmla+gluon+fp8qk"], uniform_shape(8, 16, 2048))[0]
+@pytest.mark.parametrize("variant", ["snapmla+gluon+fp8qk", "snapmla+gluon+fp8qk+s1"])
+def test_native_fp8_qk_variant_compiles_unserialized(variant):
+    st = decode_compile_stats(BY_NAME[variant], uniform_shape(8, 16, 2048))[0]
     assert "error" not in st, st.get("error")
     assert st["wgmma"] == 52  # QK as 4 x 4 m64n16k32 (fp8), RoPE 4, PV 32
+    if variant.endswith("s1"):  # in place, fp8 query operand: two programs per SM
+        assert st["smem"] <= SMEM_LIMIT // 2 - 1024
     if st.get("regs") is not None:
         assert st["spill_bytes"] <= 128 and st["wgmma_waits"] <= 8, st["wgmma_waits"]
+        assert st["ptxas_advice"] in ("", None)
 
 
 def _cache(B=2, L=100, H=16):
@@ -77,10 +81,9 @@ def test_gluon_tile_refuses_other_formats_and_schedules():
         mla_decode(q, cache, 0.1, cfg.replace(query="bf16"), tile="gluon")
     with pytest.raises(ConfigError, match="uniform"):
         mla_decode(q, cache, 0.1, cfg, tile="gluon", schedule="balanced")
-    with pytest.raises(ConfigError, match="num_stages"):
-        from snapquant.kernels.mla_decode import _gluon_stages
+    from snapquant.kernels.mla_decode import _gluon_stages
 
-        _gluon_stages(1, "qk")
+    assert _gluon_stages(None, False) == 1 and _gluon_stages(None, "qk") == 2 and _gluon_stages(1, "qk") == 1
 
 
 @needs_gluon
@@ -103,7 +106,7 @@ def test_gluon_unsupported_reason_names_the_field():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
-@pytest.mark.parametrize("fp8_mma,stages", [(False, 2), (False, 1), (False, 3), ("qk", 2)])
+@pytest.mark.parametrize("fp8_mma,stages", [(False, 2), (False, 1), (False, 3), ("qk", 2), ("qk", 1)])
 @pytest.mark.parametrize("B,H,S,L,splits", [(6, 16, 1, 700, None), (3, 8, 2, 130, 1), (5, 16, 1, 64, 3)])
 def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages):
     """Against `mla_decode_reference` (CPU, the definitive semantics) on requests of mixed lengths

@@ -177,6 +177,9 @@ VARIANTS: tuple[Variant, ...] = (
     _v("bf16+occ2", "bf16", "bf16", priority=1, check="bf16", where="small_rows", maxnreg=128,
        note="128 registers, default stages (95 KB): two resident programs per SM"),
     # Gluon: TMA ring + swap-AB wgmma (snapquant/kernels/gluon_decode.py), one 16-row tile per request
+    _v("snapmla+gluon+fp8qk+s1", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows16",
+       tile="gluon", fp8_mma="qk", num_stages=1,
+       note="native e4m3 QK with the in-place slot (the conversion waits for the QK halfway): not yet timed"),
     _v("snapmla+pairs", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="pairs",
        note="the plain-Triton pairs tile (the default where the Gluon kernel does not run)"),
     _v("snapmla+gluon", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",

@@ -203,6 +203,27 @@ if HAVE_GLUON:
         gl.store(LSE_PART + b64 * stride_lb + rows * stride_lm + split * stride_ls, lse, mask=row_ok)
 
     @gluon.jit
+    def _widen_boxes(lat_smem, c16_smem, box0, K_LO: gl.constexpr, K_HI: gl.constexpr, base, length, offs_tc,
+                     cvt_l: gl.constexpr, INPLACE: gl.constexpr, NBOX: gl.constexpr, BOXW: gl.constexpr,
+                     PAGE: gl.constexpr):
+        """fp8 boxes K_LO..K_HI - 1 of the page -> fp16 chunks of the tile; on a request's last page the
+        tokens past its length become exact zeros (only there: the select costs one op per code)."""
+        if base + PAGE <= length:
+            for k in gl.static_range(K_LO, K_HI):
+                c8 = lat_smem.index(box0 + k).load(cvt_l)
+                if INPLACE and 2 * k >= NBOX:  # chunk k overwrites boxes 2k - NBOX.. (box k is just read)
+                    cta_barrier()
+                c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
+        else:
+            tok_ok_c = gl.expand_dims((base + offs_tc) < length, 1)
+            for k in gl.static_range(K_LO, K_HI):
+                c8 = lat_smem.index(box0 + k).load(cvt_l)
+                c8 = gl.where(tok_ok_c, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True)
+                if INPLACE and 2 * k >= NBOX:
+                    cta_barrier()
+                c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
+
+    @gluon.jit
     def _snapmla_decode_gluon(
         Q, lat_desc, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
         stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
@@ -251,7 +272,6 @@ if HAVE_GLUON:
             # One slot, converted in place: TMA writes the fp8 boxes into the upper half of the fp16
             # tile's 64 KB; fp16 chunk k (channels 128k.., bytes 16K k..) only overwrites boxes already
             # read. ~100 KB of shared memory: two programs share an SM and hide each other's waits.
-            gl.static_assert(not QK_FP8)
             c16_all = gl.allocate_shared_memory(gl.float16, [1, PAGE, R], c16_l)
             c16_smem = c16_all.index(0)
             if NEW_REINTERPRET:
@@ -344,22 +364,14 @@ if HAVE_GLUON:
                 rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
                                    is_async=True)
             # fp8 codes -> fp16 tile; on a request's last page, tokens past its length -> 0
-            if ABLATE & 1:
-                pass
-            elif base + PAGE <= length:
-                for k in gl.static_range(NBOX):
-                    c8 = lat_smem.index(BOX0 + slot * NBOX + k).load(cvt_l)
-                    if INPLACE and 2 * k >= NBOX:  # chunk k overwrites boxes 2k - NBOX.. (box k is just read)
-                        cta_barrier()
-                    c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
-            else:
-                tok_ok_c = gl.expand_dims((base + offs_tc) < length, 1)
-                for k in gl.static_range(NBOX):
-                    c8 = lat_smem.index(BOX0 + slot * NBOX + k).load(cvt_l)
-                    c8 = gl.where(tok_ok_c, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True)
-                    if INPLACE and 2 * k >= NBOX:
-                        cta_barrier()
-                    c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
+            if ABLATE & 1 == 0:
+                _widen_boxes(lat_smem, c16_smem, BOX0 + slot * NBOX, 0, NBOX // 2, base, length, offs_tc, cvt_l,
+                             INPLACE, NBOX, BOXW, PAGE)
+            if QK_FP8 and INPLACE:  # the in-place chunks below overwrite the fp8 boxes the QK reads
+                k0, k1, k2, k3, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, k2, k3, rd))
+            if ABLATE & 1 == 0:
+                _widen_boxes(lat_smem, c16_smem, BOX0 + slot * NBOX, NBOX // 2, NBOX, base, length, offs_tc, cvt_l,
+                             INPLACE, NBOX, BOXW, PAGE)
             fence_async_shared()
 
             # scores^T [PAGE, BN]: NoPE (products of e4m3 values) + RoPE (bf16), fp32 accumulation
@@ -367,7 +379,8 @@ if HAVE_GLUON:
                 qk = zero_s + it
                 rd = zero_s
             elif QK_FP8:
-                k0, k1, k2, k3, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, k2, k3, rd))
+                if not INPLACE:
+                    k0, k1, k2, k3, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, k2, k3, rd))
                 qk = gl.convert_layout(((k0 + k1) + (k2 + k3)), mma_l)  # the same registers (no data movement)
             else:
                 qk = warpgroup_mma(c16_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
