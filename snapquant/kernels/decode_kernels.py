@@ -42,12 +42,15 @@ Work schedules (`schedule=`):
 FP8 knobs (compile-time variants, so a benchmark can compare them side by side):
   fp8_mma   False (default): fp8 x fp8 products run as exact fp16 MMAs of the e4m3 values;
             "qk" / "pv" / True: Hopper's native FP8 MMA for that product (less precise, see `_tl`).
-  tile      "rows" (default): query rows are the MMA's M dimension. At H = 16 that is BLOCK_M = 16,
+  tile      (defaults: `mla_decode.plan_decode`; tile="gluon" is a separate kernel, `gluon_decode.py`)
+            "rows": query rows are the MMA's M dimension. At H = 16 that is BLOCK_M = 16,
             compiled to Ampere-style mma.sync, and there Triton does not software-pipeline an
             8-bit tile (it does a 16-bit one): `block_m=64` pads the rows to get Hopper wgmma and a
             pipelined FP8 tile (docs/perf-notes.md). "tokens": swap AB (`_attend_tokens`), the
-            page's 64 tokens are M and the query rows N, no padded rows.
-  p_div     "exact" (default): P^ = e4m3(f / pi) with a correctly rounded division per element;
+            page's 64 tokens are M and the query rows N, no padded rows. "pairs" (`_attend_pairs`): rows,
+            the fp8 latent read as int16 code pairs (pipelined) and widened once per page.
+  p_div     "exact": P^ = e4m3(f / pi) with a correctly rounded division per element; "fma" (the
+            launcher's default): one reciprocal per row plus one fma correction, the same bits;
             "rcp": e4m3(f * (1 / pi)), one division per row. f * rn(1/pi) is within ~1 ulp of
             f / pi, so it rounds to a different e4m3 value only when f / pi lies within ~2^-22
             (relative) of an e4m3 rounding midpoint: rare single-element flips, not bit-exact.
