@@ -7,6 +7,7 @@ side's refusals are checked; the numbers are checked against the reference on a 
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -132,3 +133,39 @@ def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages)
     assert ((out - base).norm() / base.norm()).item() < tol
     assert (lse - base_lse).abs().max().item() < lse_tol
 
+
+
+@needs_gluon
+def test_rows_view_addresses_paged_and_dense_row_caches():
+    """The TMA descriptor sees the cache as one table of rows; page p starts at row p * page_rows."""
+    from snapquant.kernels.gluon_decode import _rows_view, make_descriptors
+
+    paged = torch.empty(10, 64, 512, dtype=torch.float8_e4m3fn, device="meta")
+    assert _rows_view(paged, 512) == ([640, 512], [512, 1])
+    # the patch's dense store: a [B, T, r] view of a preallocated [B, T_max, r] buffer
+    dense = torch.empty(3, 1000, 512, dtype=torch.float8_e4m3fn, device="meta")[:, :130]
+    assert _rows_view(dense, 512) == ([2 * 1000 + 130, 512], [512, 1])
+    rope = torch.empty(10, 64, 64, dtype=torch.bfloat16, device="meta")
+    lat_desc, rope_desc = make_descriptors(paged, 512, rope, 64)
+    assert list(lat_desc.block_shape) == [64, 128] and list(rope_desc.block_shape) == [64, 64]
+    assert list(rope_desc.shape) == [640, 64]
+
+
+def test_default_tile_prefers_gluon_only_without_triton_launch_knobs(monkeypatch):
+    """Where the Gluon kernel runs, tile=None picks it, unless a launch knob meant for the Triton
+    kernels (block_m, num_warps, num_stages, maxnreg) or the balanced schedule is asked for."""
+    md = importlib.import_module("snapquant.kernels.mla_decode")  # the module (the package exports a function)
+    monkeypatch.setattr(md, "_gluon_runs", lambda ops, q: True)
+    cfg = PRESETS["snapmla"]
+    cache = PagedMLACache.empty(2, 256, 512, 64, cfg, device="meta")
+    q = torch.empty(2, 16, 576, dtype=torch.bfloat16, device="meta")
+    ops = md.KernelOperands.from_paged(cache)
+
+    def tile(**kw):
+        return md.plan_decode(q, ops, 0.1, cfg, native=True, num_sms=132, **kw).knobs["tile"]
+
+    assert tile() == "gluon"
+    assert tile(p_div="exact", num_splits=2) == "gluon"
+    for knob in ({"num_stages": 3}, {"num_warps": 8}, {"block_m": 64}, {"maxnreg": 128}, {"schedule": "balanced"}):
+        assert tile(**knob) == "pairs", knob
+    assert md.plan_decode(q, ops, 0.1, cfg.replace(query="bf16"), native=True, num_sms=132).knobs["tile"] == "rows"
