@@ -40,7 +40,8 @@ def main() -> int:
     from snapquant.kernels.mla_decode import mla_decode_plan
 
     B, H, L = (int(x) for x in args.shape.split("x"))
-    torch.manual_seed(0)
+    seed = 0
+    torch.manual_seed(seed)
     r, d = 512, 64
     caches = {}
     for name in ("snapmla", "bf16"):
@@ -78,8 +79,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     env = environment(torch.device("cuda"))
-    tmp.write_text(json.dumps({"shape": args.shape, "command": " ".join(sys.argv), "environment": env, "rows": rows},
-                              indent=1))
+    tmp.write_text(json.dumps({"shape": args.shape, "seed": seed, "command": " ".join(sys.argv), "environment": env,
+                               "rows": rows}, indent=1))
     tmp.replace(out)
     print(f"wrote {out}")
     return 0

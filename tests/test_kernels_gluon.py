@@ -76,12 +76,29 @@ def test_gluon_tile_refuses_cpu_with_a_clear_error():
         mla_decode(q, cache, 0.1, cfg, tile="gluon")
 
 
+@needs_gluon
+@pytest.mark.parametrize("r,d", [(256, 32), (128, 64)])
+def test_gluon_kernel_compiles_at_other_widths(r, d):
+    """kv_lora_rank 256 / 128 (two / one 128-code boxes): the in-place slot's chunk 0 then overlaps a box
+    still being read, which the kernel guards with a barrier."""
+    st = decode_compile_stats(BY_NAME["snapmla+gluon"], uniform_shape(4, 16, 1024), r=r, d=d)[0]
+    assert st["kernel"] == "decode_gluon" and "error" not in st, st.get("error")
+    assert st["wgmma"] > 0 and st["smem"] <= SMEM_LIMIT // 2 - 1024
+
+
 def test_gluon_tile_refuses_other_formats_and_schedules():
     cfg, cache, q = _cache()
     with pytest.raises(ConfigError, match=r"tile='gluon'.*snapmla"):
         mla_decode(q, cache, 0.1, cfg.replace(query="bf16"), tile="gluon")
     with pytest.raises(ConfigError, match="uniform"):
         mla_decode(q, cache, 0.1, cfg, tile="gluon", schedule="balanced")
+    meta_cache = PagedMLACache.empty(2, 128, 256, 64, cfg, device="meta")
+    meta_q = torch.empty(2, 16, 320, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ConfigError, match="kv_lora_rank 512"):  # the native FP8 QK's four boxes
+        from snapquant.kernels.mla_decode import KernelOperands, plan_decode
+
+        plan_decode(meta_q, KernelOperands.from_paged(meta_cache), 0.1, cfg, native=True, num_sms=132,
+                    tile="gluon", fp8_mma="qk")
     from snapquant.kernels.mla_decode import _gluon_stages
 
     assert _gluon_stages(None, False) == 1 and _gluon_stages(None, "qk") == 2 and _gluon_stages(1, "qk") == 1
@@ -109,16 +126,16 @@ def test_gluon_unsupported_reason_names_the_field():
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("fp8_mma,stages", [(False, 2), (False, 1), (False, 3), ("qk", 2), ("qk", 1)])
 @pytest.mark.parametrize("B,H,S,L,splits", [(6, 16, 1, 700, None), (3, 8, 2, 130, 1), (5, 16, 1, 64, 3)])
-def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages):
+def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages, r=512, d=64):
     """Against `mla_decode_reference` (CPU, the definitive semantics) on requests of mixed lengths
     (partial pages, empty splits): the same arithmetic up to fp32 summation order inside the MMAs."""
     torch.manual_seed(B * 100 + L)
     cfg = PRESETS["snapmla"]
     lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
-    cache = PagedMLACache.empty(B, L, 512, 64, cfg, device="cuda")
-    cache.append(torch.randn(B, L, 512, device="cuda"), torch.randn(B, L, 64, device="cuda"))
+    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
+    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
     cache.lengths.copy_(lengths.cuda())  # shorter requests leave written tokens past their length
-    q = torch.randn(B, S, H, 576, device="cuda").to(torch.bfloat16)
+    q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
     tau = 1 / math.sqrt(192)
     out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma,
                           num_stages=stages)
@@ -155,7 +172,7 @@ def test_default_tile_prefers_gluon_only_without_triton_launch_knobs(monkeypatch
     """Where the Gluon kernel runs, tile=None picks it, unless a launch knob meant for the Triton
     kernels (block_m, num_warps, num_stages, maxnreg) or the balanced schedule is asked for."""
     md = importlib.import_module("snapquant.kernels.mla_decode")  # the module (the package exports a function)
-    monkeypatch.setattr(md, "_gluon_runs", lambda ops, q: True)
+    monkeypatch.setattr(md, "_gluon_runs", lambda ops, rows, fp8_mma: True)
     cfg = PRESETS["snapmla"]
     cache = PagedMLACache.empty(2, 256, 512, 64, cfg, device="meta")
     q = torch.empty(2, 16, 576, dtype=torch.bfloat16, device="meta")
@@ -169,3 +186,11 @@ def test_default_tile_prefers_gluon_only_without_triton_launch_knobs(monkeypatch
     for knob in ({"num_stages": 3}, {"num_warps": 8}, {"block_m": 64}, {"maxnreg": 128}, {"schedule": "balanced"}):
         assert tile(**knob) == "pairs", knob
     assert md.plan_decode(q, ops, 0.1, cfg.replace(query="bf16"), native=True, num_sms=132).knobs["tile"] == "rows"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("r,d", [(256, 32), (128, 64)])
+def test_gluon_kernel_matches_the_reference_at_other_widths(r, d):
+    test_gluon_kernel_matches_the_reference(4, 16, 1, 300, None, False, 1, r=r, d=d)

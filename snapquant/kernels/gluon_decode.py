@@ -211,15 +211,15 @@ if HAVE_GLUON:
         if base + PAGE <= length:
             for k in gl.static_range(K_LO, K_HI):
                 c8 = lat_smem.index(box0 + k).load(cvt_l)
-                if INPLACE and 2 * k >= NBOX:  # chunk k overwrites boxes 2k - NBOX.. (box k is just read)
-                    cta_barrier()
+                if INPLACE and 2 * k + 1 >= NBOX:  # chunk k overwrites upper-half boxes 2k - NBOX, 2k - NBOX + 1
+                    cta_barrier()  # ... which may include box k, just read by the other warps
                 c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
         else:
             tok_ok_c = gl.expand_dims((base + offs_tc) < length, 1)
             for k in gl.static_range(K_LO, K_HI):
                 c8 = lat_smem.index(box0 + k).load(cvt_l)
                 c8 = gl.where(tok_ok_c, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True)
-                if INPLACE and 2 * k >= NBOX:
+                if INPLACE and 2 * k + 1 >= NBOX:
                     cta_barrier()
                 c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
 
@@ -350,6 +350,7 @@ if HAVE_GLUON:
             if ABLATE & 16 == 0:
                 mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
             if QK_FP8:  # the tensor cores start on QK while the warps convert the tile for PV
+                gl.static_assert(NBOX == 4)  # four boxes, four accumulators (the host checks r = 512)
                 q8 = q_smem.permute((1, 0))
                 # one accumulator per 128-channel box, summed in fp32: Hopper's FP8 MMA keeps ~14 bits
                 # inside an accumulation chain (DeepSeek-V3 promotes every 128 products the same way)
@@ -398,7 +399,6 @@ if HAVE_GLUON:
             p_smem.store(gl.permute(p8.to(gl.float16), [1, 0]))  # P as [rows, tokens]: 16-byte stores
             fence_async_shared()
             # O^T [R, BN] += C^T P^T: the same fp16 tile, read transposed
-            # (waited for at the next page, or after the loop)
             beta = gl.expand_dims(gl.convert_layout(rescale, row_l), 0)
             if ABLATE & 4:
                 acc = acc * beta

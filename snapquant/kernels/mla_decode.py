@@ -45,12 +45,10 @@ LOG2E = math.log2(math.e)
 SCHEDULES = ("uniform", "balanced")
 P_DIVS = ("exact", "rcp", "fma")
 TILES = ("rows", "tokens", "pairs", "gluon")
-_TILE_ID = {"rows": 0, "tokens": 1, "pairs": 2, "gluon": 2}  # gluon: a separate kernel (gluon_decode.py)
-GLUON_TILES = ("gluon",)
+_TILE_ID = {"rows": 0, "tokens": 1, "pairs": 2}  # the Triton kernels' TILE (gluon: a separate kernel)
 # fp8_mma value -> (native FP8 MMA for QK, for PV)
 _FP8_MMA = {False: (False, False), True: (True, True), "none": (False, False), "qk": (True, False),
             "pv": (False, True), "both": (True, True)}
-GLUON_ROWS = 16  # tile="gluon": query rows per program
 # tile="gluon" ring slots. 1: the page is converted in place (~100 KB of shared memory), two programs per
 # SM hide each other's waits; H200, B=128 H=16 L=4K: 162.7 us vs 195.1 (2 slots, one page prefetched,
 # one program per SM) and 200.2 (3 slots); mixed lengths 220 vs 306 us (results/bench/h200_gluon6_raw)
@@ -258,7 +256,7 @@ def plan_decode(
     if tile is None:
         tile = default_tile(ops.layout, config, fp8_mma)
         triton_knobs = (block_m, num_warps, num_stages, maxnreg) != (None, None, None, None)
-        if tile == "pairs" and schedule == "uniform" and not triton_knobs and _gluon_runs(ops, q_abs):
+        if tile == "pairs" and schedule == "uniform" and not triton_knobs and _gluon_runs(ops, S * H, fp8_mma):
             # the Gluon kernel where it runs (Hopper, <= 16 query rows); launch knobs given for the
             # Triton kernels (block_m, num_warps, num_stages, maxnreg) keep the Triton tile
             tile = "gluon"
@@ -266,23 +264,25 @@ def plan_decode(
         raise unknown_choice("tile", tile, TILES)
     if tile == "tokens" and nb != 1:
         raise ConfigError(f"tile='tokens' needs one scale per token; the {ops.layout} layout has {nb} scale blocks")
-    if tile in GLUON_TILES and schedule != "uniform":
+    if tile == "gluon" and schedule != "uniform":
         raise ConfigError(f"tile={tile!r} runs the uniform schedule only")
     mma_ok = (False, "none", "qk") if tile == "gluon" else (False, "none")
-    if tile in ("pairs", *GLUON_TILES) and (ops.layout != "snapmla" or config.query != "fp8_e4m3"
+    if tile in ("pairs", "gluon") and (ops.layout != "snapmla" or config.query != "fp8_e4m3"
                                        or config.pv != "fp8_scale_fused" or fp8_mma not in mma_ok):
         raise ConfigError(f"tile={tile!r} runs the snapmla layout with an fp8 query, fp8 P and exact fp16 MMAs; got the "
                           f"{ops.layout} layout, query={config.query!r}, pv={config.pv!r}, fp8_mma={fp8_mma!r}")
     if not isinstance(fp8_mma, (bool, str)) or fp8_mma not in _FP8_MMA:
         raise unknown_choice("fp8_mma", fp8_mma, [str(k) for k in _FP8_MMA])
     native = (not interpreting(dev)) if native is None else bool(native)
-    if tile in GLUON_TILES:
-        _check_gluon(ops, q.shape[1] * q.shape[2], native, tile, num_warps)
+    if tile == "gluon" and (reason := _gluon_reason(ops, S * H, native, num_warps, fp8_mma)) is not None:
+        raise ConfigError(reason)
     sms = num_sms if num_sms is not None else _num_sms(dev)
     bw = r // nb
     rows = S * H
-    if tile in GLUON_TILES:
-        block_m = GLUON_ROWS  # the kernel's wgmma N
+    if tile == "gluon":
+        from .gluon_decode import ROWS
+
+        block_m = ROWS  # the kernel's wgmma N
     if block_m is None:
         block_m = min(64, max(16, triton.next_power_of_2(rows)))
     _check_pow2("block_m", block_m, 16)
@@ -290,7 +290,7 @@ def plan_decode(
     if num_splits is None:
         if schedule == "uniform":
             # tile="gluon" with one stage fits two programs per SM (shared memory ~100 KB)
-            resident = 2 if tile in GLUON_TILES and _gluon_stages(num_stages, fp8_mma) == 1 else 1
+            resident = 2 if tile == "gluon" and _gluon_stages(num_stages, fp8_mma) == 1 else 1
             num_splits = _default_splits(B * m_blocks * nb, ops.block_table.shape[1], sms * resident)
         else:
             num_splits = default_parts(m_blocks * nb, sms)
@@ -327,7 +327,7 @@ def plan_decode(
         S=S, R=r, D=d, NB=nb, LAYOUT=_LAYOUT_ID[ops.layout], Q_FP8=q_fp8, P_FP8=p_fp8,
         Q_BITS16=q.dtype == torch.bfloat16, CAUSAL=bool(causal), BLOCK_M=block_m, PAGE=PAGE_SIZE,
         NATIVE=native, QK_KIND=qk_kind, PV_KIND=pv_kind, R_KIND=r_kind, P_DIV=P_DIVS.index(p_div),
-        TILE=_TILE_ID[tile], **launch,
+        TILE=_TILE_ID.get(tile, -1), **launch,
     )
     lat_arg, lat_strides = ops.latent, ops.lat_strides
     if tile == "pairs":  # the same bytes as int16 pairs of codes; strides in int16 units
@@ -372,7 +372,7 @@ def plan_decode(
     else:
         o_part = torch.empty(B, rows, num_splits, r, dtype=torch.float32, device=dev)
         lse_part = torch.empty(B, rows, num_splits, nb, dtype=torch.float32, device=dev)
-    if tile in GLUON_TILES:
+    if tile == "gluon":
         plan.launches.append(_gluon_launch(q, ops, o_part, lse_part, float(softmax_scale) * LOG2E, num_splits,
                                            bool(causal), P_DIVS.index(p_div), fp8_mma == "qk",
                                            _gluon_stages(num_stages, fp8_mma), num_warps or 4))
@@ -397,19 +397,28 @@ def plan_decode(
     return plan
 
 
-def _check_gluon(ops: KernelOperands, rows: int, native: bool, tile: str, num_warps: int | None) -> None:
+def _gluon_reason(ops: KernelOperands, rows: int, native: bool, num_warps: int | None,
+                  fp8_mma: bool | str) -> str | None:
+    """Why tile="gluon" cannot run these operands and knobs (None when it can). A CUDA device must be
+    Hopper; a meta device (plans compiled without a GPU, `compile_stats`) is taken as one."""
     from .gluon_decode import gluon_unsupported_reason
 
     if not native:
-        raise ConfigError(f"tile={tile!r} needs a Hopper GPU (Gluon kernels have no interpreter mode)")
+        return "tile='gluon' needs a Hopper GPU (Gluon kernels have no interpreter mode)"
     if num_warps not in (None, 4):
-        raise ConfigError(f"tile={tile!r} runs one warpgroup (num_warps=4), got num_warps={num_warps}")
+        return f"tile='gluon' runs one warpgroup (num_warps=4), got num_warps={num_warps}"
     if ops.device.type == "cuda" and _capability(ops.device)[0] != 9:
-        raise ConfigError(f"tile={tile!r} runs on Hopper (sm_90) only, not {torch.cuda.get_device_name(ops.device)}")
-    reason = gluon_unsupported_reason(ops.layout, True, True, rows, ops.kv_lora_rank, ops.rope_dim, ops.latent,
-                                      ops.lat_strides, ops.rope, ops.rope_strides)
-    if reason is not None:
-        raise ConfigError(reason)
+        return f"tile='gluon' runs on Hopper (sm_90) only, not {torch.cuda.get_device_name(ops.device)}"
+    if fp8_mma == "qk" and ops.kv_lora_rank != 512:
+        return f"tile='gluon' with fp8_mma='qk' is written for kv_lora_rank 512 (four 128-channel boxes), got {ops.kv_lora_rank}"
+    return gluon_unsupported_reason(ops.layout, True, True, rows, ops.kv_lora_rank, ops.rope_dim, ops.latent,
+                                    ops.lat_strides, ops.rope, ops.rope_strides)
+
+
+def _gluon_runs(ops: KernelOperands, rows: int, fp8_mma: bool | str) -> bool:
+    """True when tile="gluon" runs these operands on their (real) GPU: the default tile's test."""
+    dev = ops.device
+    return dev.type == "cuda" and not interpreting(dev) and _gluon_reason(ops, rows, True, None, fp8_mma) is None
 
 
 def _gluon_stages(num_stages: int | None, fp8_mma: bool | str) -> int:
@@ -445,17 +454,6 @@ def default_tile(layout: str, config: KVQuantConfig, fp8_mma: bool | str = False
     B=128 H=16 L=4096 266 vs 321 us, B=32 H=64 L=8192 332 vs 417 us (both with a reciprocal P scale)."""
     fp8_both = config.query == "fp8_e4m3" and config.pv == "fp8_scale_fused"
     return "pairs" if layout == "snapmla" and fp8_both and fp8_mma in (False, "none") else "rows"
-
-
-def _gluon_runs(ops: KernelOperands, q_abs: torch.Tensor) -> bool:
-    """True when tile="gluon" runs these operands: a Hopper GPU, Gluon, <= 16 query rows, TMA-able."""
-    if ops.device.type != "cuda" or interpreting(ops.device) or _capability(ops.device)[0] != 9:
-        return False
-    from .gluon_decode import gluon_unsupported_reason
-
-    rows = q_abs.shape[-2] * (q_abs.shape[1] if q_abs.dim() == 4 else 1)
-    return gluon_unsupported_reason(ops.layout, True, True, rows, ops.kv_lora_rank, ops.rope_dim, ops.latent,
-                                    ops.lat_strides, ops.rope, ops.rope_strides) is None
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
