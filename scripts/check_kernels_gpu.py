@@ -170,6 +170,8 @@ GLUON = {"snapmla+gluon": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H 
                                              "_tol": (3e-3, 5e-3)}),
          "snapmla+gluon+fp8qk+s1": ("snapmla", {"tile": "gluon", "fp8_mma": "qk", "num_stages": 1,
                                                 "_tol": (3e-3, 5e-3)})}
+GLUON_WIDE = {"snapmla+gluon-wide": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H > 16: 64-row tiles
+              "bf16+gluon-wide": ("bf16", {"tile": "gluon"})}
 
 
 def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: int | None,
@@ -425,11 +427,15 @@ def main() -> int:
     gluon = [(list(GLUON), B, H, L, S, ns) for B, H, L, S, ns in
              ((128, 16, 4096, 1, None), (128, 16, 4096, 1, 1), (4, 16, 32768, 1, None), (64, 8, 4096, 2, None),
               (8, 16, 1000, 1, 3))]
+    # wide: full and partial 64-row tiles (20 x 2 = 40 rows), several tiles per request, one split, empty splits
+    gluon += [(list(GLUON_WIDE), B, H, L, S, ns) for B, H, L, S, ns in
+              ((32, 64, 8192, 1, None), (4, 128, 32768, 1, None), (128, 128, 2048, 2, None), (8, 20, 1000, 2, 3),
+               (16, 32, 4096, 1, 1))]
     if torch.cuda.get_device_capability()[0] != 9:
         gluon = []
     for names, B, H, L, S, ns in shapes + ([] if args.quick else knobbed + gluon):
         for name in names:
-            cfg_name, knobs = {**KNOBBED, **GLUON}.get(name, (name, None))
+            cfg_name, knobs = {**KNOBBED, **GLUON, **GLUON_WIDE}.get(name, (name, None))
             if args.only and args.only not in f"{name} B={B} H={H} L={L} s_q={S}":
                 continue
             rows.append(run_case(check_decode, name, configs[cfg_name], B, H, L, S, ns, knobs,

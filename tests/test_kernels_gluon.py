@@ -110,8 +110,14 @@ def test_gluon_unsupported_reason_names_the_field():
     rope = torch.empty(4, 64, 64, dtype=torch.int16, device="meta")
     ok = gluon_unsupported_reason("snapmla", True, True, 16, 512, 64, lat, (64 * 512, 512), rope, (64 * 64, 64))
     assert ok is None
-    assert "rows" in gluon_unsupported_reason("snapmla", True, True, 32, 512, 64, lat, (64 * 512, 512), rope,
-                                              (64 * 64, 64))
+    # past 16 rows: the 64-row kernel, snapmla (fp8 query and P) or bf16 (16-bit query and P) only
+    assert gluon_unsupported_reason("snapmla", True, True, 32, 512, 64, lat, (64 * 512, 512), rope, (64 * 64, 64)) is None
+    assert "bf16 layout" in gluon_unsupported_reason("snapmla", False, True, 32, 512, 64, lat, (64 * 512, 512), rope,
+                                                     (64 * 64, 64))
+    assert "at <= 16 query rows" in gluon_unsupported_reason("bf16", False, False, 16, 512, 64, lat, (64 * 512, 512),
+                                                             rope, (64 * 64, 64))
+    assert "up to 512" in gluon_unsupported_reason("snapmla", True, True, 64, 1024, 64, lat, (64 * 512, 512), rope,
+                                                   (64 * 64, 64))
     assert "snapmla" in gluon_unsupported_reason("ds_v32", True, True, 16, 512, 64, lat, (64 * 512, 512), rope,
                                                  (64 * 64, 64))
     assert "kv_lora_rank" in gluon_unsupported_reason("snapmla", True, True, 16, 96, 64, lat, (64 * 512, 512), rope,
@@ -172,7 +178,7 @@ def test_default_tile_prefers_gluon_only_without_triton_launch_knobs(monkeypatch
     """Where the Gluon kernel runs, tile=None picks it, unless a launch knob meant for the Triton
     kernels (block_m, num_warps, num_stages, maxnreg) or the balanced schedule is asked for."""
     md = importlib.import_module("snapquant.kernels.mla_decode")  # the module (the package exports a function)
-    monkeypatch.setattr(md, "_gluon_runs", lambda ops, rows, fp8_mma: True)
+    monkeypatch.setattr(md, "_gluon_runs", lambda ops, rows, fp8_mma, config: True)
     cfg = PRESETS["snapmla"]
     cache = PagedMLACache.empty(2, 256, 512, 64, cfg, device="meta")
     q = torch.empty(2, 16, 576, dtype=torch.bfloat16, device="meta")
@@ -194,3 +200,93 @@ def test_default_tile_prefers_gluon_only_without_triton_launch_knobs(monkeypatch
 @pytest.mark.parametrize("r,d", [(256, 32), (128, 64)])
 def test_gluon_kernel_matches_the_reference_at_other_widths(r, d):
     test_gluon_kernel_matches_the_reference(4, 16, 1, 300, None, False, 1, r=r, d=d)
+
+
+# ------------------------------------------------------------------ the 64-row kernel (gluon_wide.py)
+@needs_gluon
+@pytest.mark.parametrize("variant", ["snapmla+gluon", "bf16+gluon"])
+def test_wide_gluon_kernel_compiles_unserialized(variant):
+    """Past 16 rows tile="gluon" is gluon_wide's two-warpgroup kernel: per page QK 32 + RoPE 4 and PV 4
+    (m64n256k16) wgmma, kept asynchronous by ptxas, within one SM's shared memory."""
+    rows = decode_compile_stats(BY_NAME[variant], uniform_shape(32, 64, 8192))
+    st = rows[0]
+    assert st["kernel"] == "decode_gluon_wide" and "error" not in st, st.get("error")
+    assert st["wgmma"] == 40 and st["mma_sync"] == 0 and st["async_loads"] > 0
+    assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT  # two TMA slots: one program per SM
+    assert (st["cvt_e4m3"] > 0) == variant.startswith("snapmla")
+    assert st["grid"].startswith("1x32x")  # one 64-row tile, 32 requests, splits
+    if st.get("regs") is not None:
+        # Triton 3.6: fp8 249 registers, bf16 211, no spills; 3.9 (CI): 255 with 16 spilled bytes, 226
+        assert st["regs"] <= 255 and st["spill_bytes"] <= 64
+        assert st["wgmma_waits"] <= 4 and st["ptxas_advice"] in ("", None)
+    two_tiles = decode_compile_stats(BY_NAME[variant], uniform_shape(4, 128, 1024))[0]
+    assert two_tiles["grid"].startswith("2x4x")  # the row tiles of a request are adjacent programs (L2)
+
+
+def _meta_plan(layout_cfg, H, **knobs):
+    from snapquant.kernels.mla_decode import KernelOperands, plan_decode
+
+    cache = PagedMLACache.empty(2, 256, 512, 64, layout_cfg, device="meta")
+    q = torch.empty(2, H, 576, dtype=torch.bfloat16, device="meta")
+    return plan_decode(q, KernelOperands.from_paged(cache), 0.1, layout_cfg, native=True, num_sms=132, **knobs)
+
+
+@needs_gluon
+def test_wide_gluon_tile_plans_and_refusals():
+    for name in ("snapmla", "bf16"):
+        plan = _meta_plan(PRESETS[name], 64, tile="gluon")
+        assert plan.launches[0].name == "decode_gluon_wide"
+        assert plan.knobs["block_m"] == 64 and plan.knobs["num_warps"] == 8 and plan.knobs["num_stages"] == 2
+    with pytest.raises(ConfigError, match="fp8_mma"):
+        _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma="qk")
+    with pytest.raises(ConfigError, match="num_warps=8"):
+        _meta_plan(PRESETS["bf16"], 64, tile="gluon", num_warps=4)
+    with pytest.raises(ConfigError, match="num_stages=2"):
+        _meta_plan(PRESETS["bf16"], 64, tile="gluon", num_stages=3)
+    with pytest.raises(ConfigError, match="bf16 layout"):
+        _meta_plan(PRESETS["snapmla_kv_only"], 64, tile="gluon")
+    with pytest.raises(ConfigError, match="at <= 16"):  # no narrow bf16 kernel
+        _meta_plan(PRESETS["bf16"], 16, tile="gluon")
+
+
+def test_wide_gluon_default_follows_its_switch(monkeypatch):
+    """Past 16 rows tile=None picks the 64-row Gluon kernel only while GLUON_WIDE_DEFAULT says so."""
+    md = importlib.import_module("snapquant.kernels.mla_decode")
+    monkeypatch.setattr(md, "_gluon_runs", lambda ops, rows, fp8_mma, config: True)
+    for flag, want in ((False, {"snapmla": "pairs", "bf16": "rows"}), (True, {"snapmla": "gluon", "bf16": "gluon"})):
+        monkeypatch.setattr(md, "GLUON_WIDE_DEFAULT", flag)
+        for name, tile in want.items():
+            assert _meta_plan(PRESETS[name], 64).knobs["tile"] == tile, (flag, name)
+        assert _meta_plan(PRESETS["bf16"], 64, num_warps=8).knobs["tile"] == "rows"  # a Triton knob
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("layout", ["snapmla", "bf16"])
+@pytest.mark.parametrize("B,H,S,L,splits", [(5, 64, 1, 700, None), (3, 20, 2, 130, 1), (4, 128, 1, 64, 3),
+                                            (2, 32, 2, 1000, 2)])
+def test_wide_gluon_kernel_matches_the_reference(layout, B, H, S, L, splits, r=512, d=64):
+    """64-row tiles (full, partial: 40 rows, several per request) against `mla_decode_reference` and the
+    Triton tile, with stale tokens past each request's length in its last page."""
+    torch.manual_seed(B * 1000 + H + L)
+    cfg = PRESETS[layout]
+    lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
+    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
+    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
+    cache.lengths.copy_(lengths.cuda())
+    if layout == "bf16" and L % 64:  # a NaN past the length must meet P = 0 as a zero, not poison the row
+        cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:] = float("nan")
+    q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
+    tau = 1 / math.sqrt(192)
+    out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon")
+    base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="pairs" if layout == "snapmla" else "rows")
+    kv = cache.to_quantized_kv(int(cache.lengths.max())).to("cpu")
+    ref, ref_lse = mla_decode_reference(q.cpu(), kv, cache.lengths.cpu(), tau, cfg)
+    assert torch.isfinite(out).all()
+    # snapmla: exact fp16 MMAs, summation order only. bf16: P = bf16(e) may round differently where the
+    # reference's summation order moves e by an ulp
+    tol, lse_tol = (2e-5, 1e-4) if layout == "snapmla" else (1e-3, 1e-3)
+    for o, lz in ((ref, ref_lse), (base.cpu(), base_lse.cpu())):
+        assert ((out.cpu() - o).norm() / o.norm()).item() < tol
+        assert (lse.cpu() - lz).abs().max().item() < lse_tol

@@ -86,7 +86,7 @@ def compile_launch(launch: Any, arch: int = 90) -> Any:
     for k, v in launch.kwargs.items():
         if k in names:
             values[k] = v
-        else:
+        if k not in names or k == "num_warps":  # a Gluon kernel also reads num_warps as a constexpr
             options[k] = v
     sig, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):

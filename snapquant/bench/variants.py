@@ -32,7 +32,7 @@ from .shapes import HEADLINE, DecodeShape
 
 FAMILIES = ("bf16", "fp8", "torch")
 IMPLS = ("kernel", "torch_matmul", "torch_sdpa")
-WHERE = ("all", "headline", "small_rows", "small_rows_headline", "rows16")
+WHERE = ("all", "headline", "small_rows", "small_rows_headline", "rows16", "rows_gt16")
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class Variant:
     check_vs: str | None = None
     tol: float = 2e-3
     where: str = "all"  # all | headline | small_rows (S * H < 64: block_m 64 pads rows) | small_rows_headline
+    # | rows16 (S * H <= 16) | rows_gt16
     impl: str = "kernel"
     note: str = ""
 
@@ -83,6 +84,8 @@ class Variant:
             return small and shape.name in HEADLINE
         if self.where == "rows16":  # tile="gluon": one 16-row tile per request
             return shape.heads * shape.q_tokens <= 16
+        if self.where == "rows_gt16":  # tile="gluon": 64-row tiles (gluon_wide)
+            return shape.heads * shape.q_tokens > 16
         return True
 
     def kernel_kwargs(self, shape: DecodeShape, num_sms: int) -> dict[str, Any]:
@@ -182,8 +185,13 @@ VARIANTS: tuple[Variant, ...] = (
        note="native e4m3 QK with the in-place slot (the conversion waits for the QK halfway): not yet timed"),
     _v("snapmla+pairs", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="pairs",
        note="the plain-Triton pairs tile (the default where the Gluon kernel does not run)"),
-    _v("snapmla+gluon", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
-       note="Gluon kernel (the default on Hopper): TMA, fp16 tile converted in place, swap-AB wgmma, 2 programs/SM"),
+    _v("snapmla+gluon", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="gluon",
+       note="Gluon kernels: <= 16 rows TMA, fp16 tile converted in place, swap-AB wgmma, 2 programs/SM; "
+            "more rows: 64-row tiles, two warpgroups (gluon_wide)"),
+    _v("bf16+gluon", "bf16", "bf16", priority=1, check="bf16", where="rows_gt16", tile="gluon",
+       note="the 64-row Gluon kernel on the bf16 layout: TMA slots read by wgmma directly"),
+    _v("bf16+rows", "bf16", "bf16", priority=1, check="bf16", tile="rows",
+       note="the plain-Triton BF16 kernel (rows tile), whatever the default"),
     _v("snapmla+gluon+s2", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
        num_stages=2, note="two slots, one page prefetched (~170 KB): one program per SM"),
     _v("snapmla+gluon+s3", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",

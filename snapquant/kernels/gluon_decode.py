@@ -67,16 +67,22 @@ ROWS = 16  # query rows per program (wgmma N)
 def gluon_unsupported_reason(layout: str, q_fp8: bool, p_fp8: bool, rows: int, r: int, d: int,
                              lat: torch.Tensor, lat_strides: tuple[int, int], rope: torch.Tensor,
                              rope_strides: tuple[int, int]) -> str | None:
-    """Why tile="gluon" cannot run these operands (None when it can)."""
+    """Why tile="gluon" cannot run these operands (None when it can). Up to ROWS query rows it is
+    this module's kernel (snapmla, fp8 query and P); past that `gluon_wide`'s 64-row tiles, which
+    also run the bf16 layout (bf16 query and P)."""
     if not HAVE_GLUON:
         return "this triton has no Gluon (triton.experimental.gluon)"
-    if layout != "snapmla" or not (q_fp8 and p_fp8):
-        return f"tile='gluon' runs the snapmla layout with an fp8 query and fp8 P, got {layout} (q fp8 {q_fp8}, P fp8 {p_fp8})"
-    if rows > ROWS:
-        return f"tile='gluon' takes at most {ROWS} query rows (S * H) per request, got {rows}"
-    if r % BOX or d * 2 > 128 or d < 8:
-        return f"tile='gluon' needs kv_lora_rank a multiple of {BOX} and 8 <= rope_dim <= 64, got {r}, {d}"
-    for name, t, (sp, st), size in (("latent", lat, lat_strides, 1), ("rope", rope, rope_strides, 2)):
+    snapmla8 = layout == "snapmla" and q_fp8 and p_fp8
+    if rows <= ROWS and not snapmla8:
+        return (f"tile='gluon' at <= {ROWS} query rows runs the snapmla layout with an fp8 query and fp8 P, got "
+                f"{layout} (q fp8 {q_fp8}, P fp8 {p_fp8})")
+    if rows > ROWS and not (snapmla8 or (layout == "bf16" and not q_fp8 and not p_fp8)):
+        return (f"tile='gluon' at > {ROWS} query rows runs the snapmla layout (fp8 query and P) or the bf16 layout "
+                f"(bf16 query and P), got {layout} (q fp8 {q_fp8}, P fp8 {p_fp8})")
+    if r % BOX or r > 512 or d * 2 > 128 or d < 8:
+        return f"tile='gluon' needs kv_lora_rank a multiple of {BOX} up to 512 and 8 <= rope_dim <= 64, got {r}, {d}"
+    lat_size = 2 if layout == "bf16" else 1
+    for name, t, (sp, st), size in (("latent", lat, lat_strides, lat_size), ("rope", rope, rope_strides, 2)):
         if t.stride(-1) != 1 or (st * size) % 16 or t.data_ptr() % 16 or sp % st:
             return (f"tile='gluon' needs the {name} rows 16-byte aligned, contiguous and a page stride that is a "
                     f"multiple of the row stride (TMA), got strides {tuple(t.stride())}")
@@ -134,72 +140,84 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S: gl.constexpr,
-                        R: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, QK_FP8: gl.constexpr, q_l: gl.constexpr):
+                        R: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, QK_FP8: gl.constexpr, q_l: gl.constexpr,
+                        Q8: gl.constexpr = True):
         """Stores q^ = e4m3(q / sigma) (as fp16, or e4m3 for a native fp8 QK) and q~r = bf16(q_r / sigma)
-        of the program's BN query rows into shared memory; returns sigma = amax(q) / 448 per row."""
+        of the program's BN query rows into shared memory; returns sigma = amax(q) / 448 per row.
+        Q8=False (the bf16 layout): bf16(q) and bf16(q_r), sigma = 1."""
         rows_q = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, q_l))
         rq_ok = rows_q < S * H
         q_row = Q + b64 * stride_qb + (rows_q // H) * stride_qs + (rows_q % H) * stride_qh
         offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, q_l))
         q = gl.load(q_row[:, None] + offs_r[None, :], mask=rq_ok[:, None], other=0.0).to(gl.float32)
-        amax = gl.max(gl.abs(q), 1)
-        sigma = gl.div_rn(amax, gl.full_like(amax, E4M3_MAX))
-        sigma = gl.where(amax == 0, 1.0, gl.maximum(sigma, SCALE_FLOOR))
-        qn = gl.div_rn(q, gl.expand_dims(sigma, 1) + gl.zeros_like(q))
-        qn = gl.minimum(gl.maximum(qn, -E4M3_MAX), E4M3_MAX)
-        if QK_FP8:
-            q_smem.store(qn.to(gl.float8e4nv))
-        else:
-            q_smem.store(qn.to(gl.float8e4nv).to(gl.float16))
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
         qr = gl.load(q_row[:, None] + R + offs_d[None, :], mask=rq_ok[:, None], other=0.0).to(gl.float32)
-        qr = gl.div_rn(qr, gl.expand_dims(sigma, 1) + gl.zeros_like(qr))
-        qr_smem.store(gl.minimum(gl.maximum(qr, -BF16_MAX), BF16_MAX).to(gl.bfloat16))
+        if Q8:
+            amax = gl.max(gl.abs(q), 1)
+            sigma = gl.div_rn(amax, gl.full_like(amax, E4M3_MAX))
+            sigma = gl.where(amax == 0, 1.0, gl.maximum(sigma, SCALE_FLOOR))
+            qn = gl.div_rn(q, gl.expand_dims(sigma, 1) + gl.zeros_like(q))
+            qn = gl.minimum(gl.maximum(qn, -E4M3_MAX), E4M3_MAX)
+            if QK_FP8:
+                q_smem.store(qn.to(gl.float8e4nv))
+            else:
+                q_smem.store(qn.to(gl.float8e4nv).to(gl.float16))
+            qr = gl.div_rn(qr, gl.expand_dims(sigma, 1) + gl.zeros_like(qr))
+            qr_smem.store(gl.minimum(gl.maximum(qr, -BF16_MAX), BF16_MAX).to(gl.bfloat16))
+        else:
+            sigma = gl.full([BN], 1.0, gl.float32, gl.SliceLayout(1, q_l))
+            q_smem.store(q.to(gl.bfloat16))
+            qr_smem.store(qr.to(gl.bfloat16))
         return sigma
 
     @gluon.jit
-    def _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, P_DIV: gl.constexpr):
-        """One page of the online softmax and of fp8_scale_fused P, tokens along axis 0 (the arithmetic
+    def _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, P_DIV: gl.constexpr,
+                AX: gl.constexpr = 0):
+        """One page of the online softmax and of fp8_scale_fused P, tokens along axis AX (the arithmetic
         of `decode_kernels._online_softmax` and `_page_weights`): raw = <q^, c^> + <q~r, r~> per
         (token, row) -> (P^ as e4m3, accumulator rescale beta, m, l, pi, pi_max)."""
-        x = (gl.expand_dims(s_cur, 1) * raw) * gl.expand_dims(coef, 0)
-        x = gl.where(gl.expand_dims(pos, 1) < gl.expand_dims(limit, 0), x, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(x, 0))
+        RA: gl.constexpr = 1 - AX  # the rows' axis
+        x = (gl.expand_dims(s_cur, RA) * raw) * gl.expand_dims(coef, AX)
+        x = gl.where(gl.expand_dims(pos, RA) < gl.expand_dims(limit, AX), x, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(x, AX))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-        e = gl.exp2(x - gl.expand_dims(m_ref, 0))
+        e = gl.exp2(x - gl.expand_dims(m_ref, AX))
         alpha = gl.exp2(m_i - m_ref)
         # pi = max f / 448 (floored), P^ = e4m3(f / pi), f = e times the token scale
-        f = e * gl.expand_dims(s_cur, 1)
-        f_max = gl.max(f, 0)
+        f = e * gl.expand_dims(s_cur, RA)
+        f_max = gl.max(f, AX)
         pi_floor = gl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
         pi_new = gl.where(f_max > 0, gl.maximum(gl.div_rn(f_max, gl.full_like(f_max, E4M3_MAX)), pi_floor), pi_i)
         pi_max = gl.maximum(pi_max * alpha, pi_new)
-        pi_b = gl.expand_dims(pi_new, 0) + zero_s
+        pi_b = gl.expand_dims(pi_new, AX) + zero_s
         if P_DIV == 0:
             y = gl.div_rn(f, pi_b)
         else:
-            r_inv = gl.expand_dims(gl.div_rn(gl.full_like(pi_new, 1.0), pi_new), 0) + zero_s
+            r_inv = gl.expand_dims(gl.div_rn(gl.full_like(pi_new, 1.0), pi_new), AX) + zero_s
             y = f * r_inv
             if P_DIV == 2:  # Markstein: one fma correction gives the correctly rounded quotient
                 y = gl.fma(gl.fma(-y, pi_b, f), r_inv, y)
         p8 = gl.minimum(gl.maximum(y, -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
         rescale = gl.div_rn(alpha * pi_i, pi_new)
-        l_i = rescale * l_i + gl.div_rn(gl.sum(e, 0), pi_new)
+        l_i = rescale * l_i + gl.div_rn(gl.sum(e, AX), pi_new)
         return p8, rescale, m_new, l_i, pi_new, pi_max
 
     @gluon.jit
     def _store_result(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
-                      stride_lb, stride_lm, stride_ls, R: gl.constexpr, LSE_NATURAL: gl.constexpr, tok_l: gl.constexpr):
-        """out = acc / l (acc is O^T), lse = m + log2(l pi); rows that saw nothing give 0 and -inf."""
+                      stride_lb, stride_lm, stride_ls, R: gl.constexpr, LSE_NATURAL: gl.constexpr, ch_l: gl.constexpr,
+                      AX: gl.constexpr = 1):
+        """out = acc / l (rows along axis AX of acc: 1 for O^T), lse = m + log2(l pi); rows that saw
+        nothing give 0 and -inf."""
+        CA: gl.constexpr = 1 - AX  # the channels' axis
         empty = l_i == 0.0
-        out = acc / gl.expand_dims(gl.where(empty, 1.0, l_i), 0)
+        out = acc / gl.expand_dims(gl.where(empty, 1.0, l_i), CA)
         lse = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i * pi_i)))
         if LSE_NATURAL:
             lse = lse * LN2
-        offs_c = gl.arange(0, R, layout=tok_l)
-        o_ptr = (O_PART + b64 * stride_ob + split * stride_os + gl.expand_dims(rows * stride_om, 0)
-                 + gl.expand_dims(offs_c, 1))
-        gl.store(o_ptr, out, mask=gl.expand_dims(row_ok, 0) & gl.expand_dims(offs_c < R, 1))
+        offs_c = gl.arange(0, R, layout=ch_l)
+        o_ptr = (O_PART + b64 * stride_ob + split * stride_os + gl.expand_dims(rows * stride_om, CA)
+                 + gl.expand_dims(offs_c, AX))
+        gl.store(o_ptr, out, mask=gl.expand_dims(row_ok, CA) & gl.expand_dims(offs_c < R, AX))
         gl.store(LSE_PART + b64 * stride_lb + rows * stride_lm + split * stride_ls, lse, mask=row_ok)
 
     @gluon.jit

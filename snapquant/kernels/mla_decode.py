@@ -53,6 +53,10 @@ _FP8_MMA = {False: (False, False), True: (True, True), "none": (False, False), "
 # SM hide each other's waits; H200, B=128 H=16 L=4K: 162.7 us vs 195.1 (2 slots, one page prefetched,
 # one program per SM) and 200.2 (3 slots); mixed lengths 220 vs 306 us (results/bench/h200_gluon6_raw)
 GLUON_STAGES = 1
+GLUON_ROWS = 16  # tile="gluon": up to this many query rows, the narrow kernel (gluon_decode.ROWS) ...
+GLUON_WIDE_ROWS = 64  # ... past it, 64-row tiles (gluon_wide.BM)
+# the wide kernel is the default past 16 rows (snapmla and bf16 layouts) once measured faster
+GLUON_WIDE_DEFAULT = False
 MAX_PARTS = 8192  # balanced schedule: partial buffers are [parts + B, rows, r] fp32
 
 
@@ -256,9 +260,10 @@ def plan_decode(
     if tile is None:
         tile = default_tile(ops.layout, config, fp8_mma)
         triton_knobs = (block_m, num_warps, num_stages, maxnreg) != (None, None, None, None)
-        if tile == "pairs" and schedule == "uniform" and not triton_knobs and _gluon_runs(ops, S * H, fp8_mma):
-            # the Gluon kernel where it runs (Hopper, <= 16 query rows); launch knobs given for the
-            # Triton kernels (block_m, num_warps, num_stages, maxnreg) keep the Triton tile
+        eligible = tile == "pairs" if S * H <= GLUON_ROWS else GLUON_WIDE_DEFAULT
+        if schedule == "uniform" and not triton_knobs and eligible and _gluon_runs(ops, S * H, fp8_mma, config):
+            # the Gluon kernels where they run (Hopper); launch knobs given for the Triton kernels
+            # (block_m, num_warps, num_stages, maxnreg) keep the Triton tile
             tile = "gluon"
     if tile not in TILES:
         raise unknown_choice("tile", tile, TILES)
@@ -266,23 +271,21 @@ def plan_decode(
         raise ConfigError(f"tile='tokens' needs one scale per token; the {ops.layout} layout has {nb} scale blocks")
     if tile == "gluon" and schedule != "uniform":
         raise ConfigError(f"tile={tile!r} runs the uniform schedule only")
-    mma_ok = (False, "none", "qk") if tile == "gluon" else (False, "none")
-    if tile in ("pairs", "gluon") and (ops.layout != "snapmla" or config.query != "fp8_e4m3"
-                                       or config.pv != "fp8_scale_fused" or fp8_mma not in mma_ok):
+    if tile == "pairs" and (ops.layout != "snapmla" or config.query != "fp8_e4m3"
+                            or config.pv != "fp8_scale_fused" or fp8_mma not in (False, "none")):
         raise ConfigError(f"tile={tile!r} runs the snapmla layout with an fp8 query, fp8 P and exact fp16 MMAs; got the "
                           f"{ops.layout} layout, query={config.query!r}, pv={config.pv!r}, fp8_mma={fp8_mma!r}")
     if not isinstance(fp8_mma, (bool, str)) or fp8_mma not in _FP8_MMA:
         raise unknown_choice("fp8_mma", fp8_mma, [str(k) for k in _FP8_MMA])
     native = (not interpreting(dev)) if native is None else bool(native)
-    if tile == "gluon" and (reason := _gluon_reason(ops, S * H, native, num_warps, fp8_mma)) is not None:
+    if tile == "gluon" and (reason := _gluon_reason(ops, S * H, native, num_warps, num_stages, fp8_mma,
+                                                     config)) is not None:
         raise ConfigError(reason)
     sms = num_sms if num_sms is not None else _num_sms(dev)
     bw = r // nb
     rows = S * H
-    if tile == "gluon":
-        from .gluon_decode import ROWS
-
-        block_m = ROWS  # the kernel's wgmma N
+    if tile == "gluon":  # the kernel's query rows per program
+        block_m = GLUON_ROWS if S * H <= GLUON_ROWS else GLUON_WIDE_ROWS
     if block_m is None:
         block_m = min(64, max(16, triton.next_power_of_2(rows)))
     _check_pow2("block_m", block_m, 16)
@@ -290,7 +293,8 @@ def plan_decode(
     if num_splits is None:
         if schedule == "uniform":
             # tile="gluon" with one stage fits two programs per SM (shared memory ~100 KB)
-            resident = 2 if tile == "gluon" and _gluon_stages(num_stages, fp8_mma) == 1 else 1
+            narrow = tile == "gluon" and block_m == GLUON_ROWS
+            resident = 2 if narrow and _gluon_stages(num_stages, fp8_mma) == 1 else 1
             num_splits = _default_splits(B * m_blocks * nb, ops.block_table.shape[1], sms * resident)
         else:
             num_splits = default_parts(m_blocks * nb, sms)
@@ -372,11 +376,15 @@ def plan_decode(
     else:
         o_part = torch.empty(B, rows, num_splits, r, dtype=torch.float32, device=dev)
         lse_part = torch.empty(B, rows, num_splits, nb, dtype=torch.float32, device=dev)
-    if tile == "gluon":
+    if tile == "gluon" and block_m == GLUON_ROWS:
         plan.launches.append(_gluon_launch(q, ops, o_part, lse_part, float(softmax_scale) * LOG2E, num_splits,
                                            bool(causal), P_DIVS.index(p_div), fp8_mma == "qk",
                                            _gluon_stages(num_stages, fp8_mma), num_warps or 4))
         knobs.update(num_warps=num_warps or 4, num_stages=_gluon_stages(num_stages, fp8_mma))
+    elif tile == "gluon":
+        plan.launches.append(_gluon_wide_launch(q, ops, o_part, lse_part, float(softmax_scale) * LOG2E, num_splits,
+                                                bool(causal), P_DIVS.index(p_div), m_blocks))
+        knobs.update(num_warps=8, num_stages=2)
     else:
         plan.launches.append(KernelLaunch("decode_uniform", _mla_decode_stage1, (B, m_blocks, num_splits * nb), (
             q_arg, lat_arg, ops.rope, ops.scale, ops.block_table, ops.lengths, o_part, lse_part,
@@ -397,28 +405,40 @@ def plan_decode(
     return plan
 
 
-def _gluon_reason(ops: KernelOperands, rows: int, native: bool, num_warps: int | None,
-                  fp8_mma: bool | str) -> str | None:
-    """Why tile="gluon" cannot run these operands and knobs (None when it can). A CUDA device must be
-    Hopper; a meta device (plans compiled without a GPU, `compile_stats`) is taken as one."""
+def _gluon_reason(ops: KernelOperands, rows: int, native: bool, num_warps: int | None, num_stages: int | None,
+                  fp8_mma: bool | str, config: KVQuantConfig) -> str | None:
+    """Why tile="gluon" cannot run these operands, config and knobs (None when it can). A CUDA device
+    must be Hopper; a meta device (plans compiled without a GPU, `compile_stats`) is taken as one."""
     from .gluon_decode import gluon_unsupported_reason
 
+    reason = gluon_unsupported_reason(ops.layout, config.query == "fp8_e4m3", config.pv == "fp8_scale_fused", rows,
+                                      ops.kv_lora_rank, ops.rope_dim, ops.latent, ops.lat_strides, ops.rope,
+                                      ops.rope_strides)
+    if reason is not None:
+        return reason
     if not native:
         return "tile='gluon' needs a Hopper GPU (Gluon kernels have no interpreter mode)"
-    if num_warps not in (None, 4):
-        return f"tile='gluon' runs one warpgroup (num_warps=4), got num_warps={num_warps}"
+    wide = rows > GLUON_ROWS
+    warps = 8 if wide else 4
+    if num_warps not in (None, warps):
+        return f"tile='gluon' at {rows} query rows runs num_warps={warps}, got num_warps={num_warps}"
+    if wide and num_stages not in (None, 2):
+        return f"tile='gluon' at > {GLUON_ROWS} query rows runs num_stages=2 (two TMA slots), got num_stages={num_stages}"
+    if fp8_mma not in ((False, "none") if wide else (False, "none", "qk")):
+        return (f"tile='gluon' runs exact fp16 MMAs{'' if wide else ' or fp8_mma=qk'} at {rows} query rows, "
+                f"got fp8_mma={fp8_mma!r}")
     if ops.device.type == "cuda" and _capability(ops.device)[0] != 9:
         return f"tile='gluon' runs on Hopper (sm_90) only, not {torch.cuda.get_device_name(ops.device)}"
     if fp8_mma == "qk" and ops.kv_lora_rank != 512:
         return f"tile='gluon' with fp8_mma='qk' is written for kv_lora_rank 512 (four 128-channel boxes), got {ops.kv_lora_rank}"
-    return gluon_unsupported_reason(ops.layout, True, True, rows, ops.kv_lora_rank, ops.rope_dim, ops.latent,
-                                    ops.lat_strides, ops.rope, ops.rope_strides)
+    return None
 
 
-def _gluon_runs(ops: KernelOperands, rows: int, fp8_mma: bool | str) -> bool:
+def _gluon_runs(ops: KernelOperands, rows: int, fp8_mma: bool | str, config: KVQuantConfig) -> bool:
     """True when tile="gluon" runs these operands on their (real) GPU: the default tile's test."""
     dev = ops.device
-    return dev.type == "cuda" and not interpreting(dev) and _gluon_reason(ops, rows, True, None, fp8_mma) is None
+    return (dev.type == "cuda" and not interpreting(dev)
+            and _gluon_reason(ops, rows, True, None, None, fp8_mma, config) is None)
 
 
 def _gluon_stages(num_stages: int | None, fp8_mma: bool | str) -> int:
@@ -445,6 +465,25 @@ def _gluon_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p
     return KernelLaunch("decode_gluon", _snapmla_decode_gluon, (B, 1, num_splits), args, dict(
         S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, STAGES=stages, CAUSAL=causal, P_DIV=p_div,
         QK_FP8=qk_fp8, LSE_NATURAL=num_splits == 1, num_warps=warps))
+
+
+def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, m_blocks):
+    """The 64-row Gluon page loop (`gluon_wide`, fp8 snapmla or bf16) as stage 1 of the uniform schedule."""
+    from .gluon_wide import _mla_decode_gluon_wide, make_wide_descriptors
+
+    B, S, H, _ = q.shape
+    fp8 = ops.layout == "snapmla"
+    (lp, lt), (rp, rt) = ops.lat_strides, ops.rope_strides
+    lat = ops.latent if fp8 else ops.latent.view(torch.bfloat16)
+    lat_desc, rope_desc = make_wide_descriptors(lat, lt, ops.rope.view(torch.bfloat16), rt, fp8)
+    args = (q, lat_desc, rope_desc, ops.scale, ops.block_table, ops.lengths, o_part, lse_part, sm_scale_log2,
+            q.stride(0), q.stride(1), q.stride(2), lp // lt, rp // rt, ops.scale_strides[0], ops.scale_strides[1],
+            ops.block_table.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), H, num_splits)
+    return KernelLaunch("decode_gluon_wide", _mla_decode_gluon_wide, (m_blocks, B, num_splits), args, dict(
+        S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, FP8=fp8, CAUSAL=causal, P_DIV=p_div,
+        LSE_NATURAL=num_splits == 1, num_warps=8))
 
 
 def default_tile(layout: str, config: KVQuantConfig, fp8_mma: bool | str = False) -> str:

@@ -1,0 +1,236 @@
+"""The decode page loop for 64-row query tiles (H >= 32) in Gluon, Hopper only: fp8 (snapmla) and bf16.
+
+`gluon_decode.py` holds the narrow kernel (<= 16 rows, one warpgroup, swap AB). Past 16 rows that
+design runs out of registers (O^T is [r, rows]), and the Triton tiles leave Hopper's tensor cores
+mostly idle: ptxas serializes their wgmma (docs/perf-notes.md section 10). This kernel is the usual
+two-warpgroup MLA layout:
+
+  * one program = 64 query rows (S * H flattened) x one split of a request's pages; 8 warps, the
+    wgmma layouts split N between the two warpgroups: S = Q C^T ([64, r] x [r, 64] + RoPE) gives
+    each warpgroup 32 of the page's tokens, O = P C ([64, 64] x [64, r]) each 256 of the r = 512
+    output channels (128 fp32 accumulator registers per thread);
+  * Q (and the bf16 RoPE query) sits in shared memory for the whole run; P goes from the S
+    accumulator to the PV product's A operand in registers (Gluon moves the other warpgroup's half);
+  * the page arrives by TMA into one of two slots, one page ahead. FP8: the e4m3 boxes are widened
+    once into an fp16 tile (exact, as in the narrow kernel) read by both products; tokens past the
+    request's length become zeros there. BF16: both products read the TMA slot itself (boxes of 64
+    channels, the widest 128-byte swizzle), and a request's last page has its tail rows zeroed in
+    place (P = 0 there, but 0 x NaN is NaN);
+  * FP8 arithmetic is the narrow kernel's `_page_p` (fp8_scale_fused P, fma-corrected division);
+    BF16 is `decode_kernels._page_weights`' 16-bit branch (P = bf16(e), l += sum(e)).
+
+Shared memory ~216 KB (one program per SM). The launcher is `mla_decode.plan_decode(tile="gluon")`
+for more than 16 query rows; the same host checks (`gluon_decode.gluon_unsupported_reason`) apply.
+Gluon has no interpreter: CPU tests compile it for sm_90; it runs on a Hopper GPU only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .gluon_decode import BOX, HAVE_GLUON, _rows_view
+
+BM = 64  # query rows per program (wgmma M)
+BOX16 = 64  # bf16 channels per TMA box: 128 bytes, the widest swizzle
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .gluon_decode import _page_p, _query_operands, _store_result, _widen_boxes, cta_barrier, tma_load
+
+
+def make_wide_descriptors(lat: torch.Tensor, lat_row: int, rope_bf16: torch.Tensor, rope_row: int,
+                          fp8: bool) -> tuple[Any, Any]:
+    """TMA descriptors of the latent (fp8 boxes [64, 128] or bf16 boxes [64, 64]) and the RoPE rows."""
+    dtype, width = (gl.float8e4nv, BOX) if fp8 else (gl.bfloat16, BOX16)
+    shape, strides = _rows_view(lat, lat_row)
+    lat_desc = TensorDescriptor(lat, shape, strides, [64, width], gl.NVMMASharedLayout.get_default_for([64, width], dtype))
+    shape, strides = _rows_view(rope_bf16, rope_row)
+    d = rope_bf16.shape[-1]
+    rope_desc = TensorDescriptor(rope_bf16, shape, strides, [64, d],
+                                 gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16))
+    return lat_desc, rope_desc
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, slot, page, lat_page_rows,
+                    rope_page_rows, pred, FP8: gl.constexpr, NBOX: gl.constexpr, BOXW: gl.constexpr):
+        """Ask the TMA unit for one page into slot `slot`: fp8 boxes into `box_smem`, or bf16 boxes
+        straight into the 64-channel column blocks of the slot's tile in `tile_smem`."""
+        bar = bars.index(slot)
+        lat_row = (page * lat_page_rows).to(gl.int32)
+        rope_row = (page * rope_page_rows).to(gl.int32)
+        mbarrier.expect(bar, NBOX * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
+        for k in gl.static_range(NBOX):
+            if FP8:
+                tma_load(lat_desc, [lat_row, k * BOXW], bar, box_smem.index(slot * NBOX + k), pred=pred)
+            else:
+                tma_load(lat_desc, [lat_row, k * BOXW], bar, tile_smem.index(slot).slice(k * BOXW, BOXW, dim=1),
+                         pred=pred)
+        tma_load(rope_desc, [rope_row, 0], bar, rope_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _zero_tail_rows(tile, base, length, R: gl.constexpr, PAGE: gl.constexpr, z_l: gl.constexpr):
+        """Tokens past the request's length (a last page's tail) -> exact zeros in the bf16 tile."""
+        offs_t = gl.arange(0, PAGE, layout=gl.SliceLayout(1, z_l))
+        keep = gl.expand_dims((base + offs_t) < length, 1)
+        for k in gl.static_range(R // 64):
+            part = tile.slice(k * 64, 64, dim=1)
+            v = part.load(z_l)
+            part.store(gl.where(keep, v, gl.zeros_like(v)))
+
+    @gluon.jit
+    def _page_p16(raw, coef, pos, limit, m_i, l_i):
+        """The bf16 layout's page of the online softmax, tokens along axis 1: (P = bf16(e), alpha, m, l)."""
+        x = raw * gl.expand_dims(coef, 1)
+        x = gl.where(gl.expand_dims(pos, 0) < gl.expand_dims(limit, 1), x, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(x, 1))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        e = gl.exp2(x - gl.expand_dims(m_ref, 1))
+        alpha = gl.exp2(m_i - m_ref)
+        l_i = alpha * l_i + gl.sum(e, 1)
+        return e.to(gl.bfloat16), alpha, m_new, l_i
+
+    @gluon.jit
+    def _mla_decode_gluon_wide(
+        Q, lat_desc, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
+        stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
+        stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
+        H, NSPLIT,
+        S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, FP8: gl.constexpr,
+        CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        gl.static_assert(num_warps == 8)
+        BM: gl.constexpr = 64  # query rows (wgmma M; the module's BM)
+        STAGES: gl.constexpr = 2
+        BOXW: gl.constexpr = 128 if FP8 else 64
+        NBOX: gl.constexpr = R // BOXW
+        T16: gl.constexpr = gl.float16 if FP8 else gl.bfloat16  # the MMAs' 16-bit operand type
+
+        # ---- layouts: the two warpgroups split N (S: tokens, O: channels); P is O's A operand
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, PAGE // 2, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, R // 2, 16])
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
+        stok_l: gl.constexpr = gl.SliceLayout(0, s_l)
+        cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # 16 codes = 16 B
+        z_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
+        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+
+        # row tiles of one (request, split) are adjacent programs: they read the same pages (L2)
+        row0 = gl.program_id(0) * BM
+        b = gl.program_id(1)
+        split = gl.program_id(2)
+        b64 = b.to(gl.int64)
+        length = gl.load(LENS + b)
+        n_pages = (length + PAGE - 1) // PAGE
+        per_split = (n_pages + NSPLIT - 1) // NSPLIT
+        p_lo = split * per_split
+        n_run = gl.maximum(gl.minimum(p_lo + per_split, n_pages) - p_lo, 0)
+
+        # ---- shared memory: two TMA slots, the fp16 tile (FP8), the query operands, the barriers
+        tile_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], T16)
+        if FP8:
+            box_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * NBOX, PAGE, BOXW], lat_desc.layout)
+            tile_smem = gl.allocate_shared_memory(gl.float16, [1, PAGE, R], tile_l)
+        else:
+            tile_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, R], lat_desc.layout)
+            box_smem = tile_smem  # (unused)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
+        q_smem = gl.allocate_shared_memory(T16, [BM, R], gl.NVMMASharedLayout.get_default_for([BM, R], T16))
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, D], gl.NVMMASharedLayout.get_default_for([BM, D], gl.bfloat16))
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+
+        bt_row = BT + b64 * stride_bt + p_lo
+        page0 = gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64)
+        _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, 0, page0, lat_page_rows, rope_page_rows,
+                    n_run > 0, FP8, NBOX, BOXW)
+
+        sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, False,
+                                q_l, FP8)
+        rows_s = row0 + gl.arange(0, BM, layout=srow_l)
+        if CAUSAL:  # query token i of S sees cache positions < length - (S - 1 - i)
+            limit = length - (S - 1 - rows_s // H)
+        else:
+            limit = length + 0 * rows_s
+        limit = gl.where(rows_s < S * H, limit, 0)
+        coef = sm_scale_log2 * gl.convert_layout(sigma, srow_l)
+
+        m_i = gl.full([BM], float("-inf"), gl.float32, srow_l)
+        l_i = gl.zeros([BM], gl.float32, srow_l)
+        pi_i = gl.full([BM], 1.0, gl.float32, srow_l)
+        pi_max = gl.zeros([BM], gl.float32, srow_l)
+        acc = gl.zeros([BM, R], gl.float32, o_l)
+        zero_s = gl.zeros([BM, PAGE], gl.float32, s_l)
+        offs_t = gl.arange(0, PAGE, layout=stok_l)
+        offs_tc = gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))
+        fence_async_shared()
+
+        page_next = gl.load(bt_row + 1, mask=n_run > 1, other=0).to(gl.int64)
+        if FP8:
+            s_cur = gl.load(SCALE + page0 * stride_sp + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length,
+                            other=0.0)
+        for it in range(n_run):
+            slot = it % STAGES
+            # the other slot held page it - 1, whose reads all ended before last iteration's barrier
+            _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, (it + 1) % STAGES, page_next,
+                        lat_page_rows, rope_page_rows, it + 1 < n_run, FP8, NBOX, BOXW)
+            base = (p_lo + it) * PAGE
+            if FP8:
+                s_next = gl.load(SCALE + page_next * stride_sp + offs_t * stride_st,
+                                 mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
+            page_next = gl.load(bt_row + it + 2, mask=it + 2 < n_run, other=0).to(gl.int64)
+
+            mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
+            if FP8:  # fp8 codes -> the fp16 tile; a last page's tail tokens -> 0
+                tile = tile_smem.index(0)
+                _widen_boxes(box_smem, tile, slot * NBOX, 0, NBOX, base, length, offs_tc, cvt_l, False, NBOX, BOXW, PAGE)
+            else:
+                tile = tile_smem.index(slot)
+                if base + PAGE > length:
+                    _zero_tail_rows(tile, base, length, R, PAGE, z_l)
+            fence_async_shared()
+
+            # scores [BM, PAGE] (fp32 accumulation): NoPE + RoPE
+            qk = warpgroup_mma(q_smem, tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            qk = warpgroup_mma(qr_smem, rope_smem.index(slot).permute((1, 0)), qk, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+
+            if FP8:
+                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(qk, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
+                                                              pi_max, zero_s, P_DIV, 1)
+                p16 = p8.to(gl.float16)
+                s_cur = s_next
+            else:
+                p16, rescale, m_i, l_i = _page_p16(qk, coef, base + offs_t, limit, m_i, l_i)
+            # O [BM, R] += P C: waited for within the page (a wait deferred across the loop makes
+            # ptxas serialize every wgmma, docs/perf-notes.md section 10)
+            beta = gl.expand_dims(gl.convert_layout(rescale, gl.SliceLayout(1, o_l)), 1)
+            acc = warpgroup_mma(gl.convert_layout(p16, p_l), tile, acc * beta, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            cta_barrier()  # this page's slot and tile are read: the next TMA / conversion may overwrite them
+
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
+        orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
+        rows = row0 + gl.arange(0, BM, layout=orow_l)
+        _store_result(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l),
+                      gl.convert_layout(pi_i, orow_l), O_PART, LSE_PART, b64, split, rows, rows < S * H,
+                      stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, R, LSE_NATURAL,
+                      gl.SliceLayout(0, o_l), 0)
