@@ -286,7 +286,7 @@ def test_wide_gluon_kernel_matches_the_reference(layout, B, H, S, L, splits, r=5
     assert torch.isfinite(out).all()
     # snapmla: exact fp16 MMAs, summation order only. bf16: P = bf16(e) may round differently where the
     # reference's summation order moves e by an ulp
-    tol, lse_tol = (2e-5, 1e-4) if layout == "snapmla" else (1e-3, 1e-3)
+    tol, lse_tol = (5e-5, 1e-4) if layout == "snapmla" else (1e-3, 1e-3)
     for o, lz in ((ref, ref_lse), (base.cpu(), base_lse.cpu())):
         assert ((out.cpu() - o).norm() / o.norm()).item() < tol
         assert (lse.cpu() - lz).abs().max().item() < lse_tol
