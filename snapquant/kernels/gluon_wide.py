@@ -46,7 +46,15 @@ if HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_decode import _page_p, _query_operands, _store_result, _widen_boxes, cta_barrier, tma_load
+    from .gluon_decode import (
+        NEW_REINTERPRET,
+        _page_p,
+        _query_operands,
+        _store_result,
+        _widen_boxes,
+        cta_barrier,
+        tma_load,
+    )
 
 
 def make_wide_descriptors(lat: torch.Tensor, lat_row: int, rope_bf16: torch.Tensor, rope_row: int,
@@ -67,15 +75,15 @@ if HAVE_GLUON:
     @gluon.jit
     def _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, slot, page, lat_page_rows,
                     rope_page_rows, pred, FP8: gl.constexpr, NBOX: gl.constexpr, BOXW: gl.constexpr):
-        """Ask the TMA unit for one page into slot `slot`: fp8 boxes into `box_smem`, or bf16 boxes
-        straight into the 64-channel column blocks of the slot's tile in `tile_smem`."""
+        """Ask the TMA unit for one page into slot `slot`: fp8 boxes into the upper half of the slot's fp16
+        tile (`box_smem` views it as boxes), or bf16 boxes straight into its 64-channel column blocks."""
         bar = bars.index(slot)
         lat_row = (page * lat_page_rows).to(gl.int32)
         rope_row = (page * rope_page_rows).to(gl.int32)
         mbarrier.expect(bar, NBOX * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
         for k in gl.static_range(NBOX):
             if FP8:
-                tma_load(lat_desc, [lat_row, k * BOXW], bar, box_smem.index(slot * NBOX + k), pred=pred)
+                tma_load(lat_desc, [lat_row, k * BOXW], bar, box_smem.index((2 * slot + 1) * NBOX + k), pred=pred)
             else:
                 tma_load(lat_desc, [lat_row, k * BOXW], bar, tile_smem.index(slot).slice(k * BOXW, BOXW, dim=1),
                          pred=pred)
@@ -142,11 +150,16 @@ if HAVE_GLUON:
         p_lo = split * per_split
         n_run = gl.maximum(gl.minimum(p_lo + per_split, n_pages) - p_lo, 0)
 
-        # ---- shared memory: two TMA slots, the fp16 tile (FP8), the query operands, the barriers
-        tile_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], T16)
+        # ---- shared memory: two page slots, the query operands, the barriers. FP8: each slot is an fp16
+        # tile whose upper half receives the page's fp8 boxes (converted in place, as the narrow kernel's
+        # one slot); BF16: the TMA writes the tile itself, in 64-channel column blocks.
         if FP8:
-            box_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * NBOX, PAGE, BOXW], lat_desc.layout)
-            tile_smem = gl.allocate_shared_memory(gl.float16, [1, PAGE, R], tile_l)
+            tile_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], gl.float16)
+            tile_smem = gl.allocate_shared_memory(gl.float16, [STAGES, PAGE, R], tile_l)
+            if NEW_REINTERPRET:
+                box_smem = tile_smem.reinterpret(gl.float8e4nv, [STAGES * 2 * NBOX, PAGE, BOXW], lat_desc.layout)
+            else:
+                box_smem = tile_smem._reinterpret(gl.float8e4nv, [STAGES * 2 * NBOX, PAGE, BOXW], lat_desc.layout)
         else:
             tile_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, R], lat_desc.layout)
             box_smem = tile_smem  # (unused)
@@ -157,10 +170,14 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
 
+        # ---- prologue: pages 0 and 1 in flight
         bt_row = BT + b64 * stride_bt + p_lo
         page0 = gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64)
+        page1 = gl.load(bt_row + 1, mask=n_run > 1, other=0).to(gl.int64)
         _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, 0, page0, lat_page_rows, rope_page_rows,
                     n_run > 0, FP8, NBOX, BOXW)
+        _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, 1, page1, lat_page_rows, rope_page_rows,
+                    n_run > 1, FP8, NBOX, BOXW)
 
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, False,
                                 q_l, FP8)
@@ -180,32 +197,30 @@ if HAVE_GLUON:
         zero_s = gl.zeros([BM, PAGE], gl.float32, s_l)
         offs_t = gl.arange(0, PAGE, layout=stok_l)
         offs_tc = gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))
-        fence_async_shared()
-
-        page_next = gl.load(bt_row + 1, mask=n_run > 1, other=0).to(gl.int64)
-        if FP8:
+        if FP8:  # page 0 converted before the loop; each iteration converts the next page under its PV
             s_cur = gl.load(SCALE + page0 * stride_sp + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length,
                             other=0.0)
+            mbarrier.wait(bars.index(0), 0, pred=n_run > 0)
+            if n_run > 0:
+                _widen_boxes(box_smem, tile_smem.index(0), NBOX, 0, NBOX, p_lo * PAGE, length, offs_tc, cvt_l, True,
+                             NBOX, BOXW, PAGE)
+        fence_async_shared()
+
+        page_next = page1  # the page after the current one (already in flight)
         for it in range(n_run):
             slot = it % STAGES
-            # the other slot held page it - 1, whose reads all ended before last iteration's barrier
-            _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, (it + 1) % STAGES, page_next,
-                        lat_page_rows, rope_page_rows, it + 1 < n_run, FP8, NBOX, BOXW)
+            other = 1 - slot
             base = (p_lo + it) * PAGE
+            page_after = gl.load(bt_row + it + 2, mask=it + 2 < n_run, other=0).to(gl.int64)
+            tile = tile_smem.index(slot)
             if FP8:
                 s_next = gl.load(SCALE + page_next * stride_sp + offs_t * stride_st,
                                  mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
-            page_next = gl.load(bt_row + it + 2, mask=it + 2 < n_run, other=0).to(gl.int64)
-
-            mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
-            if FP8:  # fp8 codes -> the fp16 tile; a last page's tail tokens -> 0
-                tile = tile_smem.index(0)
-                _widen_boxes(box_smem, tile, slot * NBOX, 0, NBOX, base, length, offs_tc, cvt_l, False, NBOX, BOXW, PAGE)
             else:
-                tile = tile_smem.index(slot)
-                if base + PAGE > length:
+                mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
+                if base + PAGE > length:  # a last page's tail tokens -> 0 (P = 0 there, but 0 x NaN is NaN)
                     _zero_tail_rows(tile, base, length, R, PAGE, z_l)
-            fence_async_shared()
+                    fence_async_shared()
 
             # scores [BM, PAGE] (fp32 accumulation): NoPE + RoPE
             qk = warpgroup_mma(q_smem, tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -219,12 +234,21 @@ if HAVE_GLUON:
                 s_cur = s_next
             else:
                 p16, rescale, m_i, l_i = _page_p16(qk, coef, base + offs_t, limit, m_i, l_i)
-            # O [BM, R] += P C: waited for within the page (a wait deferred across the loop makes
-            # ptxas serialize every wgmma, docs/perf-notes.md section 10)
+            # O [BM, R] += P C, waited for within the page (a wait deferred across the loop makes ptxas
+            # serialize every wgmma, docs/perf-notes.md section 10)
             beta = gl.expand_dims(gl.convert_layout(rescale, gl.SliceLayout(1, o_l)), 1)
             acc = warpgroup_mma(gl.convert_layout(p16, p_l), tile, acc * beta, is_async=True)
+            if FP8:  # while the tensor cores run PV: the next page's fp8 boxes -> its fp16 tile, in place
+                if it + 1 < n_run:
+                    mbarrier.wait(bars.index(other), ((it + 1) // STAGES) & 1)
+                    _widen_boxes(box_smem, tile_smem.index(other), other * 2 * NBOX + NBOX, 0, NBOX, base + PAGE,
+                                 length, offs_tc, cvt_l, True, NBOX, BOXW, PAGE)
+                fence_async_shared()
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            cta_barrier()  # this page's slot and tile are read: the next TMA / conversion may overwrite them
+            cta_barrier()  # this page's slot is read by both warpgroups (and the next one converted)
+            _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, slot, page_after, lat_page_rows,
+                        rope_page_rows, it + 2 < n_run, FP8, NBOX, BOXW)
+            page_next = page_after
 
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
