@@ -8,9 +8,10 @@
 
 The kernels, their numerics (step by step against `snapquant.mla_decode_reference`), the work
 schedules (uniform / balanced) and the FP8 variants (fp8_mma, tile, p_div) are described in
-`decode_kernels.py`; the Gluon kernel (tile="gluon") in `gluon_decode.py`. Defaults are the fastest
-exact configuration measured on the H200: uniform schedule with the split heuristic below, the
-Gluon kernel for fp8 query and P at <= 16 query rows on Hopper, else the pairs tile (rows for other
+`decode_kernels.py`; the Gluon kernels (tile="gluon") in `gluon_decode.py` (<= 16 query rows) and
+`gluon_wide.py` (64-row tiles). Defaults are the fastest exact configuration measured on the H200:
+uniform schedule with the split heuristic below; on Hopper the Gluon kernels for the snapmla layout
+with fp8 query and P, and (past 16 rows) for the bf16 layout; else the pairs tile (rows for other
 modes), P divided by the fma-corrected reciprocal (bit-identical to a division), exact fp16 MMAs
 over e4m3.
 """
@@ -55,8 +56,10 @@ _FP8_MMA = {False: (False, False), True: (True, True), "none": (False, False), "
 GLUON_STAGES = 1
 GLUON_ROWS = 16  # tile="gluon": up to this many query rows, the narrow kernel (gluon_decode.ROWS) ...
 GLUON_WIDE_ROWS = 64  # ... past it, 64-row tiles (gluon_wide.BM)
-# the wide kernel is the default past 16 rows (snapmla and bf16 layouts) once measured faster
-GLUON_WIDE_DEFAULT = False
+# Past 16 rows the wide kernel is the default for the snapmla (fp8 query and P) and bf16 layouts. H200
+# (results/bench/h200_wide2_raw): B=32 H=64 L=8K bf16 144 vs 303 us (Triton rows), snapmla 194 vs 303
+# (Triton pairs); B=128 H=128 L=4K bf16 423 vs 1059, snapmla 585 vs 989
+GLUON_WIDE_DEFAULT = True
 MAX_PARTS = 8192  # balanced schedule: partial buffers are [parts + B, rows, r] fp32
 
 
@@ -174,9 +177,10 @@ def mla_decode(
             same bits, slower) or "rcp" (f * (1 / pi): within ~1 ulp, may flip a rounding).
         tile: "rows" (query rows are the MMA's M dimension), "tokens" (swap AB: the page's 64
             tokens are; snapmla and bf16 layouts only), "pairs" (rows, with the fp8 latent read
-            as int16 pairs of codes: snapmla layout with fp8 query and P) or "gluon" (the Gluon
-            kernel, `gluon_decode.py`: snapmla with fp8 query and P, <= 16 query rows, Hopper GPU,
-            uniform schedule; fp8_mma "qk" allowed; num_stages 1 fits two programs per SM). None
+            as int16 pairs of codes: snapmla layout with fp8 query and P) or "gluon" (Hopper GPU,
+            uniform schedule; <= 16 query rows: `gluon_decode.py`, snapmla with fp8 query and P,
+            fp8_mma "qk" allowed, num_stages 1 fits two programs per SM; more rows: `gluon_wide.py`,
+            64-row tiles, snapmla with fp8 query and P or the bf16 layout, exact MMAs). None
             (default): gluon where it runs, else pairs where it applies, else rows (`default_tile`).
 
     Returns:
