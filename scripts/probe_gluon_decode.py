@@ -1,8 +1,11 @@
-"""Where the Gluon decode kernel's time goes: time it with parts of its page loop switched off.
+"""Where the Gluon decode kernels' time goes: time them with parts of their page loop switched off.
 
     python scripts/probe_gluon_decode.py [--shape 128x16x4096] [--out results/bench/gluon_probe_h200.json]
+    python scripts/probe_gluon_decode.py --shape 32x64x8192 --out results/bench/gluon_wide_probe_h200.json
 
-`_snapmla_decode_gluon`'s ABLATE constexpr drops parts of each page's work (the results are then
+H <= 16 probes the narrow kernel (`_snapmla_decode_gluon`); more heads the 64-row kernel
+(`gluon_wide`) on both the snapmla and the bf16 layout, plus a sweep of its split count. The
+ABLATE constexpr drops parts of each page's work (the results are then
 wrong; only the time means something): 1 the fp8 -> fp16 conversion, 2 the QK and RoPE MMAs,
 4 the PV MMA, 8 the softmax and P quantization, 16 the TMA copies and their waits. Each row is
 timed with CUDA graphs (triton.testing.do_bench_cudagraph) in one process beside our BF16 kernel
@@ -26,7 +29,8 @@ ABLATIONS = {0: "full page loop", 1: "no conversion", 2: "no QK/RoPE MMA", 4: "n
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="128x16x4096", help="BxHxL")
-    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--stages", default="2,3", help="narrow kernel (H <= 16): ring slots to ablate")
+    ap.add_argument("--splits", default="2,4,8,16", help="wide kernel (H > 16): split counts to time")
     ap.add_argument("--out", default="results/bench/gluon_probe_h200.json")
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
@@ -70,11 +74,23 @@ def main() -> int:
 
     time_plan("bf16 (our BF16 kernel)", mla_decode_plan(q, caches["bf16"], tau), "bf16")
     time_plan("snapmla (default tile)", mla_decode_plan(q, caches["snapmla"], tau), "snapmla")
-    for stages in (int(s) for s in args.stages.split(",")):
-        for ab, what in ABLATIONS.items():
-            plan = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", num_stages=stages)
-            plan.launches[0].kwargs["ABLATE"] = ab
-            time_plan(f"gluon s{stages} ablate={ab:2d} {what}", plan, "snapmla")
+    if H <= 16:  # the narrow kernel (gluon_decode), per ring-slot count
+        for stages in (int(s) for s in args.stages.split(",")):
+            for ab, what in ABLATIONS.items():
+                plan = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", num_stages=stages)
+                plan.launches[0].kwargs["ABLATE"] = ab
+                time_plan(f"gluon s{stages} ablate={ab:2d} {what}", plan, "snapmla")
+    else:  # the 64-row kernel (gluon_wide), both layouts, and its split count
+        for fmt in ("snapmla", "bf16"):
+            for ab, what in ABLATIONS.items():
+                if fmt == "bf16" and ab & 1:  # nothing to convert
+                    continue
+                plan = mla_decode_plan(q, caches[fmt], tau, tile="gluon")
+                plan.launches[0].kwargs["ABLATE"] = ab
+                time_plan(f"{fmt} wide ablate={ab:2d} {what} (splits {plan.knobs['num_splits']})", plan, fmt)
+            for ns in (int(x) for x in args.splits.split(",")):
+                time_plan(f"{fmt} wide splits={ns}", mla_decode_plan(q, caches[fmt], tau, tile="gluon", num_splits=ns),
+                          fmt)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

@@ -258,6 +258,9 @@ def test_wide_gluon_default_follows_its_switch(monkeypatch):
         for name, tile in want.items():
             assert _meta_plan(PRESETS[name], 64).knobs["tile"] == tile, (flag, name)
         assert _meta_plan(PRESETS["bf16"], 64, num_warps=8).knobs["tile"] == "rows"  # a Triton knob
+        # 32 rows: the wide kernel's padded tile is measured slower than pairs for snapmla, faster than rows for bf16
+        assert _meta_plan(PRESETS["snapmla"], 32).knobs["tile"] == "pairs"
+        assert _meta_plan(PRESETS["bf16"], 32).knobs["tile"] == ("gluon" if flag else "rows")
 
 
 @pytest.mark.gpu

@@ -21,7 +21,8 @@ two-warpgroup MLA layout:
 
 Shared memory ~216 KB (one program per SM). The launcher is `mla_decode.plan_decode(tile="gluon")`
 for more than 16 query rows; the same host checks (`gluon_decode.gluon_unsupported_reason`) apply.
-Gluon has no interpreter: CPU tests compile it for sm_90; it runs on a Hopper GPU only.
+Gluon has no interpreter: CPU tests compile it for sm_90; it runs on a Hopper GPU only. ABLATE (default
+0) drops parts of the page loop for `scripts/probe_gluon_decode.py`'s timing only (bits as there).
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ if HAVE_GLUON:
         H, NSPLIT,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, FP8: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
+        ABLATE: gl.constexpr = 0,
     ):
         gl.static_assert(num_warps == 8)
         BM: gl.constexpr = 64  # query rows (wgmma M; the module's BM)
@@ -174,10 +176,11 @@ if HAVE_GLUON:
         bt_row = BT + b64 * stride_bt + p_lo
         page0 = gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64)
         page1 = gl.load(bt_row + 1, mask=n_run > 1, other=0).to(gl.int64)
+        NO_TMA: gl.constexpr = ABLATE & 16 != 0
         _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, 0, page0, lat_page_rows, rope_page_rows,
-                    n_run > 0, FP8, NBOX, BOXW)
+                    (n_run > 0) & (not NO_TMA), FP8, NBOX, BOXW)
         _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, 1, page1, lat_page_rows, rope_page_rows,
-                    n_run > 1, FP8, NBOX, BOXW)
+                    (n_run > 1) & (not NO_TMA), FP8, NBOX, BOXW)
 
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, False,
                                 q_l, FP8)
@@ -200,8 +203,8 @@ if HAVE_GLUON:
         if FP8:  # page 0 converted before the loop; each iteration converts the next page under its PV
             s_cur = gl.load(SCALE + page0 * stride_sp + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length,
                             other=0.0)
-            mbarrier.wait(bars.index(0), 0, pred=n_run > 0)
-            if n_run > 0:
+            mbarrier.wait(bars.index(0), 0, pred=(n_run > 0) & (not NO_TMA))
+            if (n_run > 0) & (ABLATE & 1 == 0):
                 _widen_boxes(box_smem, tile_smem.index(0), NBOX, 0, NBOX, p_lo * PAGE, length, offs_tc, cvt_l, True,
                              NBOX, BOXW, PAGE)
         fence_async_shared()
@@ -217,17 +220,23 @@ if HAVE_GLUON:
                 s_next = gl.load(SCALE + page_next * stride_sp + offs_t * stride_st,
                                  mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
             else:
-                mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
+                mbarrier.wait(bars.index(slot), (it // STAGES) & 1, pred=not NO_TMA)
                 if base + PAGE > length:  # a last page's tail tokens -> 0 (P = 0 there, but 0 x NaN is NaN)
                     _zero_tail_rows(tile, base, length, R, PAGE, z_l)
                     fence_async_shared()
 
             # scores [BM, PAGE] (fp32 accumulation): NoPE + RoPE
-            qk = warpgroup_mma(q_smem, tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            qk = warpgroup_mma(qr_smem, rope_smem.index(slot).permute((1, 0)), qk, is_async=True)
-            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+            if ABLATE & 2:  # (timing probes only, scripts/probe_gluon_decode.py: wrong results)
+                qk = zero_s + it
+            else:
+                qk = warpgroup_mma(q_smem, tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                qk = warpgroup_mma(qr_smem, rope_smem.index(slot).permute((1, 0)), qk, is_async=True)
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
 
-            if FP8:
+            if ABLATE & 8:
+                p16 = qk.to(T16)
+                rescale = gl.full([BM], 1.0, gl.float32, srow_l)
+            elif FP8:
                 p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(qk, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
                                                               pi_max, zero_s, P_DIV, 1)
                 p16 = p8.to(gl.float16)
@@ -237,17 +246,21 @@ if HAVE_GLUON:
             # O [BM, R] += P C, waited for within the page (a wait deferred across the loop makes ptxas
             # serialize every wgmma, docs/perf-notes.md section 10)
             beta = gl.expand_dims(gl.convert_layout(rescale, gl.SliceLayout(1, o_l)), 1)
-            acc = warpgroup_mma(gl.convert_layout(p16, p_l), tile, acc * beta, is_async=True)
+            if ABLATE & 4:
+                acc = acc * beta + gl.convert_layout(gl.sum(p16.to(gl.float32), 1), gl.SliceLayout(1, o_l))[:, None]
+            else:
+                acc = warpgroup_mma(gl.convert_layout(p16, p_l), tile, acc * beta, is_async=True)
             if FP8:  # while the tensor cores run PV: the next page's fp8 boxes -> its fp16 tile, in place
-                if it + 1 < n_run:
-                    mbarrier.wait(bars.index(other), ((it + 1) // STAGES) & 1)
+                if (it + 1 < n_run) & (ABLATE & 1 == 0):
+                    mbarrier.wait(bars.index(other), ((it + 1) // STAGES) & 1, pred=not NO_TMA)
                     _widen_boxes(box_smem, tile_smem.index(other), other * 2 * NBOX + NBOX, 0, NBOX, base + PAGE,
                                  length, offs_tc, cvt_l, True, NBOX, BOXW, PAGE)
                 fence_async_shared()
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if ABLATE & 4 == 0:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             cta_barrier()  # this page's slot is read by both warpgroups (and the next one converted)
             _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, slot, page_after, lat_page_rows,
-                        rope_page_rows, it + 2 < n_run, FP8, NBOX, BOXW)
+                        rope_page_rows, (it + 2 < n_run) & (not NO_TMA), FP8, NBOX, BOXW)
             page_next = page_after
 
         for s in gl.static_range(STAGES):

@@ -60,6 +60,9 @@ GLUON_WIDE_ROWS = 64  # ... past it, 64-row tiles (gluon_wide.BM)
 # (results/bench/h200_wide2_raw): B=32 H=64 L=8K bf16 144 vs 303 us (Triton rows), snapmla 194 vs 303
 # (Triton pairs); B=128 H=128 L=4K bf16 423 vs 1059, snapmla 585 vs 989
 GLUON_WIDE_DEFAULT = True
+# ... above these query rows: at 32 rows (B=64 H=32 L=4K) the Triton pairs tile's 32-row tiles beat the
+# wide kernel's padded 64 for snapmla (211 vs 234 us) but not the bf16 rows tile (159 vs 128 us)
+GLUON_WIDE_MIN_ROWS = {"snapmla": 32, "bf16": GLUON_ROWS}
 MAX_PARTS = 8192  # balanced schedule: partial buffers are [parts + B, rows, r] fp32
 
 
@@ -264,7 +267,10 @@ def plan_decode(
     if tile is None:
         tile = default_tile(ops.layout, config, fp8_mma)
         triton_knobs = (block_m, num_warps, num_stages, maxnreg) != (None, None, None, None)
-        eligible = tile == "pairs" if S * H <= GLUON_ROWS else GLUON_WIDE_DEFAULT
+        if S * H <= GLUON_ROWS:
+            eligible = tile == "pairs"
+        else:
+            eligible = GLUON_WIDE_DEFAULT and S * H > GLUON_WIDE_MIN_ROWS.get(ops.layout, S * H)
         if schedule == "uniform" and not triton_knobs and eligible and _gluon_runs(ops, S * H, fp8_mma, config):
             # the Gluon kernels where they run (Hopper); launch knobs given for the Triton kernels
             # (block_m, num_warps, num_stages, maxnreg) keep the Triton tile
