@@ -88,6 +88,9 @@ def main() -> int:
                 plan = mla_decode_plan(q, caches[fmt], tau, tile="gluon")
                 plan.launches[0].kwargs["ABLATE"] = ab
                 time_plan(f"{fmt} wide ablate={ab:2d} {what} (splits {plan.knobs['num_splits']})", plan, fmt)
+            plan = mla_decode_plan(q, caches[fmt], tau, tile="gluon")
+            plan.launches[0].kwargs["SM_ROWS"] = not plan.launches[0].kwargs.get("SM_ROWS", False)
+            time_plan(f"{fmt} wide softmax layout flipped (SM_ROWS={plan.launches[0].kwargs['SM_ROWS']})", plan, fmt)
             for ns in (int(x) for x in args.splits.split(",")):
                 time_plan(f"{fmt} wide splits={ns}", mla_decode_plan(q, caches[fmt], tau, tile="gluon", num_splits=ns),
                           fmt)

@@ -120,7 +120,7 @@ if HAVE_GLUON:
         H, NSPLIT,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, FP8: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
-        ABLATE: gl.constexpr = 0,
+        SM_ROWS: gl.constexpr = False, ABLATE: gl.constexpr = 0,
     ):
         gl.static_assert(num_warps == 8)
         BM: gl.constexpr = 64  # query rows (wgmma M; the module's BM)
@@ -135,8 +135,12 @@ if HAVE_GLUON:
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, R // 2, 16])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-        srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        stok_l: gl.constexpr = gl.SliceLayout(0, s_l)
+        if SM_ROWS:  # the softmax where each warp owns 8 whole rows (4 lanes x 16 tokens): no cross-warp reductions
+            sm_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+        else:  # the softmax in the S accumulator's layout (its warpgroups split the tokens)
+            sm_l: gl.constexpr = s_l
+        srow_l: gl.constexpr = gl.SliceLayout(1, sm_l)
+        stok_l: gl.constexpr = gl.SliceLayout(0, sm_l)
         cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # 16 codes = 16 B
         z_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
         q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
@@ -198,13 +202,14 @@ if HAVE_GLUON:
         pi_max = gl.zeros([BM], gl.float32, srow_l)
         acc = gl.zeros([BM, R], gl.float32, o_l)
         zero_s = gl.zeros([BM, PAGE], gl.float32, s_l)
+        zero_sm = gl.zeros([BM, PAGE], gl.float32, sm_l)
         offs_t = gl.arange(0, PAGE, layout=stok_l)
         offs_tc = gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))
         if FP8:  # page 0 converted before the loop; each iteration converts the next page under its PV
             s_cur = gl.load(SCALE + page0 * stride_sp + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length,
                             other=0.0)
             mbarrier.wait(bars.index(0), 0, pred=(n_run > 0) & (not NO_TMA))
-            if (n_run > 0) & (ABLATE & 1 == 0):
+            if (n_run > 0) & (ABLATE & 1 == 0):  # (ABLATE: timing probes only)
                 _widen_boxes(box_smem, tile_smem.index(0), NBOX, 0, NBOX, p_lo * PAGE, length, offs_tc, cvt_l, True,
                              NBOX, BOXW, PAGE)
         fence_async_shared()
@@ -233,16 +238,17 @@ if HAVE_GLUON:
                 qk = warpgroup_mma(qr_smem, rope_smem.index(slot).permute((1, 0)), qk, is_async=True)
                 qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
 
+            raw = gl.convert_layout(qk, sm_l)
             if ABLATE & 8:
-                p16 = qk.to(T16)
+                p16 = raw.to(T16)
                 rescale = gl.full([BM], 1.0, gl.float32, srow_l)
             elif FP8:
-                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(qk, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
-                                                              pi_max, zero_s, P_DIV, 1)
+                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
+                                                              pi_max, zero_sm, P_DIV, 1)
                 p16 = p8.to(gl.float16)
                 s_cur = s_next
             else:
-                p16, rescale, m_i, l_i = _page_p16(qk, coef, base + offs_t, limit, m_i, l_i)
+                p16, rescale, m_i, l_i = _page_p16(raw, coef, base + offs_t, limit, m_i, l_i)
             # O [BM, R] += P C, waited for within the page (a wait deferred across the loop makes ptxas
             # serialize every wgmma, docs/perf-notes.md section 10)
             beta = gl.expand_dims(gl.convert_layout(rescale, gl.SliceLayout(1, o_l)), 1)
@@ -251,8 +257,9 @@ if HAVE_GLUON:
             else:
                 acc = warpgroup_mma(gl.convert_layout(p16, p_l), tile, acc * beta, is_async=True)
             if FP8:  # while the tensor cores run PV: the next page's fp8 boxes -> its fp16 tile, in place
-                if (it + 1 < n_run) & (ABLATE & 1 == 0):
+                if it + 1 < n_run:
                     mbarrier.wait(bars.index(other), ((it + 1) // STAGES) & 1, pred=not NO_TMA)
+                if (it + 1 < n_run) & (ABLATE & 1 == 0):
                     _widen_boxes(box_smem, tile_smem.index(other), other * 2 * NBOX + NBOX, 0, NBOX, base + PAGE,
                                  length, offs_tc, cvt_l, True, NBOX, BOXW, PAGE)
                 fence_async_shared()
