@@ -216,8 +216,9 @@ def test_wide_gluon_kernel_compiles_unserialized(variant):
     assert (st["cvt_e4m3"] > 0) == variant.startswith("snapmla")
     assert st["grid"].startswith("1x32x")  # one 64-row tile, 32 requests, splits
     if st.get("regs") is not None:
-        # Triton 3.6: fp8 249 registers, bf16 211, no spills; 3.9 (CI): 255 with 16 spilled bytes, 226
-        assert st["regs"] <= 255 and st["spill_bytes"] <= 64
+        # Triton 3.6 (the H200 image): fp8 255 registers, bf16 215, no spills; 3.9 (CI): 255 with 72 spilled
+        # bytes, 240
+        assert st["regs"] <= 255 and st["spill_bytes"] <= 128
         assert st["wgmma_waits"] <= 4 and st["ptxas_advice"] in ("", None)
     two_tiles = decode_compile_stats(BY_NAME[variant], uniform_shape(4, 128, 1024))[0]
     assert two_tiles["grid"].startswith("2x4x")  # the row tiles of a request are adjacent programs (L2)
@@ -237,6 +238,10 @@ def test_wide_gluon_tile_plans_and_refusals():
         plan = _meta_plan(PRESETS[name], 64, tile="gluon")
         assert plan.launches[0].name == "decode_gluon_wide"
         assert plan.knobs["block_m"] == 64 and plan.knobs["num_warps"] == 8 and plan.knobs["num_stages"] == 2
+        assert plan.knobs["num_splits"] == 4  # one wave: 132 SMs / 2 programs, capped by the 4 pages
+    from snapquant.kernels.mla_decode import _wide_splits
+
+    assert _wide_splits(32, 128, 132) == 4 and _wide_splits(256, 64, 132) == 1 and _wide_splits(2, 512, 132) == 64
     with pytest.raises(ConfigError, match="fp8_mma"):
         _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma="qk")
     with pytest.raises(ConfigError, match="num_warps=8"):

@@ -135,7 +135,9 @@ if HAVE_GLUON:
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, R // 2, 16])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-        if SM_ROWS:  # the softmax where each warp owns 8 whole rows (4 lanes x 16 tokens): no cross-warp reductions
+        # SM_ROWS (the launcher's choice): the softmax where each warp owns 8 whole rows (4 lanes x 16 tokens),
+        # no cross-warp reductions; H200 2.5 % faster for fp8 (190 vs 195 us, B=32 H=64 L=8K), 1 % for bf16
+        if SM_ROWS:
             sm_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
         else:  # the softmax in the S accumulator's layout (its warpgroups split the tokens)
             sm_l: gl.constexpr = s_l

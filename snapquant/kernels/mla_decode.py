@@ -301,7 +301,9 @@ def plan_decode(
     _check_pow2("block_m", block_m, 16)
     m_blocks = triton.cdiv(rows, block_m)
     if num_splits is None:
-        if schedule == "uniform":
+        if tile == "gluon" and block_m == GLUON_WIDE_ROWS:
+            num_splits = _wide_splits(B * m_blocks, ops.block_table.shape[1], sms)
+        elif schedule == "uniform":
             # tile="gluon" with one stage fits two programs per SM (shared memory ~100 KB)
             narrow = tile == "gluon" and block_m == GLUON_ROWS
             resident = 2 if narrow and _gluon_stages(num_stages, fp8_mma) == 1 else 1
@@ -493,7 +495,7 @@ def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, caus
             lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), H, num_splits)
     return KernelLaunch("decode_gluon_wide", _mla_decode_gluon_wide, (m_blocks, B, num_splits), args, dict(
         S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, FP8=fp8, CAUSAL=causal, P_DIV=p_div,
-        LSE_NATURAL=num_splits == 1, num_warps=8))
+        LSE_NATURAL=num_splits == 1, SM_ROWS=True, num_warps=8))
 
 
 def default_tile(layout: str, config: KVQuantConfig, fp8_mma: bool | str = False) -> str:
@@ -568,6 +570,15 @@ def _check_query(q: object, cache: KernelOperands) -> tuple[torch.Tensor, bool]:
 def _check_pow2(name: str, v: object, lo: int) -> None:
     if not isinstance(v, int) or v < lo or v & (v - 1):
         raise ShapeError(f"{name} must be a power of two >= {lo}, got {v!r}")
+
+
+def _wide_splits(programs: int, max_pages: int, sms: int) -> int:
+    """tile="gluon" past 16 rows: at most one wave (one ~220 KB program per SM), as few splits as fill it.
+    Each split of a 64-row tile writes a 128 KB fp32 partial that the combine reads back; H200, B=32 H=64
+    L=8K: 4 splits (128 programs) 153 / 118 us (snapmla / bf16), 8: 171 / 132, 12 (the uniform rule's
+    2.9 waves): 195 / 148; B=128 H=128 L=4K: 2 splits 583 / 444, 4: 651 / 496
+    (results/bench/h200_wide_probe)."""
+    return max(1, min(sms // max(programs, 1), max_pages, 64))
 
 
 def _default_splits(programs: int, max_pages: int, sms: int, min_wave_fill: float = 0.9) -> int:
