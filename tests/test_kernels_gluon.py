@@ -263,9 +263,10 @@ def test_wide_gluon_default_follows_its_switch(monkeypatch):
         for name, tile in want.items():
             assert _meta_plan(PRESETS[name], 64).knobs["tile"] == tile, (flag, name)
         assert _meta_plan(PRESETS["bf16"], 64, num_warps=8).knobs["tile"] == "rows"  # a Triton knob
-        # 32 rows: the wide kernel's padded tile is measured slower than pairs for snapmla, faster than rows for bf16
-        assert _meta_plan(PRESETS["snapmla"], 32).knobs["tile"] == "pairs"
+        # 32 rows (a padded 64-row tile): measured faster than the Triton tiles for both layouts
+        assert _meta_plan(PRESETS["snapmla"], 32).knobs["tile"] == ("gluon" if flag else "pairs")
         assert _meta_plan(PRESETS["bf16"], 32).knobs["tile"] == ("gluon" if flag else "rows")
+        assert _meta_plan(PRESETS["snapmla"], 17).knobs["block_m"] == (64 if flag else 32)
 
 
 @pytest.mark.gpu

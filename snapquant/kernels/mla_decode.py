@@ -60,9 +60,10 @@ GLUON_WIDE_ROWS = 64  # ... past it, 64-row tiles (gluon_wide.BM)
 # (results/bench/h200_wide2_raw): B=32 H=64 L=8K bf16 144 vs 303 us (Triton rows), snapmla 194 vs 303
 # (Triton pairs); B=128 H=128 L=4K bf16 423 vs 1059, snapmla 585 vs 989
 GLUON_WIDE_DEFAULT = True
-# ... above these query rows: at 32 rows (B=64 H=32 L=4K) the Triton pairs tile's 32-row tiles beat the
-# wide kernel's padded 64 for snapmla (211 vs 234 us) but not the bf16 rows tile (159 vs 128 us)
-GLUON_WIDE_MIN_ROWS = {"snapmla": 32, "bf16": GLUON_ROWS}
+# ... above 16 rows for both: at 32 rows (B=64 H=32 L=4K, rows padded to 64) with one wave of programs
+# (`_wide_splits`) snapmla 166.5 vs 212.2 us (Triton pairs), bf16 100.1 vs 159.8 (Triton rows); with the
+# uniform rule's splits it had lost to pairs for snapmla (234 vs 211), hence a per-layout threshold
+GLUON_WIDE_MIN_ROWS = {"snapmla": GLUON_ROWS, "bf16": GLUON_ROWS}
 MAX_PARTS = 8192  # balanced schedule: partial buffers are [parts + B, rows, r] fp32
 
 
