@@ -171,6 +171,25 @@ if HAVE_GLUON:
         return sigma
 
     @gluon.jit
+    def _row_state(length, row0, sigma, sm_scale_log2, H, S: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr,
+                   srow_l: gl.constexpr):
+        """Per query row of the program's BN: how many cache positions it sees (causal: query token i of S
+        sees positions < length - (S - 1 - i); rows past S * H none), its score coefficient (log2 domain,
+        times sigma) and the online-softmax state (m = -inf, l = 0, pi = 1, pi_max = 0)."""
+        rows_s = row0 + gl.arange(0, BN, layout=srow_l)
+        if CAUSAL:
+            limit = length - (S - 1 - rows_s // H)
+        else:
+            limit = length + 0 * rows_s
+        limit = gl.where(rows_s < S * H, limit, 0)
+        coef = sm_scale_log2 * gl.convert_layout(sigma, srow_l)
+        m_i = gl.full([BN], float("-inf"), gl.float32, srow_l)
+        l_i = gl.zeros([BN], gl.float32, srow_l)
+        pi_i = gl.full([BN], 1.0, gl.float32, srow_l)
+        pi_max = gl.zeros([BN], gl.float32, srow_l)
+        return limit, coef, m_i, l_i, pi_i, pi_max
+
+    @gluon.jit
     def _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, P_DIV: gl.constexpr,
                 AX: gl.constexpr = 0):
         """One page of the online softmax and of fp8_scale_fused P, tokens along axis AX (the arithmetic
@@ -328,18 +347,7 @@ if HAVE_GLUON:
                                 q_l)
         rows = row0 + gl.arange(0, BN, layout=row_l)
         row_ok = rows < S * H
-        rows_s = row0 + gl.arange(0, BN, layout=srow_l)
-        if CAUSAL:  # query token i of S sees cache positions < length - (S - 1 - i)
-            limit = length - (S - 1 - rows_s // H)
-        else:
-            limit = length + 0 * rows_s
-        limit = gl.where(rows_s < S * H, limit, 0)
-        coef = sm_scale_log2 * gl.convert_layout(sigma, srow_l)
-
-        m_i = gl.full([BN], float("-inf"), gl.float32, srow_l)
-        l_i = gl.zeros([BN], gl.float32, srow_l)
-        pi_i = gl.full([BN], 1.0, gl.float32, srow_l)
-        pi_max = gl.zeros([BN], gl.float32, srow_l)
+        limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
         acc = gl.zeros([R, BN], gl.float32, mma_l)  # O^T
         zero_s = gl.zeros([PAGE, BN], gl.float32, mma_l)
         zero_s8 = gl.zeros([PAGE, BN], gl.float32, mma8_l)

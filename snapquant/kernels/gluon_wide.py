@@ -51,6 +51,7 @@ if HAVE_GLUON:
         NEW_REINTERPRET,
         _page_p,
         _query_operands,
+        _row_state,
         _store_result,
         _widen_boxes,
         cta_barrier,
@@ -190,18 +191,7 @@ if HAVE_GLUON:
 
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, False,
                                 q_l, FP8)
-        rows_s = row0 + gl.arange(0, BM, layout=srow_l)
-        if CAUSAL:  # query token i of S sees cache positions < length - (S - 1 - i)
-            limit = length - (S - 1 - rows_s // H)
-        else:
-            limit = length + 0 * rows_s
-        limit = gl.where(rows_s < S * H, limit, 0)
-        coef = sm_scale_log2 * gl.convert_layout(sigma, srow_l)
-
-        m_i = gl.full([BM], float("-inf"), gl.float32, srow_l)
-        l_i = gl.zeros([BM], gl.float32, srow_l)
-        pi_i = gl.full([BM], 1.0, gl.float32, srow_l)
-        pi_max = gl.zeros([BM], gl.float32, srow_l)
+        limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BM, CAUSAL, srow_l)
         acc = gl.zeros([BM, R], gl.float32, o_l)
         zero_s = gl.zeros([BM, PAGE], gl.float32, s_l)
         zero_sm = gl.zeros([BM, PAGE], gl.float32, sm_l)
