@@ -27,21 +27,21 @@ from snapquant.quant.tensor import QuantizedTensor
 DS = PRESETS["ds_v32"].replace(block_size=32)
 
 
-def _rows(t: torch.Tensor | None, capacity: int) -> torch.Tensor | None:
+def _rows(t: torch.Tensor | None, capacity: int, device: str = "cpu") -> torch.Tensor | None:
     """t [B, T, ...] copied into a zero buffer [B, capacity, ...] and sliced back: the store's layout."""
     if t is None:
         return None
-    buf = torch.zeros(t.shape[0], capacity, *t.shape[2:], dtype=torch.float32).to(t.dtype)
+    buf = torch.zeros(t.shape[0], capacity, *t.shape[2:], dtype=torch.float32, device=device).to(t.dtype)
     buf.view(torch.uint8 if t.element_size() == 1 else t.dtype)[:, : t.shape[1]] = (
-        t.view(torch.uint8) if t.element_size() == 1 else t)
+        t.view(torch.uint8) if t.element_size() == 1 else t).to(device)
     return buf[:, : t.shape[1]]
 
 
-def store_like(kv: QuantizedKV, capacity: int) -> QuantizedKV:
+def store_like(kv: QuantizedKV, capacity: int, device: str = "cpu") -> QuantizedKV:
     lat, rope = kv.latent, kv.rope
-    lat2 = QuantizedTensor(_rows(lat.data, capacity), _rows(lat.scale, capacity), lat.fmt, lat.scale_fmt,
-                           lat.granularity, lat.width, lat.token_group)
-    rope2 = QuantizedTensor(_rows(rope.data, capacity), None, rope.fmt, None, rope.granularity, rope.width, 1)
+    lat2 = QuantizedTensor(_rows(lat.data, capacity, device), _rows(lat.scale, capacity, device), lat.fmt,
+                           lat.scale_fmt, lat.granularity, lat.width, lat.token_group)
+    rope2 = QuantizedTensor(_rows(rope.data, capacity, device), None, rope.fmt, None, rope.granularity, rope.width, 1)
     return QuantizedKV(lat2, rope2, kv.config, kv.rope_prescaled)
 
 
@@ -70,6 +70,32 @@ def test_backend_reads_store_rows_in_place(name, S):
     assert torch.equal(torch.isfinite(lse), live)
     assert ((out - ref).norm() / ref.norm()) <= 1e-3
     assert (lse[live] - ref_lse[live]).abs().max() <= 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("name", ["snapmla", "bf16"])
+@pytest.mark.parametrize("H", [16, 64])
+def test_backend_store_rows_through_the_gluon_kernels(name, H):
+    """The patch's store rows (one-row page stride) at DeepSeek widths on a Hopper GPU: the default tile
+    is a Gluon kernel (snapmla at 16 heads, both layouts at 64) reading them in place via TMA."""
+    from snapquant.kernels.mla_decode import plan_decode
+
+    config = PRESETS[name]
+    q, kv, lengths = _case(config, T=200, H=H, r=512, d=64)
+    kv_store = store_like(kv, capacity=256, device="cuda")
+    ops = operands_from_kv(kv_store, lengths.cuda(), config)
+    assert ops.latent.data_ptr() == kv_store.latent.data.data_ptr()
+    tau = 1 / math.sqrt(192)
+    if name == "snapmla" or H > 16:
+        assert plan_decode(q.cuda(), ops, tau, config).knobs["tile"] == "gluon"
+    out, lse = triton_backend(q.cuda(), kv_store, lengths.cuda(), tau, config, causal=True, round_16bit=True)
+    ref, ref_lse = mla_decode_reference(q, kv, lengths, tau, config)
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), live)
+    assert ((out.cpu() - ref).norm() / ref.norm()) <= 1e-3
+    assert (lse.cpu()[live] - ref_lse[live]).abs().max() <= 1e-3
 
 
 def test_backend_copies_rows_when_strides_disagree():
