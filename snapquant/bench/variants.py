@@ -182,7 +182,7 @@ VARIANTS: tuple[Variant, ...] = (
     # Gluon: TMA ring + swap-AB wgmma (snapquant/kernels/gluon_decode.py), one 16-row tile per request
     _v("snapmla+gluon+fp8qk+s1", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows16",
        tile="gluon", fp8_mma="qk", num_stages=1,
-       note="native e4m3 QK with the in-place slot (the conversion waits for the QK halfway): not yet timed"),
+       note="native e4m3 QK with the in-place slot (the conversion waits for the QK halfway): H200 163.7 vs 162.2 us exact"),
     _v("snapmla+pairs", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="pairs",
        note="the plain-Triton pairs tile (the default where the Gluon kernel does not run)"),
     _v("snapmla+gluon", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="gluon",
