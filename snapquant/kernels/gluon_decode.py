@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from .layouts import GLUON_ROWS
+
 try:  # Gluon ships with triton >= 3.5; older installs simply have no tile="gluon"
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -61,7 +63,7 @@ except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
 BOX = 128  # fp8 codes per TMA box row: 128 bytes, the widest swizzle
-ROWS = 16  # query rows per program (wgmma N)
+ROWS = GLUON_ROWS  # query rows per program (wgmma N)
 
 
 def gluon_unsupported_reason(layout: str, q_fp8: bool, p_fp8: bool, rows: int, r: int, d: int,
@@ -96,11 +98,13 @@ def _rows_view(t: torch.Tensor, row_stride: int) -> tuple[list[int], list[int]]:
     return [last // row_stride + 1, t.shape[-1]], [row_stride, 1]
 
 
-def make_descriptors(lat: torch.Tensor, lat_row: int, rope_bf16: torch.Tensor, rope_row: int) -> tuple[Any, Any]:
-    """TMA descriptors of the fp8 latent (boxes [64, 128]) and the bf16 RoPE (boxes [64, d])."""
+def make_descriptors(lat: torch.Tensor, lat_row: int, rope_bf16: torch.Tensor, rope_row: int,
+                     fp8: bool = True) -> tuple[Any, Any]:
+    """TMA descriptors of the latent (fp8 boxes [64, 128], or bf16 boxes [64, 64] for `gluon_wide`'s bf16
+    layout: both 128 bytes wide, the widest swizzle) and of the bf16 RoPE rows (boxes [64, d])."""
+    dtype, width = (gl.float8e4nv, BOX) if fp8 else (gl.bfloat16, BOX // 2)
     shape, strides = _rows_view(lat, lat_row)
-    lat_layout = gl.NVMMASharedLayout.get_default_for([64, BOX], gl.float8e4nv)
-    lat_desc = TensorDescriptor(lat, shape, strides, [64, BOX], lat_layout)
+    lat_desc = TensorDescriptor(lat, shape, strides, [64, width], gl.NVMMASharedLayout.get_default_for([64, width], dtype))
     shape, strides = _rows_view(rope_bf16, rope_row)
     d = rope_bf16.shape[-1]
     rope_layout = gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16)
@@ -190,6 +194,14 @@ if HAVE_GLUON:
         return limit, coef, m_i, l_i, pi_i, pi_max
 
     @gluon.jit
+    def _online_softmax(x, m_i, AX: gl.constexpr):
+        """One page of the log2-domain online softmax, tokens along AX (`decode_kernels._online_softmax`):
+        (m_new, e, alpha); rows with nothing visible yet keep m = -inf (their e and alpha are 0)."""
+        m_new = gl.maximum(m_i, gl.max(x, AX))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        return m_new, gl.exp2(x - gl.expand_dims(m_ref, AX)), gl.exp2(m_i - m_ref)
+
+    @gluon.jit
     def _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, P_DIV: gl.constexpr,
                 AX: gl.constexpr = 0):
         """One page of the online softmax and of fp8_scale_fused P, tokens along axis AX (the arithmetic
@@ -198,10 +210,7 @@ if HAVE_GLUON:
         RA: gl.constexpr = 1 - AX  # the rows' axis
         x = (gl.expand_dims(s_cur, RA) * raw) * gl.expand_dims(coef, AX)
         x = gl.where(gl.expand_dims(pos, RA) < gl.expand_dims(limit, AX), x, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(x, AX))
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-        e = gl.exp2(x - gl.expand_dims(m_ref, AX))
-        alpha = gl.exp2(m_i - m_ref)
+        m_new, e, alpha = _online_softmax(x, m_i, AX)
         # pi = max f / 448 (floored), P^ = e4m3(f / pi), f = e times the token scale
         f = e * gl.expand_dims(s_cur, RA)
         f_max = gl.max(f, AX)

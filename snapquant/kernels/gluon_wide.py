@@ -27,14 +27,10 @@ Gluon has no interpreter: CPU tests compile it for sm_90; it runs on a Hopper GP
 
 from __future__ import annotations
 
-from typing import Any
+from .gluon_decode import HAVE_GLUON
+from .layouts import GLUON_WIDE_ROWS
 
-import torch
-
-from .gluon_decode import BOX, HAVE_GLUON, _rows_view
-
-BM = 64  # query rows per program (wgmma M)
-BOX16 = 64  # bf16 channels per TMA box: 128 bytes, the widest swizzle
+BM = GLUON_WIDE_ROWS  # query rows per program (wgmma M)
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -45,10 +41,10 @@ if HAVE_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .gluon_decode import (
         NEW_REINTERPRET,
+        _online_softmax,
         _page_p,
         _query_operands,
         _row_state,
@@ -58,18 +54,7 @@ if HAVE_GLUON:
         tma_load,
     )
 
-
-def make_wide_descriptors(lat: torch.Tensor, lat_row: int, rope_bf16: torch.Tensor, rope_row: int,
-                          fp8: bool) -> tuple[Any, Any]:
-    """TMA descriptors of the latent (fp8 boxes [64, 128] or bf16 boxes [64, 64]) and the RoPE rows."""
-    dtype, width = (gl.float8e4nv, BOX) if fp8 else (gl.bfloat16, BOX16)
-    shape, strides = _rows_view(lat, lat_row)
-    lat_desc = TensorDescriptor(lat, shape, strides, [64, width], gl.NVMMASharedLayout.get_default_for([64, width], dtype))
-    shape, strides = _rows_view(rope_bf16, rope_row)
-    d = rope_bf16.shape[-1]
-    rope_desc = TensorDescriptor(rope_bf16, shape, strides, [64, d],
-                                 gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16))
-    return lat_desc, rope_desc
+    BM_ROWS = gl.constexpr(BM)  # globals read inside Gluon functions must be constexpr
 
 
 if HAVE_GLUON:
@@ -106,10 +91,7 @@ if HAVE_GLUON:
         """The bf16 layout's page of the online softmax, tokens along axis 1: (P = bf16(e), alpha, m, l)."""
         x = raw * gl.expand_dims(coef, 1)
         x = gl.where(gl.expand_dims(pos, 0) < gl.expand_dims(limit, 1), x, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(x, 1))
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-        e = gl.exp2(x - gl.expand_dims(m_ref, 1))
-        alpha = gl.exp2(m_i - m_ref)
+        m_new, e, alpha = _online_softmax(x, m_i, 1)
         l_i = alpha * l_i + gl.sum(e, 1)
         return e.to(gl.bfloat16), alpha, m_new, l_i
 
@@ -124,7 +106,7 @@ if HAVE_GLUON:
         SM_ROWS: gl.constexpr = False, ABLATE: gl.constexpr = 0,
     ):
         gl.static_assert(num_warps == 8)
-        BM: gl.constexpr = 64  # query rows (wgmma M; the module's BM)
+        BM: gl.constexpr = BM_ROWS  # query rows (wgmma M)
         STAGES: gl.constexpr = 2
         BOXW: gl.constexpr = 128 if FP8 else 64
         NBOX: gl.constexpr = R // BOXW

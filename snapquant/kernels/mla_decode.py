@@ -38,7 +38,7 @@ from .decode_kernels import (
     _mla_decode_combine_balanced,
     _mla_decode_stage1,
 )
-from .layouts import PAGE_SIZE, layout_of, unsupported_reason
+from .layouts import GLUON_ROWS, GLUON_WIDE_ROWS, PAGE_SIZE, layout_of, unsupported_reason
 from .paged import PagedMLACache
 
 _LAYOUT_ID = {"bf16": 0, "snapmla": 1, "ds_v32": 2}
@@ -54,16 +54,11 @@ _FP8_MMA = {False: (False, False), True: (True, True), "none": (False, False), "
 # SM hide each other's waits; H200, B=128 H=16 L=4K: 162.7 us vs 195.1 (2 slots, one page prefetched,
 # one program per SM) and 200.2 (3 slots); mixed lengths 220 vs 306 us (results/bench/h200_gluon6_raw)
 GLUON_STAGES = 1
-GLUON_ROWS = 16  # tile="gluon": up to this many query rows, the narrow kernel (gluon_decode.ROWS) ...
-GLUON_WIDE_ROWS = 64  # ... past it, 64-row tiles (gluon_wide.BM)
 # Past 16 rows the wide kernel is the default for the snapmla (fp8 query and P) and bf16 layouts. H200
-# (results/bench/h200_wide2_raw): B=32 H=64 L=8K bf16 144 vs 303 us (Triton rows), snapmla 194 vs 303
-# (Triton pairs); B=128 H=128 L=4K bf16 423 vs 1059, snapmla 585 vs 989
+# (results/bench/decode_h200.md): B=32 H=64 L=8K bf16 106.0 vs 304.5 us (Triton rows), snapmla 149.8 vs
+# 305.2 (Triton pairs); B=128 H=128 L=4K bf16 361.7 vs 1073.9, snapmla 517.7 vs 985.8; at 32 rows (B=64
+# H=32 L=4K, padded to 64) snapmla 166.5 vs 212.2, bf16 100.1 vs 159.8
 GLUON_WIDE_DEFAULT = True
-# ... above 16 rows for both: at 32 rows (B=64 H=32 L=4K, rows padded to 64) with one wave of programs
-# (`_wide_splits`) snapmla 166.5 vs 212.2 us (Triton pairs), bf16 100.1 vs 159.8 (Triton rows); with the
-# uniform rule's splits it had lost to pairs for snapmla (234 vs 211), hence a per-layout threshold
-GLUON_WIDE_MIN_ROWS = {"snapmla": GLUON_ROWS, "bf16": GLUON_ROWS}
 MAX_PARTS = 8192  # balanced schedule: partial buffers are [parts + B, rows, r] fp32
 
 
@@ -268,10 +263,7 @@ def plan_decode(
     if tile is None:
         tile = default_tile(ops.layout, config, fp8_mma)
         triton_knobs = (block_m, num_warps, num_stages, maxnreg) != (None, None, None, None)
-        if S * H <= GLUON_ROWS:
-            eligible = tile == "pairs"
-        else:
-            eligible = GLUON_WIDE_DEFAULT and S * H > GLUON_WIDE_MIN_ROWS.get(ops.layout, S * H)
+        eligible = tile == "pairs" if S * H <= GLUON_ROWS else GLUON_WIDE_DEFAULT
         if schedule == "uniform" and not triton_knobs and eligible and _gluon_runs(ops, S * H, fp8_mma, config):
             # the Gluon kernels where they run (Hopper); launch knobs given for the Triton kernels
             # (block_m, num_warps, num_stages, maxnreg) keep the Triton tile
@@ -463,18 +455,27 @@ def _gluon_stages(num_stages: int | None, fp8_mma: bool | str) -> int:
     return 2 if fp8_mma == "qk" else GLUON_STAGES
 
 
-def _gluon_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, qk_fp8, stages, warps):
-    """The Gluon page loop (`gluon_decode`) as stage 1 of the uniform schedule."""
-    from .gluon_decode import _snapmla_decode_gluon, make_descriptors
+def _gluon_args(q, ops, o_part, lse_part, sm_scale_log2, num_splits, fp8):
+    """The arguments both Gluon page loops take (their signatures match): the query, TMA descriptors of
+    the latent (fp8, or the bf16 layout's int16 bits seen as bf16) and RoPE rows, the rest as strides."""
+    from .gluon_decode import make_descriptors
 
-    B, S, H, _ = q.shape
     (lp, lt), (rp, rt) = ops.lat_strides, ops.rope_strides
-    lat_desc, rope_desc = make_descriptors(ops.latent, lt, ops.rope.view(torch.bfloat16), rt)
-    args = (q, lat_desc, rope_desc, ops.scale, ops.block_table, ops.lengths, o_part, lse_part, sm_scale_log2,
+    lat = ops.latent if fp8 else ops.latent.view(torch.bfloat16)
+    lat_desc, rope_desc = make_descriptors(lat, lt, ops.rope.view(torch.bfloat16), rt, fp8)
+    return (q, lat_desc, rope_desc, ops.scale, ops.block_table, ops.lengths, o_part, lse_part, sm_scale_log2,
             q.stride(0), q.stride(1), q.stride(2), lp // lt, rp // rt, ops.scale_strides[0], ops.scale_strides[1],
             ops.block_table.stride(0),
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), H, num_splits)
+            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), q.shape[2], num_splits)
+
+
+def _gluon_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, qk_fp8, stages, warps):
+    """The Gluon page loop (`gluon_decode`) as stage 1 of the uniform schedule."""
+    from .gluon_decode import _snapmla_decode_gluon
+
+    B, S = q.shape[:2]
+    args = _gluon_args(q, ops, o_part, lse_part, sm_scale_log2, num_splits, True)
     return KernelLaunch("decode_gluon", _snapmla_decode_gluon, (B, 1, num_splits), args, dict(
         S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, STAGES=stages, CAUSAL=causal, P_DIV=p_div,
         QK_FP8=qk_fp8, LSE_NATURAL=num_splits == 1, num_warps=warps))
@@ -482,18 +483,11 @@ def _gluon_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p
 
 def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, m_blocks):
     """The 64-row Gluon page loop (`gluon_wide`, fp8 snapmla or bf16) as stage 1 of the uniform schedule."""
-    from .gluon_wide import _mla_decode_gluon_wide, make_wide_descriptors
+    from .gluon_wide import _mla_decode_gluon_wide
 
-    B, S, H, _ = q.shape
+    B, S = q.shape[:2]
     fp8 = ops.layout == "snapmla"
-    (lp, lt), (rp, rt) = ops.lat_strides, ops.rope_strides
-    lat = ops.latent if fp8 else ops.latent.view(torch.bfloat16)
-    lat_desc, rope_desc = make_wide_descriptors(lat, lt, ops.rope.view(torch.bfloat16), rt, fp8)
-    args = (q, lat_desc, rope_desc, ops.scale, ops.block_table, ops.lengths, o_part, lse_part, sm_scale_log2,
-            q.stride(0), q.stride(1), q.stride(2), lp // lt, rp // rt, ops.scale_strides[0], ops.scale_strides[1],
-            ops.block_table.stride(0),
-            o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), H, num_splits)
+    args = _gluon_args(q, ops, o_part, lse_part, sm_scale_log2, num_splits, fp8)
     return KernelLaunch("decode_gluon_wide", _mla_decode_gluon_wide, (m_blocks, B, num_splits), args, dict(
         S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, FP8=fp8, CAUSAL=causal, P_DIV=p_div,
         LSE_NATURAL=num_splits == 1, SM_ROWS=True, num_warps=8))
