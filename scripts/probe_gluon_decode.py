@@ -3,7 +3,7 @@
     python scripts/probe_gluon_decode.py [--shape 128x16x4096] [--out results/bench/gluon_probe_h200.json]
     python scripts/probe_gluon_decode.py --shape 32x64x8192 --out results/bench/gluon_wide_probe_h200.json
 
-H <= 16 probes the narrow kernel (`_snapmla_decode_gluon`); more heads the 64-row kernel
+H <= 16 probes the narrow kernel (`_snapmla_decode_gluon`) and sweeps its split count; more heads the 64-row kernel
 (`gluon_wide`) on both the snapmla and the bf16 layout, plus a sweep of its split count. The
 ABLATE constexpr drops parts of each page's work (the results are then
 wrong; only the time means something): 1 the fp8 -> fp16 conversion, 2 the QK and RoPE MMAs,
@@ -30,7 +30,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="128x16x4096", help="BxHxL")
     ap.add_argument("--stages", default="2,3", help="narrow kernel (H <= 16): ring slots to ablate")
-    ap.add_argument("--splits", default="2,4,8,16", help="wide kernel (H > 16): split counts to time")
+    ap.add_argument("--splits", default="2,4,8,16", help="split counts to time (both kernels)")
+    ap.add_argument("--no-ablate", action="store_true", help="skip the ablations (time the split counts only)")
     ap.add_argument("--out", default="results/bench/gluon_probe_h200.json")
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
@@ -76,13 +77,18 @@ def main() -> int:
     time_plan("snapmla (default tile)", mla_decode_plan(q, caches["snapmla"], tau), "snapmla")
     if H <= 16:  # the narrow kernel (gluon_decode), per ring-slot count
         for stages in (int(s) for s in args.stages.split(",")):
-            for ab, what in ABLATIONS.items():
+            for ab, what in ({} if args.no_ablate else ABLATIONS).items():
                 plan = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", num_stages=stages)
                 plan.launches[0].kwargs["ABLATE"] = ab
                 time_plan(f"gluon s{stages} ablate={ab:2d} {what}", plan, "snapmla")
+        default_splits = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon").knobs["num_splits"]
+        print(f"(narrow kernel default: {default_splits} splits)")
+        for ns in (int(x) for x in args.splits.split(",")):
+            time_plan(f"snapmla narrow splits={ns}", mla_decode_plan(q, caches["snapmla"], tau, tile="gluon",
+                                                                   num_splits=ns), "snapmla")
     else:  # the 64-row kernel (gluon_wide), both layouts, and its split count
         for fmt in ("snapmla", "bf16"):
-            for ab, what in ABLATIONS.items():
+            for ab, what in ({} if args.no_ablate else ABLATIONS).items():
                 if fmt == "bf16" and ab & 1:  # nothing to convert
                     continue
                 plan = mla_decode_plan(q, caches[fmt], tau, tile="gluon")
