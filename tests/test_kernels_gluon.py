@@ -239,9 +239,11 @@ def test_wide_gluon_tile_plans_and_refusals():
         assert plan.launches[0].name == "decode_gluon_wide"
         assert plan.knobs["block_m"] == 64 and plan.knobs["num_warps"] == 8 and plan.knobs["num_stages"] == 2
         assert plan.knobs["num_splits"] == 4  # one wave: 132 SMs / 2 programs, capped by the 4 pages
-    from snapquant.kernels.mla_decode import _wide_splits
+    from snapquant.kernels.mla_decode import _one_wave_splits
 
-    assert _wide_splits(32, 128, 132) == 4 and _wide_splits(256, 64, 132) == 1 and _wide_splits(2, 512, 132) == 64
+    assert _one_wave_splits(32, 128, 132) == 4 and _one_wave_splits(256, 64, 132) == 1
+    assert _one_wave_splits(2, 512, 132) == 64 and _one_wave_splits(128, 64, 264) == 2
+    assert _one_wave_splits(8, 512, 264) == 33 and _one_wave_splits(8, 20, 264) == 20  # capped by the pages
     with pytest.raises(ConfigError, match="fp8_mma"):
         _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma="qk")
     with pytest.raises(ConfigError, match="num_warps=8"):

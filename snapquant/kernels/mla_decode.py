@@ -294,13 +294,13 @@ def plan_decode(
     _check_pow2("block_m", block_m, 16)
     m_blocks = triton.cdiv(rows, block_m)
     if num_splits is None:
-        if tile == "gluon" and block_m == GLUON_WIDE_ROWS:
-            num_splits = _wide_splits(B * m_blocks, ops.block_table.shape[1], sms)
-        elif schedule == "uniform":
-            # tile="gluon" with one stage fits two programs per SM (shared memory ~100 KB)
-            narrow = tile == "gluon" and block_m == GLUON_ROWS
+        if tile == "gluon":
+            # the narrow kernel with one stage fits two programs per SM (shared memory ~100 KB)
+            narrow = block_m == GLUON_ROWS
             resident = 2 if narrow and _gluon_stages(num_stages, fp8_mma) == 1 else 1
-            num_splits = _default_splits(B * m_blocks * nb, ops.block_table.shape[1], sms * resident)
+            num_splits = _one_wave_splits(B * m_blocks, ops.block_table.shape[1], sms * resident)
+        elif schedule == "uniform":
+            num_splits = _default_splits(B * m_blocks * nb, ops.block_table.shape[1], sms)
         else:
             num_splits = default_parts(m_blocks * nb, sms)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
@@ -567,13 +567,16 @@ def _check_pow2(name: str, v: object, lo: int) -> None:
         raise ShapeError(f"{name} must be a power of two >= {lo}, got {v!r}")
 
 
-def _wide_splits(programs: int, max_pages: int, sms: int) -> int:
-    """tile="gluon" past 16 rows: at most one wave (one ~220 KB program per SM), as few splits as fill it.
-    Each split of a 64-row tile writes a 128 KB fp32 partial that the combine reads back; H200, B=32 H=64
-    L=8K: 4 splits (128 programs) 153 / 118 us (snapmla / bf16), 8: 171 / 132, 12 (the uniform rule's
-    2.9 waves): 195 / 148; B=128 H=128 L=4K: 2 splits 583 / 444, 4: 651 / 496
-    (results/bench/h200_wide_probe)."""
-    return max(1, min(sms // max(programs, 1), max_pages, 64))
+def _one_wave_splits(programs: int, max_pages: int, slots: int) -> int:
+    """tile="gluon": as few splits as fill one wave of program slots (SMs x programs per SM), never more
+    than the pages or 64. Each split writes an fp32 partial per query row that the combine reads back,
+    and a second, partial wave costs a whole page run. H200 (results/bench/h200_wide_probe,
+    h200_narrow_splits): 64 rows, B=32 H=64 L=8K: 4 splits (128 programs) 153 / 118 us (snapmla / bf16),
+    8: 171 / 132, 12: 195 / 148; B=128 H=128 L=4K: 2 splits 583 / 444, 4: 651 / 496. 16 rows (two
+    programs per SM, 264 slots), snapmla: B=128 H=16 L=4K 2 splits 141.7 us, 3: 184.4, 4: 150.6,
+    6 (the old rule): 161.1; B=32 L=16K 8: 140.5, 6: 180.9, 12: 192.3, 23 (old): 175.0; B=64 L=2K
+    4: 47.2, 3: 55.5, 6: 63.8, 12 (old): 67.0."""
+    return max(1, min(slots // max(programs, 1), max_pages, 64))
 
 
 def _default_splits(programs: int, max_pages: int, sms: int, min_wave_fill: float = 0.9) -> int:
