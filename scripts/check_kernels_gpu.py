@@ -171,7 +171,9 @@ GLUON = {"snapmla+gluon": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H 
          "snapmla+gluon+fp8qk+s1": ("snapmla", {"tile": "gluon", "fp8_mma": "qk", "num_stages": 1,
                                                 "_tol": (3e-3, 5e-3)})}
 GLUON_WIDE = {"snapmla+gluon-wide": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H > 16: 64-row tiles
-              "bf16+gluon-wide": ("bf16", {"tile": "gluon"})}
+              "bf16+gluon-wide": ("bf16", {"tile": "gluon"}),
+              # native FP8 QK and PV (gluon_wide8): the FP8 MMA's accumulation rounding, its own tolerances
+              "snapmla+gluon-wide+fp8mma": ("snapmla", {"tile": "gluon", "fp8_mma": True, "_tol": (3e-3, 5e-3)})}
 
 
 def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: int | None,

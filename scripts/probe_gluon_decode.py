@@ -100,6 +100,27 @@ def main() -> int:
             for ns in (int(x) for x in args.splits.split(",")):
                 time_plan(f"{fmt} wide splits={ns}", mla_decode_plan(q, caches[fmt], tau, tile="gluon", num_splits=ns),
                           fmt)
+        # native FP8 MMAs (fp8_mma=True, gluon_wide8): ablations, then its constexpr knobs one at a time
+        plan8 = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
+        base8 = {k: plan8.launches[0].kwargs[k] for k in ("RAW", "CHAINS", "TR", "SM_ROWS")}
+        print(f"(gluon_wide8 defaults: {base8}, splits {plan8.knobs['num_splits']})")
+        for ab, what in ({} if args.no_ablate else ABLATIONS).items():
+            plan = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
+            plan.launches[0].kwargs["ABLATE"] = ab
+            time_plan(f"snapmla wide8 ablate={ab:2d} {what.replace('conversion', 'transpose')}", plan, "snapmla")
+        for knob, values in (("RAW", (2, 3)), ("CHAINS", (1, 2)), ("TR", (0, 1, 2)), ("SM_ROWS", (True, False))):
+            for v in values:
+                if v == base8[knob]:
+                    continue
+                plan = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
+                plan.launches[0].kwargs[knob] = v
+                try:
+                    time_plan(f"snapmla wide8 {knob}={v}", plan, "snapmla")
+                except Exception as e:  # e.g. out of shared memory: report it, keep probing
+                    print(f"snapmla wide8 {knob}={v}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        for ns in (int(x) for x in args.splits.split(",")):
+            time_plan(f"snapmla wide8 splits={ns}", mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True,
+                                                                   num_splits=ns), "snapmla")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

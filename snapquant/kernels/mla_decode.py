@@ -388,7 +388,7 @@ def plan_decode(
         knobs.update(num_warps=num_warps or 4, num_stages=_gluon_stages(num_stages, fp8_mma))
     elif tile == "gluon":
         plan.launches.append(_gluon_wide_launch(q, ops, o_part, lse_part, float(softmax_scale) * LOG2E, num_splits,
-                                                bool(causal), P_DIVS.index(p_div), m_blocks))
+                                                bool(causal), P_DIVS.index(p_div), m_blocks, fp8_mma is True))
         knobs.update(num_warps=8, num_stages=2)
     else:
         plan.launches.append(KernelLaunch("decode_uniform", _mla_decode_stage1, (B, m_blocks, num_splits * nb), (
@@ -429,13 +429,15 @@ def _gluon_reason(ops: KernelOperands, rows: int, native: bool, num_warps: int |
         return f"tile='gluon' at {rows} query rows runs num_warps={warps}, got num_warps={num_warps}"
     if wide and num_stages not in (None, 2):
         return f"tile='gluon' at > {GLUON_ROWS} query rows runs num_stages=2 (two TMA slots), got num_stages={num_stages}"
-    if fp8_mma not in ((False, "none") if wide else (False, "none", "qk")):
-        return (f"tile='gluon' runs exact fp16 MMAs{'' if wide else ' or fp8_mma=qk'} at {rows} query rows, "
-                f"got fp8_mma={fp8_mma!r}")
+    allowed = (False, "none") + ((True,) if wide and ops.layout == "snapmla" else () if wide else ("qk",))
+    if fp8_mma not in allowed:
+        native8 = " or fp8_mma=True (the snapmla layout)" if wide else " or fp8_mma=qk"
+        return f"tile='gluon' runs exact fp16 MMAs{native8} at {rows} query rows, got fp8_mma={fp8_mma!r}"
     if ops.device.type == "cuda" and _capability(ops.device)[0] != 9:
         return f"tile='gluon' runs on Hopper (sm_90) only, not {torch.cuda.get_device_name(ops.device)}"
-    if fp8_mma == "qk" and ops.kv_lora_rank != 512:
-        return f"tile='gluon' with fp8_mma='qk' is written for kv_lora_rank 512 (four 128-channel boxes), got {ops.kv_lora_rank}"
+    if fp8_mma in ("qk", True) and ops.kv_lora_rank != 512:
+        return (f"tile='gluon' with fp8_mma={fp8_mma!r} is written for kv_lora_rank 512 (four 128-channel boxes), "
+                f"got {ops.kv_lora_rank}")
     return None
 
 
@@ -481,16 +483,23 @@ def _gluon_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p
         QK_FP8=qk_fp8, LSE_NATURAL=num_splits == 1, num_warps=warps))
 
 
-def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, m_blocks):
-    """The 64-row Gluon page loop (`gluon_wide`, fp8 snapmla or bf16) as stage 1 of the uniform schedule."""
-    from .gluon_wide import _mla_decode_gluon_wide
-
+def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, m_blocks, mma8):
+    """The 64-row Gluon page loop as stage 1 of the uniform schedule: `gluon_wide` (exact fp16 MMAs, fp8
+    snapmla or bf16) or, with native FP8 MMAs (fp8_mma=True), `gluon_wide8`."""
     B, S = q.shape[:2]
     fp8 = ops.layout == "snapmla"
     args = _gluon_args(q, ops, o_part, lse_part, sm_scale_log2, num_splits, fp8)
-    return KernelLaunch("decode_gluon_wide", _mla_decode_gluon_wide, (m_blocks, B, num_splits), args, dict(
-        S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, FP8=fp8, CAUSAL=causal, P_DIV=p_div,
-        LSE_NATURAL=num_splits == 1, SM_ROWS=True, num_warps=8))
+    common = dict(S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, CAUSAL=causal, P_DIV=p_div,
+                  LSE_NATURAL=num_splits == 1, SM_ROWS=True, num_warps=8)
+    if mma8:
+        from .gluon_wide8 import _mla_decode_gluon_wide8
+
+        return KernelLaunch("decode_gluon_wide8", _mla_decode_gluon_wide8, (m_blocks, B, num_splits), args,
+                            dict(RAW=2, CHAINS=1, TR=0, **common))
+    from .gluon_wide import _mla_decode_gluon_wide
+
+    return KernelLaunch("decode_gluon_wide", _mla_decode_gluon_wide, (m_blocks, B, num_splits), args,
+                        dict(FP8=fp8, **common))
 
 
 def default_tile(layout: str, config: KVQuantConfig, fp8_mma: bool | str = False) -> str:
