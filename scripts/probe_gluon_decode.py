@@ -66,12 +66,27 @@ def main() -> int:
     fmt_bytes = {"snapmla": r + 2 * d + 4, "bf16": 2 * (r + d)}
     rows = []
 
-    def time_plan(label: str, plan, fmt: str) -> None:
-        us = triton.testing.do_bench_cudagraph(plan.run, rep=200) * 1e3
+    exact: dict[str, torch.Tensor] = {}
+
+    def time_plan(label: str, plan, fmt: str, error: bool = False) -> None:
+        """Time one plan; error: also its output's relative L2 distance from the exact default kernel's."""
+        try:
+            out = plan.run()[0].float()
+            us = triton.testing.do_bench_cudagraph(plan.run, rep=200) * 1e3
+        except Exception as e:  # e.g. out of shared memory, a ptxas crash on an ablation: report, keep probing
+            print(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+            rows.append({"variant": label, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+            return
+        if fmt not in exact:
+            exact[fmt] = out
         gbs = B * L * fmt_bytes[fmt] / (us * 1e-6) / 1e9
         flops = B * L * H * 2 * (r + d + r)
-        rows.append({"variant": label, "us": round(us, 1), "GB/s": round(gbs), "TFLOP/s": round(flops / us / 1e6, 1)})
-        print(f"{label:48s} {us:8.1f} us {gbs:7.0f} GB/s {flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+        row = {"variant": label, "us": round(us, 1), "GB/s": round(gbs), "TFLOP/s": round(flops / us / 1e6, 1)}
+        if error:
+            row["rel_l2_vs_exact"] = float((out - exact[fmt]).norm() / exact[fmt].norm())
+        rows.append(row)
+        print(f"{label:48s} {us:8.1f} us {gbs:7.0f} GB/s {flops / us / 1e6:6.1f} TFLOP/s"
+              + (f"  rel-L2 vs exact {row['rel_l2_vs_exact']:.1e}" if error else ""), flush=True)
 
     time_plan("bf16 (our BF16 kernel)", mla_decode_plan(q, caches["bf16"], tau), "bf16")
     time_plan("snapmla (default tile)", mla_decode_plan(q, caches["snapmla"], tau), "snapmla")
@@ -102,25 +117,25 @@ def main() -> int:
                           fmt)
         # native FP8 MMAs (fp8_mma=True, gluon_wide8): ablations, then its constexpr knobs one at a time
         plan8 = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
-        base8 = {k: plan8.launches[0].kwargs[k] for k in ("RAW", "CHAINS", "TR", "SM_ROWS")}
+        base8 = {k: plan8.launches[0].kwargs[k] for k in ("RAW", "CHAINS", "TR", "SM_ROWS", "P_SMEM")}
         print(f"(gluon_wide8 defaults: {base8}, splits {plan8.knobs['num_splits']})")
+        time_plan("snapmla wide8 (fp8_mma=True default)", plan8, "snapmla", error=True)
         for ab, what in ({} if args.no_ablate else ABLATIONS).items():
+            if ab == 0:
+                continue
             plan = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
             plan.launches[0].kwargs["ABLATE"] = ab
             time_plan(f"snapmla wide8 ablate={ab:2d} {what.replace('conversion', 'transpose')}", plan, "snapmla")
-        for knob, values in (("RAW", (2, 3)), ("CHAINS", (1, 2)), ("TR", (0, 1, 2)), ("SM_ROWS", (True, False))):
+        for knob, values in (("CHAINS", (1, 2)), ("TR", (0, 1)), ("P_SMEM", (True, False))):
             for v in values:
                 if v == base8[knob]:
                     continue
                 plan = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
                 plan.launches[0].kwargs[knob] = v
-                try:
-                    time_plan(f"snapmla wide8 {knob}={v}", plan, "snapmla")
-                except Exception as e:  # e.g. out of shared memory: report it, keep probing
-                    print(f"snapmla wide8 {knob}={v}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                time_plan(f"snapmla wide8 {knob}={v}", plan, "snapmla", error=True)
         for ns in (int(x) for x in args.splits.split(",")):
             time_plan(f"snapmla wide8 splits={ns}", mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True,
-                                                                   num_splits=ns), "snapmla")
+                                                                   num_splits=ns), "snapmla", error=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

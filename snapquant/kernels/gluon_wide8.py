@@ -74,7 +74,7 @@ if HAVE_GLUON:
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
         RAW: gl.constexpr = 2, CHAINS: gl.constexpr = 2, SM_ROWS: gl.constexpr = True, TR: gl.constexpr = 0,
-        ABLATE: gl.constexpr = 0,
+        P_SMEM: gl.constexpr = False, ABLATE: gl.constexpr = 0,
     ):
         gl.static_assert(num_warps == 8)
         BM: gl.constexpr = BM_ROWS
@@ -124,6 +124,9 @@ if HAVE_GLUON:
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BM, R],
                                            gl.NVMMASharedLayout.get_default_for([BM, R], gl.float8e4nv))
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, D], gl.NVMMASharedLayout.get_default_for([BM, D], gl.bfloat16))
+        if P_SMEM:  # P^ as the PV product's A operand from shared memory (else from registers)
+            p_smem = gl.allocate_shared_memory(gl.float8e4nv, [BM, PAGE],
+                                               gl.NVMMASharedLayout.get_default_for([BM, PAGE], gl.float8e4nv))
         bars = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(RAW):
             mbarrier.init(bars.index(s), count=1)
@@ -209,6 +212,11 @@ if HAVE_GLUON:
             beta = gl.expand_dims(gl.convert_layout(rescale, gl.SliceLayout(1, o_l)), 1)
             if ABLATE & 4:
                 acc = acc * beta + gl.convert_layout(gl.sum(p8.to(gl.float32), 1), gl.SliceLayout(1, o_l))[:, None]
+            elif P_SMEM:
+                p_smem.store(p8)
+                fence_async_shared()
+                cta_barrier()
+                acc = warpgroup_mma(p_smem, vt_smem.index(buf).permute((1, 0)), acc * beta, is_async=True)
             else:
                 acc = warpgroup_mma(gl.convert_layout(p8, p_l), vt_smem.index(buf).permute((1, 0)), acc * beta,
                                     is_async=True)
