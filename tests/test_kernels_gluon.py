@@ -305,8 +305,10 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, B, H, S, L, sp
     assert torch.isfinite(out).all()
     # snapmla: exact fp16 MMAs, summation order only. bf16: P = bf16(e) may round differently where the
     # reference's summation order moves e by an ulp
-    # fp8_mma: the FP8 MMA's accumulation rounding (the narrow kernel's fp8_mma="qk" bound)
-    tol, lse_tol = (3e-3, 5e-3) if fp8_mma else (5e-5, 1e-4) if layout == "snapmla" else (1e-3, 1e-3)
+    # fp8_mma: Hopper's FP8 MMA keeps ~14 bits per accumulation; the scores move by ~2^-14 relative, which
+    # flips some e4m3 roundings of P^ (12.5 % steps). H200: 4.8e-3 here at L = 700, 3.1e-3 / 4.0e-3 from the
+    # exact kernel at B=32 H=64 L=8K / B=128 H=128 L=4K (probe_gluon_decode); a wrong page would be ~1
+    tol, lse_tol = (1e-2, 1e-2) if fp8_mma else (5e-5, 1e-4) if layout == "snapmla" else (1e-3, 1e-3)
     for o, lz in ((ref, ref_lse), (base.cpu(), base_lse.cpu())):
         assert ((out.cpu() - o).norm() / o.norm()).item() < tol
         assert (lse.cpu() - lz).abs().max().item() < lse_tol
