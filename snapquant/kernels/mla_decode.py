@@ -495,7 +495,7 @@ def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, caus
         from .gluon_wide8 import _mla_decode_gluon_wide8
 
         return KernelLaunch("decode_gluon_wide8", _mla_decode_gluon_wide8, (m_blocks, B, num_splits), args,
-                            dict(RAW=2, CHAINS=1, TR=0, P_SMEM=False, **common))
+                            dict(RAW=2, CHAINS=2, TR=0, P_SMEM=False, **common))
     from .gluon_wide import _mla_decode_gluon_wide
 
     return KernelLaunch("decode_gluon_wide", _mla_decode_gluon_wide, (m_blocks, B, num_splits), args,
