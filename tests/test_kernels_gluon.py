@@ -245,6 +245,8 @@ def test_wide_gluon_tile_plans_and_refusals():
     assert _one_wave_splits(32, 128, 132) == 4 and _one_wave_splits(256, 64, 132) == 1
     assert _one_wave_splits(2, 512, 132) == 64 and _one_wave_splits(128, 64, 264) == 2
     assert _one_wave_splits(8, 512, 264) == 33 and _one_wave_splits(8, 20, 264) == 20  # capped by the pages
+    # the narrow kernel's run cap: a table 512 pages wide (a 32K request among shorter ones) gets 16 splits
+    assert _one_wave_splits(64, 512, 264, 32) == 16 and _one_wave_splits(128, 64, 264, 32) == 2
     with pytest.raises(ConfigError, match="fp8_mma"):
         _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma="qk")
     with pytest.raises(ConfigError, match="num_warps=8"):

@@ -298,7 +298,8 @@ def plan_decode(
             # the narrow kernel with one stage fits two programs per SM (shared memory ~100 KB)
             narrow = block_m == GLUON_ROWS
             resident = 2 if narrow and _gluon_stages(num_stages, fp8_mma) == 1 else 1
-            num_splits = _one_wave_splits(B * m_blocks, ops.block_table.shape[1], sms * resident)
+            num_splits = _one_wave_splits(B * m_blocks, ops.block_table.shape[1], sms * resident,
+                                          NARROW_MAX_RUN if narrow else None)
         elif schedule == "uniform":
             num_splits = _default_splits(B * m_blocks * nb, ops.block_table.shape[1], sms)
         else:
@@ -576,7 +577,14 @@ def _check_pow2(name: str, v: object, lo: int) -> None:
         raise ShapeError(f"{name} must be a power of two >= {lo}, got {v!r}")
 
 
-def _one_wave_splits(programs: int, max_pages: int, slots: int) -> int:
+# The narrow kernel's longest page run per program. The host cannot see the lengths (they live on the GPU),
+# and a batch of mixed lengths is as slow as its longest request's run: H200, B=64 H=16 lengths 128..32K,
+# one wave (4 splits) 474 us, the uniform rule's 12 splits 218 us. 32 pages keeps every uniform H=16 shape
+# measured at its one-wave count (e.g. B=128 L=4K: 2 splits, 32 pages each).
+NARROW_MAX_RUN = 32
+
+
+def _one_wave_splits(programs: int, max_pages: int, slots: int, max_run: int | None = None) -> int:
     """tile="gluon": as few splits as fill one wave of program slots (SMs x programs per SM), never more
     than the pages or 64. Each split writes an fp32 partial per query row that the combine reads back,
     and a second, partial wave costs a whole page run. H200 (results/bench/h200_wide_probe,
@@ -585,7 +593,10 @@ def _one_wave_splits(programs: int, max_pages: int, slots: int) -> int:
     programs per SM, 264 slots), snapmla: B=128 H=16 L=4K 2 splits 141.7 us, 3: 184.4, 4: 150.6,
     6 (the old rule): 161.1; B=32 L=16K 8: 140.5, 6: 180.9, 12: 192.3, 23 (old): 175.0; B=64 L=2K
     4: 47.2, 3: 55.5, 6: 63.8, 12 (old): 67.0."""
-    return max(1, min(slots // max(programs, 1), max_pages, 64))
+    splits = slots // max(programs, 1)
+    if max_run is not None:  # at least enough splits that no program runs more than max_run pages
+        splits = max(splits, -(-max_pages // max_run))
+    return max(1, min(splits, max_pages, 64))
 
 
 def _default_splits(programs: int, max_pages: int, sms: int, min_wave_fill: float = 0.9) -> int:
