@@ -225,6 +225,21 @@ def test_wide_gluon_kernel_compiles_unserialized(variant):
     assert two_tiles["grid"].startswith("2x4x")  # the row tiles of a request are adjacent programs (L2)
 
 
+@needs_gluon
+def test_wide8_kernel_compiles_to_native_fp8_mmas():
+    """fp8_mma=True past 16 rows is gluon_wide8: per page QK 16 e4m3 (m64n32k32) + RoPE 4 bf16 and PV 2
+    e4m3 (m64n256k32) wgmma, no fp16 widening, within one SM's shared memory (2 TMA slots, 2 transposed
+    tiles, the e4m3 query)."""
+    st = decode_compile_stats(BY_NAME["snapmla+gluon+fp8mma"], uniform_shape(32, 64, 8192))[0]
+    assert st["kernel"] == "decode_gluon_wide8" and "error" not in st, st.get("error")
+    assert st["wgmma"] == 22 and st["mma_sync"] == 0 and st["async_loads"] > 0 and st["cvt_e4m3"] == 0
+    assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT
+    if st.get("regs") is not None:
+        # Triton 3.6 (the H200 image): 255 registers, 80 bytes of stack; 3.9 (CI): 255 with 128 spilled
+        assert st["regs"] <= 255 and st["spill_bytes"] <= 128
+        assert st["wgmma_waits"] <= 4 and st["ptxas_advice"] in ("", None)
+
+
 def _meta_plan(layout_cfg, H, **knobs):
     from snapquant.kernels.mla_decode import KernelOperands, plan_decode
 
@@ -249,6 +264,10 @@ def test_wide_gluon_tile_plans_and_refusals():
     assert _one_wave_splits(64, 512, 264, 32) == 16 and _one_wave_splits(128, 64, 264, 32) == 2
     with pytest.raises(ConfigError, match="fp8_mma"):
         _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma="qk")
+    with pytest.raises(ConfigError, match="fp8_mma=True"):  # native FP8 MMAs need the snapmla layout
+        _meta_plan(PRESETS["bf16"], 64, tile="gluon", fp8_mma=True)
+    plan8 = _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma=True)  # (also the default on a Hopper GPU)
+    assert plan8.launches[0].name == "decode_gluon_wide8" and plan8.launches[0].kwargs["CHAINS"] == 2
     with pytest.raises(ConfigError, match="num_warps=8"):
         _meta_plan(PRESETS["bf16"], 64, tile="gluon", num_warps=4)
     with pytest.raises(ConfigError, match="num_stages=2"):
