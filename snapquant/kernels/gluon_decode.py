@@ -175,6 +175,16 @@ if HAVE_GLUON:
         return sigma
 
     @gluon.jit
+    def _split_run(LENS, b, split, NSPLIT, PAGE: gl.constexpr):
+        """Request b's length and the pages of its split `split` of NSPLIT (uniform schedule): the first page
+        p_lo and how many to run (0 for a split past the request's pages)."""
+        length = gl.load(LENS + b)
+        n_pages = (length + PAGE - 1) // PAGE
+        per_split = (n_pages + NSPLIT - 1) // NSPLIT
+        p_lo = split * per_split
+        return length, p_lo, gl.maximum(gl.minimum(p_lo + per_split, n_pages) - p_lo, 0)
+
+    @gluon.jit
     def _row_state(length, row0, sigma, sm_scale_log2, H, S: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr,
                    srow_l: gl.constexpr):
         """Per query row of the program's BN: how many cache positions it sees (causal: query token i of S
@@ -305,11 +315,7 @@ if HAVE_GLUON:
         row0 = gl.program_id(1) * BN
         split = gl.program_id(2)
         b64 = b.to(gl.int64)
-        length = gl.load(LENS + b)
-        n_pages = (length + PAGE - 1) // PAGE
-        per_split = (n_pages + NSPLIT - 1) // NSPLIT
-        p_lo = split * per_split
-        n_run = gl.maximum(gl.minimum(p_lo + per_split, n_pages) - p_lo, 0)
+        length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
 
         # ---- shared memory: the TMA ring, the fp16 tile, the query operands, P^T, the barriers
         c16_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], gl.float16)

@@ -48,6 +48,7 @@ if HAVE_GLUON:
         _page_p,
         _query_operands,
         _row_state,
+        _split_run,
         _store_result,
         _widen_boxes,
         cta_barrier,
@@ -135,11 +136,7 @@ if HAVE_GLUON:
         b = gl.program_id(1)
         split = gl.program_id(2)
         b64 = b.to(gl.int64)
-        length = gl.load(LENS + b)
-        n_pages = (length + PAGE - 1) // PAGE
-        per_split = (n_pages + NSPLIT - 1) // NSPLIT
-        p_lo = split * per_split
-        n_run = gl.maximum(gl.minimum(p_lo + per_split, n_pages) - p_lo, 0)
+        length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
 
         # ---- shared memory: two page slots, the query operands, the barriers. FP8: each slot is an fp16
         # tile whose upper half receives the page's fp8 boxes (converted in place, as the narrow kernel's

@@ -42,6 +42,7 @@ if HAVE_GLUON:
         _page_p,
         _query_operands,
         _row_state,
+        _split_run,
         _store_result,
         cta_barrier,
     )
@@ -110,11 +111,7 @@ if HAVE_GLUON:
         b = gl.program_id(1)
         split = gl.program_id(2)
         b64 = b.to(gl.int64)
-        length = gl.load(LENS + b)
-        n_pages = (length + PAGE - 1) // PAGE
-        per_split = (n_pages + NSPLIT - 1) // NSPLIT
-        p_lo = split * per_split
-        n_run = gl.maximum(gl.minimum(p_lo + per_split, n_pages) - p_lo, 0)
+        length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
 
         # ---- shared memory: RAW TMA slots (e4m3 boxes + bf16 RoPE rows), two transposed tiles, the query
         lat_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * NBOX, PAGE, BOXW], lat_desc.layout)
