@@ -97,6 +97,19 @@ if HAVE_GLUON:
         return e.to(gl.bfloat16), alpha, m_new, l_i
 
     @gluon.jit
+    def _store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, n_rows, stride_ob, stride_om, stride_os,
+                    stride_lb, stride_lm, stride_ls, R: gl.constexpr, LSE_NATURAL: gl.constexpr, BM: gl.constexpr,
+                    o_l: gl.constexpr):
+        """The 64-row kernels' epilogue: O [BM, R] (rows along axis 0, in the PV accumulator's layout) and
+        the softmax state -> the split's partial output and LSE (`_store_result`)."""
+        orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
+        rows = row0 + gl.arange(0, BM, layout=orow_l)
+        _store_result(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l),
+                      gl.convert_layout(pi_i, orow_l), O_PART, LSE_PART, b64, split, rows, rows < n_rows,
+                      stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, R, LSE_NATURAL,
+                      gl.SliceLayout(0, o_l), 0)
+
+    @gluon.jit
     def _mla_decode_gluon_wide(
         Q, lat_desc, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
         stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
@@ -243,9 +256,5 @@ if HAVE_GLUON:
 
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
-        orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
-        rows = row0 + gl.arange(0, BM, layout=orow_l)
-        _store_result(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l),
-                      gl.convert_layout(pi_i, orow_l), O_PART, LSE_PART, b64, split, rows, rows < S * H,
-                      stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, R, LSE_NATURAL,
-                      gl.SliceLayout(0, o_l), 0)
+        _store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
+                    stride_lb, stride_lm, stride_ls, R, LSE_NATURAL, BM, o_l)

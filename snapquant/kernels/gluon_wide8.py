@@ -43,9 +43,9 @@ if HAVE_GLUON:
         _query_operands,
         _row_state,
         _split_run,
-        _store_result,
         cta_barrier,
     )
+    from .gluon_wide import _store_rows
 
     BM_ROWS = gl.constexpr(GLUON_WIDE_ROWS)
 
@@ -230,9 +230,5 @@ if HAVE_GLUON:
 
         for s in gl.static_range(RAW):
             mbarrier.invalidate(bars.index(s))
-        orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
-        rows = row0 + gl.arange(0, BM, layout=orow_l)
-        _store_result(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l),
-                      gl.convert_layout(pi_i, orow_l), O_PART, LSE_PART, b64, split, rows, rows < S * H,
-                      stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, R, LSE_NATURAL,
-                      gl.SliceLayout(0, o_l), 0)
+        _store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
+                    stride_lb, stride_lm, stride_ls, R, LSE_NATURAL, BM, o_l)
