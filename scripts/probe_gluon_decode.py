@@ -126,7 +126,7 @@ def main() -> int:
             plan = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
             plan.launches[0].kwargs["ABLATE"] = ab
             time_plan(f"snapmla wide8 ablate={ab:2d} {what.replace('conversion', 'transpose')}", plan, "snapmla")
-        for knob, values in (("CHAINS", (1, 2)), ("TR", (0, 1)), ("P_SMEM", (True, False))):
+        for knob, values in (("CHAINS", (1, 2)), ("TR", (0, 1, 3)), ("P_SMEM", (True, False))):
             for v in values:
                 if v == base8[knob]:
                     continue

@@ -103,8 +103,11 @@ if HAVE_GLUON:
             tr_l: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [2, 4], [1, 0])
         elif TR == 1:
             tr_l: gl.constexpr = gl.BlockedLayout([8, 4], [8, 4], [1, 8], [0, 1])
-        else:
+        elif TR == 2:
             tr_l: gl.constexpr = gl.BlockedLayout([2, 16], [8, 4], [4, 2], [1, 0])
+        else:  # 8-byte token runs, a warp's lanes over 8 channel rows x 4 token groups: the stores are
+            # conflict-free in the tile's 64-byte swizzle (16 bank pairs, 2 wavefronts); the loads byte-wide
+            tr_l: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, num_warps], [0, 1])
         q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
 
         row0 = gl.program_id(0) * BM
