@@ -163,7 +163,9 @@ def mla_decode(
         softmax_scale: tau (e.g. 1 / sqrt(qk_head_dim) times the yarn mscale^2).
         config: decode knobs (query, pv); default the cache's config. Must match its layout.
         num_splits: uniform schedule: KV splits per request (default: enough programs to fill the
-            GPU); balanced schedule: parts of the whole batch's pages (default 2 per SM per row tile).
+            GPU; tile="gluon": one wave of programs, at most 32 pages each at <= 16 query rows,
+            `_one_wave_splits`); balanced schedule: parts of the whole batch's pages (default 2 per SM
+            per row tile).
         causal: with S > 1, query token i sees positions < length - (S - 1 - i).
         check_bounds: validate lengths and the block table first (one device sync).
         block_m, num_warps, num_stages, maxnreg: tuning knobs (rows per program; launch
@@ -179,7 +181,8 @@ def mla_decode(
             as int16 pairs of codes: snapmla layout with fp8 query and P) or "gluon" (Hopper GPU,
             uniform schedule; <= 16 query rows: `gluon_decode.py`, snapmla with fp8 query and P,
             fp8_mma "qk" allowed, num_stages 1 fits two programs per SM; more rows: `gluon_wide.py`,
-            64-row tiles, snapmla with fp8 query and P or the bf16 layout, exact MMAs). None
+            64-row tiles, snapmla with fp8 query and P or the bf16 layout, exact MMAs, or with
+            fp8_mma=True `gluon_wide8.py`, native e4m3 QK and PV, snapmla, r = 512). None
             (default): gluon where it runs, else pairs where it applies, else rows (`default_tile`).
 
     Returns:
