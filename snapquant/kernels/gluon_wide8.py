@@ -19,7 +19,7 @@ tile that both of its fp16 MMAs read; past 16 rows that costs it its speed (docs
     copy): the result differs from the exact kernels by the FP8 MMA's accumulation rounding (tested
     at 3e-3 relative; the exact kernels are the default).
 
-Shared memory: RAW TMA slots of 40 KB, 2 x 32 KB transposed tiles, 40 KB of query operands. A
+Shared memory: two TMA slots of 40 KB, 2 x 32 KB transposed tiles, 40 KB of query operands. A
 page's TMA is issued as soon as its slot's QK has finished (one page-time of latency hiding with two
 slots). ABLATE bits as in `gluon_wide` (1 now drops the transpose), for `scripts/probe_gluon_decode.py`.
 """
@@ -76,8 +76,7 @@ if HAVE_GLUON:
         H, NSPLIT,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
-        RAW: gl.constexpr = 2, CHAINS: gl.constexpr = 2, SM_ROWS: gl.constexpr = True, TR: gl.constexpr = 0,
-        P_SMEM: gl.constexpr = False, ABLATE: gl.constexpr = 0,
+        CHAINS: gl.constexpr = 2, SM_ROWS: gl.constexpr = True, TR: gl.constexpr = 0, ABLATE: gl.constexpr = 0,
     ):
         gl.static_assert(num_warps == 8)
         BM: gl.constexpr = BM_ROWS
@@ -101,12 +100,9 @@ if HAVE_GLUON:
         stok_l: gl.constexpr = gl.SliceLayout(0, sm_l)
         # the transpose's register tile: each thread loads TR-wide runs of a token row and stores runs of
         # a channel row (token-contiguous) in the transposed tile
+        # (H200: TR=0 fastest of the three measured; docs/perf-notes.md section 16)
         if TR == 0:
             tr_l: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [2, 4], [1, 0])
-        elif TR == 1:
-            tr_l: gl.constexpr = gl.BlockedLayout([8, 4], [8, 4], [1, 8], [0, 1])
-        elif TR == 2:
-            tr_l: gl.constexpr = gl.BlockedLayout([2, 16], [8, 4], [4, 2], [1, 0])
         else:  # 8-byte token runs, a warp's lanes over 8 channel rows x 4 token groups: the stores are
             # conflict-free in the tile's 64-byte swizzle (16 bank pairs, 2 wavefronts); the loads byte-wide
             tr_l: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, num_warps], [0, 1])
@@ -118,7 +114,9 @@ if HAVE_GLUON:
         b64 = b.to(gl.int64)
         length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
 
-        # ---- shared memory: RAW TMA slots (e4m3 boxes + bf16 RoPE rows), two transposed tiles, the query
+        # ---- shared memory: RAW TMA slots (e4m3 boxes + bf16 RoPE rows), two transposed tiles, the query.
+        # Three slots would need 233.5 KB, over the 227 KB an SM has.
+        RAW: gl.constexpr = 2
         lat_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * NBOX, PAGE, BOXW], lat_desc.layout)
         rope_smem = gl.allocate_shared_memory(gl.bfloat16, [RAW, PAGE, D], rope_desc.layout)
         vt_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, R, PAGE],
@@ -126,9 +124,6 @@ if HAVE_GLUON:
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BM, R],
                                            gl.NVMMASharedLayout.get_default_for([BM, R], gl.float8e4nv))
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, D], gl.NVMMASharedLayout.get_default_for([BM, D], gl.bfloat16))
-        if P_SMEM:  # P^ as the PV product's A operand from shared memory (else from registers)
-            p_smem = gl.allocate_shared_memory(gl.float8e4nv, [BM, PAGE],
-                                               gl.NVMMASharedLayout.get_default_for([BM, PAGE], gl.float8e4nv))
         bars = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(RAW):
             mbarrier.init(bars.index(s), count=1)
@@ -214,11 +209,6 @@ if HAVE_GLUON:
             beta = gl.expand_dims(gl.convert_layout(rescale, gl.SliceLayout(1, o_l)), 1)
             if ABLATE & 4:
                 acc = acc * beta + gl.convert_layout(gl.sum(p8.to(gl.float32), 1), gl.SliceLayout(1, o_l))[:, None]
-            elif P_SMEM:
-                p_smem.store(p8)
-                fence_async_shared()
-                cta_barrier()
-                acc = warpgroup_mma(p_smem, vt_smem.index(buf).permute((1, 0)), acc * beta, is_async=True)
             else:
                 acc = warpgroup_mma(gl.convert_layout(p8, p_l), vt_smem.index(buf).permute((1, 0)), acc * beta,
                                     is_async=True)

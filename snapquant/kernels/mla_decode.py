@@ -433,7 +433,10 @@ def _gluon_reason(ops: KernelOperands, rows: int, native: bool, num_warps: int |
         return f"tile='gluon' at {rows} query rows runs num_warps={warps}, got num_warps={num_warps}"
     if wide and num_stages not in (None, 2):
         return f"tile='gluon' at > {GLUON_ROWS} query rows runs num_stages=2 (two TMA slots), got num_stages={num_stages}"
-    allowed = (False, "none") + ((True,) if wide and ops.layout == "snapmla" else () if wide else ("qk",))
+    if wide:  # native FP8 MMAs past 16 rows: gluon_wide8, the snapmla layout only
+        allowed = (False, "none", True) if ops.layout == "snapmla" else (False, "none")
+    else:
+        allowed = (False, "none", "qk")
     if fp8_mma not in allowed:
         native8 = " or fp8_mma=True (the snapmla layout)" if wide else " or fp8_mma=qk"
         return f"tile='gluon' runs exact fp16 MMAs{native8} at {rows} query rows, got fp8_mma={fp8_mma!r}"
@@ -499,7 +502,7 @@ def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, caus
         from .gluon_wide8 import _mla_decode_gluon_wide8
 
         return KernelLaunch("decode_gluon_wide8", _mla_decode_gluon_wide8, (m_blocks, B, num_splits), args,
-                            dict(RAW=2, CHAINS=2, TR=0, P_SMEM=False, **common))
+                            dict(CHAINS=2, TR=0, **common))
     from .gluon_wide import _mla_decode_gluon_wide
 
     return KernelLaunch("decode_gluon_wide", _mla_decode_gluon_wide, (m_blocks, B, num_splits), args,
@@ -598,7 +601,7 @@ def _one_wave_splits(programs: int, max_pages: int, slots: int, max_run: int | N
     4: 47.2, 3: 55.5, 6: 63.8, 12 (old): 67.0."""
     splits = slots // max(programs, 1)
     if max_run is not None:  # at least enough splits that no program runs more than max_run pages
-        splits = max(splits, -(-max_pages // max_run))
+        splits = max(splits, triton.cdiv(max_pages, max_run))
     return max(1, min(splits, max_pages, 64))
 
 
