@@ -3,10 +3,11 @@
     python scripts/probe_gluon_decode.py [--shape 128x16x4096] [--out results/bench/gluon_probe_h200.json]
     python scripts/probe_gluon_decode.py --shape 32x64x8192 --out results/bench/gluon_wide_probe_h200.json
 
-H <= 16 probes the narrow kernel (`_snapmla_decode_gluon`) and sweeps its split count; more heads the 64-row kernel
+H <= 16 probes the narrow kernels (`gluon_decode` with one slot, `gluon_regs` with --stages slots) and
+sweeps their split counts; more heads the 64-row kernel
 (`gluon_wide`) on both the snapmla and the bf16 layout, plus a sweep of its split count. The
 ABLATE constexpr drops parts of each page's work (the results are then
-wrong; only the time means something): 1 the fp8 -> fp16 conversion, 2 the QK and RoPE MMAs,
+wrong; only the time means something): 1 the fp8 -> fp16 conversion (gluon_regs: PV's A operand), 2 the QK and RoPE MMAs,
 4 the PV MMA, 8 the softmax and P quantization, 16 the TMA copies and their waits. Each row is
 timed with CUDA graphs (triton.testing.do_bench_cudagraph) in one process beside our BF16 kernel
 and the default SnapMLA kernel, over a cache far larger than L2. Hopper GPU only.
@@ -96,11 +97,14 @@ def main() -> int:
                 plan = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", num_stages=stages)
                 plan.launches[0].kwargs["ABLATE"] = ab
                 time_plan(f"gluon s{stages} ablate={ab:2d} {what}", plan, "snapmla")
-        default_splits = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon").knobs["num_splits"]
-        print(f"(narrow kernel default: {default_splits} splits)")
-        for ns in (int(x) for x in args.splits.split(",")):
-            time_plan(f"snapmla narrow splits={ns}", mla_decode_plan(q, caches["snapmla"], tau, tile="gluon",
-                                                                   num_splits=ns), "snapmla")
+        # split counts per slot count: 1 is gluon_decode's in-place slot, >= 2 gluon_regs (register operands)
+        for stages in sorted({1, *(int(s) for s in args.stages.split(","))}):
+            plan = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", num_stages=stages)
+            time_plan(f"snapmla narrow s{stages} {plan.launches[0].name} (default: {plan.knobs['num_splits']} splits)",
+                      plan, "snapmla", error=True)
+            for ns in (int(x) for x in args.splits.split(",")):
+                time_plan(f"snapmla narrow s{stages} splits={ns}", mla_decode_plan(
+                    q, caches["snapmla"], tau, tile="gluon", num_stages=stages, num_splits=ns), "snapmla", error=True)
     else:  # the 64-row kernel (gluon_wide), both layouts, and its split count
         for fmt in ("snapmla", "bf16"):
             for ab, what in ({} if args.no_ablate else ABLATIONS).items():

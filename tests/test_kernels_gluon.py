@@ -32,10 +32,13 @@ def test_gluon_kernel_compiles_for_sm90_with_tma_and_wgmma():
     assert [r["kernel"] for r in rows] == ["decode_gluon", "combine"]
     st = rows[0]
     assert st["smem"] <= SMEM_LIMIT // 2 - 1024  # the default (one slot, in place): two programs per SM
+    # two slots: gluon_regs (register A operands, no fp16 tile), still two programs per SM
     two_slots = decode_compile_stats(BY_NAME["snapmla+gluon+s2"], uniform_shape(8, 16, 2048))[0]
     assert "error" not in two_slots, two_slots.get("error")
-    assert SMEM_LIMIT // 2 < two_slots["smem"] <= SMEM_LIMIT
+    assert two_slots["kernel"] == "decode_gluon_regs"
+    assert two_slots["smem"] <= SMEM_LIMIT // 2 - 1024
     assert two_slots["wgmma"] == 68 and (two_slots.get("wgmma_waits") or 0) <= 8
+    assert two_slots["ptxas_advice"] in ("", None)
     assert "error" not in st, st.get("error")
     # QK 32 + RoPE 4 + PV 32 wgmma instructions per page at r = 512 (m64n16k16), no mma.sync
     assert st["wgmma"] == 68 and st["mma_sync"] == 0
@@ -142,10 +145,16 @@ def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages,
     cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
     cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
     cache.lengths.copy_(lengths.cuda())  # shorter requests leave written tokens past their length
+    if L % 64:  # e4m3 NaN codes past the longest request's length: P = 0 must not meet them as NaN
+        cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:].view(torch.uint8).fill_(0x7F)
     q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
     tau = 1 / math.sqrt(192)
     out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma,
                           num_stages=stages)
+    kernel = mla_decode_plan(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma,
+                             num_stages=stages).launches[0].name
+    assert kernel == ("decode_gluon_regs" if stages >= 2 and not fp8_mma else "decode_gluon")
+    assert torch.isfinite(out).all()
     base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="pairs")
     kv = cache.to_quantized_kv(int(cache.lengths.max())).to("cpu")
     ref, ref_lse = mla_decode_reference(q.cpu(), kv, cache.lengths.cpu(), tau, cfg)
@@ -240,11 +249,11 @@ def test_wide8_kernel_compiles_to_native_fp8_mmas():
         assert st["wgmma_waits"] <= 4 and st["ptxas_advice"] in ("", None)
 
 
-def _meta_plan(layout_cfg, H, **knobs):
+def _meta_plan(layout_cfg, H, r=512, d=64, **knobs):
     from snapquant.kernels.mla_decode import KernelOperands, plan_decode
 
-    cache = PagedMLACache.empty(2, 256, 512, 64, layout_cfg, device="meta")
-    q = torch.empty(2, H, 576, dtype=torch.bfloat16, device="meta")
+    cache = PagedMLACache.empty(2, 256, r, d, layout_cfg, device="meta")
+    q = torch.empty(2, H, r + d, dtype=torch.bfloat16, device="meta")
     return plan_decode(q, KernelOperands.from_paged(cache), 0.1, layout_cfg, native=True, num_sms=132, **knobs)
 
 
@@ -333,3 +342,50 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, B, H, S, L, sp
     for o, lz in ((ref, ref_lse), (base.cpu(), base_lse.cpu())):
         assert ((out.cpu() - o).norm() / o.norm()).item() < tol
         assert (lse.cpu() - lz).abs().max().item() < lse_tol
+
+
+# ------------------------------------------- the register-operand kernel's box views (gluon_regs.py)
+@pytest.mark.parametrize("kind", ["qk", "pv"])
+def test_box_views_read_the_swizzled_box_in_the_mma_order(kind):
+    """The SharedLinearLayout of each view, applied as Triton does (the logical index of a byte offset is
+    the XOR of the bases of its set bits), must read a TMA box ([64 tokens, 128 codes], 128-byte swizzle:
+    chunk c of row t at chunk position c ^ (t % 8)) at the channel the map names: QK view [t, k] =
+    box[t, qk_channel(k)], PV view [m, t] = box[t, pv_channel(m)]. A random box, every offset."""
+    from snapquant.kernels.box_views import box_view_bases, pv_channel, qk_channel
+
+    bases = box_view_bases(kind)
+    assert len(bases) == 13  # 8 KB
+    gen = torch.Generator().manual_seed(7)
+    box = torch.randint(0, 256, (64, 128), generator=gen, dtype=torch.uint8)
+    smem = torch.empty(64 * 128, dtype=torch.uint8)
+    for t in range(64):
+        for c in range(128):
+            smem[t * 128 + (((c // 16) ^ (t % 8)) * 16) + c % 16] = box[t, c]
+    view = torch.full((64, 128) if kind == "qk" else (128, 64), -1, dtype=torch.int32)
+    for off in range(64 * 128):
+        i = j = 0
+        for bit, (bi, bj) in enumerate(bases):
+            if off >> bit & 1:
+                i, j = i ^ bi, j ^ bj
+        assert view[i, j] == -1, "two offsets map to one logical element"
+        view[i, j] = int(smem[off])
+    if kind == "qk":
+        expect = box[:, [qk_channel(k) for k in range(128)]]
+    else:
+        expect = box[:, [pv_channel(m) for m in range(128)]].T
+    assert torch.equal(view, expect.to(torch.int32))
+    # across the four boxes of a page the QK map keeps each box's channels in that box
+    assert sorted(qk_channel(k) for k in range(512)) == list(range(512))
+    assert all(qk_channel(k) // 128 == k // 128 for k in range(512))
+    with pytest.raises(ValueError, match="kind"):
+        box_view_bases("kv")
+
+
+@needs_gluon
+def test_register_operand_kernel_plans_and_refusals():
+    plan = _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_stages=2)
+    assert plan.launches[0].name == "decode_gluon_regs"
+    assert plan.knobs["num_splits"] == 4  # two programs per SM: 264 slots / 2 requests, capped by the 4 pages
+    assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_stages=2, fp8_mma="qk").launches[0].name == "decode_gluon"
+    with pytest.raises(ConfigError, match="kv_lora_rank 512"):
+        _meta_plan(PRESETS["snapmla"], 16, r=256, d=32, tile="gluon", num_stages=2)

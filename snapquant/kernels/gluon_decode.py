@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from .box_views import pv_channel, qk_channel
 from .layouts import GLUON_ROWS
 
 try:  # Gluon ships with triton >= 3.5; older installs simply have no tile="gluon"
@@ -121,6 +122,9 @@ if HAVE_GLUON:
     PI_REL_FLOOR = gl.constexpr(2.0**-40)  # decode_kernels: P scale floors
     PI_ABS_FLOOR = gl.constexpr(2.0**-100)
 
+    _qk_channel = gluon.jit(qk_channel)
+    _pv_channel = gluon.jit(pv_channel)
+
     @gluon.jit
     def _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, slot, page, lat_page_rows, rope_page_rows,
                     pred, NBOX: gl.constexpr, BOXW: gl.constexpr, BOX0: gl.constexpr):
@@ -145,14 +149,17 @@ if HAVE_GLUON:
     @gluon.jit
     def _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S: gl.constexpr,
                         R: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, QK_FP8: gl.constexpr, q_l: gl.constexpr,
-                        Q8: gl.constexpr = True):
+                        Q8: gl.constexpr = True, QK_PERM: gl.constexpr = False):
         """Stores q^ = e4m3(q / sigma) (as fp16, or e4m3 for a native fp8 QK) and q~r = bf16(q_r / sigma)
         of the program's BN query rows into shared memory; returns sigma = amax(q) / 448 per row.
-        Q8=False (the bf16 layout): bf16(q) and bf16(q_r), sigma = 1."""
+        Q8=False (the bf16 layout): bf16(q) and bf16(q_r), sigma = 1. QK_PERM: q^'s channels in
+        `gluon_regs`' QK order (column k holds channel qk_channel(k))."""
         rows_q = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, q_l))
         rq_ok = rows_q < S * H
         q_row = Q + b64 * stride_qb + (rows_q // H) * stride_qs + (rows_q % H) * stride_qh
         offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, q_l))
+        if QK_PERM:
+            offs_r = _qk_channel(offs_r)
         q = gl.load(q_row[:, None] + offs_r[None, :], mask=rq_ok[:, None], other=0.0).to(gl.float32)
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
         qr = gl.load(q_row[:, None] + R + offs_d[None, :], mask=rq_ok[:, None], other=0.0).to(gl.float32)
@@ -243,9 +250,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _store_result(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
                       stride_lb, stride_lm, stride_ls, R: gl.constexpr, LSE_NATURAL: gl.constexpr, ch_l: gl.constexpr,
-                      AX: gl.constexpr = 1):
+                      AX: gl.constexpr = 1, CH0: gl.constexpr = 0, STORE_LSE: gl.constexpr = True,
+                      PV_PERM: gl.constexpr = False):
         """out = acc / l (rows along axis AX of acc: 1 for O^T), lse = m + log2(l pi); rows that saw
-        nothing give 0 and -inf."""
+        nothing give 0 and -inf. acc holds output channels CH0..CH0 + R - 1 (PV_PERM: in `gluon_regs`'
+        PV order, row m being channel CH0 + pv_channel(m))."""
         CA: gl.constexpr = 1 - AX  # the channels' axis
         empty = l_i == 0.0
         out = acc / gl.expand_dims(gl.where(empty, 1.0, l_i), CA)
@@ -253,10 +262,13 @@ if HAVE_GLUON:
         if LSE_NATURAL:
             lse = lse * LN2
         offs_c = gl.arange(0, R, layout=ch_l)
+        if PV_PERM:
+            offs_c = _pv_channel(offs_c)
         o_ptr = (O_PART + b64 * stride_ob + split * stride_os + gl.expand_dims(rows * stride_om, CA)
-                 + gl.expand_dims(offs_c, AX))
+                 + gl.expand_dims(CH0 + offs_c, AX))
         gl.store(o_ptr, out, mask=gl.expand_dims(row_ok, CA) & gl.expand_dims(offs_c < R, AX))
-        gl.store(LSE_PART + b64 * stride_lb + rows * stride_lm + split * stride_ls, lse, mask=row_ok)
+        if STORE_LSE:
+            gl.store(LSE_PART + b64 * stride_lb + rows * stride_lm + split * stride_ls, lse, mask=row_ok)
 
     @gluon.jit
     def _widen_boxes(lat_smem, c16_smem, box0, K_LO: gl.constexpr, K_HI: gl.constexpr, base, length, offs_tc,

@@ -300,7 +300,7 @@ def plan_decode(
         if tile == "gluon":
             # the narrow kernel with one stage fits two programs per SM (shared memory ~100 KB)
             narrow = block_m == GLUON_ROWS
-            resident = 2 if narrow and _gluon_stages(num_stages, fp8_mma) == 1 else 1
+            resident = _narrow_resident(_gluon_stages(num_stages, fp8_mma), fp8_mma == "qk") if narrow else 1
             num_splits = _one_wave_splits(B * m_blocks, ops.block_table.shape[1], sms * resident,
                                           NARROW_MAX_RUN if narrow else None)
         elif schedule == "uniform":
@@ -442,6 +442,9 @@ def _gluon_reason(ops: KernelOperands, rows: int, native: bool, num_warps: int |
         return f"tile='gluon' runs exact fp16 MMAs{native8} at {rows} query rows, got fp8_mma={fp8_mma!r}"
     if ops.device.type == "cuda" and _capability(ops.device)[0] != 9:
         return f"tile='gluon' runs on Hopper (sm_90) only, not {torch.cuda.get_device_name(ops.device)}"
+    if not wide and _narrow_regs(_gluon_stages(num_stages, fp8_mma), fp8_mma == "qk") and ops.kv_lora_rank != 512:
+        return (f"tile='gluon' at <= {GLUON_ROWS} rows with num_stages >= 2 (register operands, gluon_regs) is "
+                f"written for kv_lora_rank 512 (four 128-channel boxes), got {ops.kv_lora_rank}")
     if fp8_mma in ("qk", True) and ops.kv_lora_rank != 512:
         return (f"tile='gluon' with fp8_mma={fp8_mma!r} is written for kv_lora_rank 512 (four 128-channel boxes), "
                 f"got {ops.kv_lora_rank}")
@@ -480,14 +483,32 @@ def _gluon_args(q, ops, o_part, lse_part, sm_scale_log2, num_splits, fp8):
 
 
 def _gluon_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, qk_fp8, stages, warps):
-    """The Gluon page loop (`gluon_decode`) as stage 1 of the uniform schedule."""
-    from .gluon_decode import _snapmla_decode_gluon
-
+    """The <= 16-row Gluon page loop as stage 1 of the uniform schedule: `gluon_decode` (one slot widened
+    in place, or slots feeding its native FP8 QK) or, with exact MMAs and two or more slots,
+    `gluon_regs` (register operands widened from the slots, no fp16 tile)."""
     B, S = q.shape[:2]
     args = _gluon_args(q, ops, o_part, lse_part, sm_scale_log2, num_splits, True)
-    return KernelLaunch("decode_gluon", _snapmla_decode_gluon, (B, 1, num_splits), args, dict(
-        S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, STAGES=stages, CAUSAL=causal, P_DIV=p_div,
-        QK_FP8=qk_fp8, LSE_NATURAL=num_splits == 1, num_warps=warps))
+    common = dict(S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, STAGES=stages, CAUSAL=causal,
+                  P_DIV=p_div, LSE_NATURAL=num_splits == 1, num_warps=warps)
+    if _narrow_regs(stages, qk_fp8):
+        from .gluon_regs import _snapmla_decode_gluon_regs
+
+        return KernelLaunch("decode_gluon_regs", _snapmla_decode_gluon_regs, (B, 1, num_splits), args, common)
+    from .gluon_decode import _snapmla_decode_gluon
+
+    return KernelLaunch("decode_gluon", _snapmla_decode_gluon, (B, 1, num_splits), args,
+                        dict(QK_FP8=qk_fp8, **common))
+
+
+def _narrow_regs(stages: int, qk_fp8: bool) -> bool:
+    """The <= 16-row kernel with register operands (`gluon_regs`): exact MMAs and two or more slots."""
+    return stages >= 2 and not qk_fp8
+
+
+def _narrow_resident(stages: int, qk_fp8: bool) -> int:
+    """Programs of the <= 16-row kernel per SM (shared memory): the in-place slot (~98 KB) and the
+    register-operand kernel with two slots (~105 KB) fit two; the other configurations one."""
+    return 2 if stages == 1 or (stages == 2 and not qk_fp8) else 1
 
 
 def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, m_blocks, mma8):

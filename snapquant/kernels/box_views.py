@@ -1,0 +1,47 @@
+"""Register-operand views of a TMA page box: which physical channel each logical MMA index reads.
+
+Pure Python (no Gluon), so the maps and the layouts built from them are tested on any machine;
+`gluon_regs.py` is their user, the module docstring there says why they exist.
+"""
+
+from __future__ import annotations
+
+PAGE_ROWS = 64  # tokens per page: the TMA box's rows
+BOX_BYTES = 128  # e4m3 codes per box row (the 128-byte swizzle)
+
+
+def _swizzled_position(offset: int) -> tuple[int, int]:
+    """Byte offset inside a [64, 128] e4m3 TMA box with the 128-byte swizzle -> (token row, channel):
+    16-byte chunk c of row t lives at chunk position c ^ (t % 8)."""
+    t = offset // BOX_BYTES
+    pos = (offset // 16) % 8
+    return t, ((pos ^ (t % 8)) * 16) | (offset % 16)
+
+
+def box_view_bases(kind: str) -> list[list[int]]:
+    """The SharedLinearLayout offset bases that reinterpret one TMA box as wgmma's A operand: `kind`
+    "qk" gives the logical [64 tokens, 128 k] view (k -> channel `_qk_channel`), "pv" the logical
+    [128 m, 64 tokens] view (m -> channel `_pv_channel`). Both maps are bit permutations and the swizzle
+    is an XOR, so the view is linear over GF(2): basis i is the logical coordinate of byte offset 2^i."""
+    if kind not in ("qk", "pv"):
+        raise ValueError(f"kind must be 'qk' or 'pv', got {kind!r}")
+    to_channel = qk_channel if kind == "qk" else pv_channel
+    logical_of = {to_channel(j): j for j in range(BOX_BYTES)}
+    bases = []
+    for i in range((PAGE_ROWS * BOX_BYTES).bit_length() - 1):
+        t, c = _swizzled_position(1 << i)
+        bases.append([t, logical_of[c]] if kind == "qk" else [logical_of[c], t])
+    return bases
+
+
+def qk_channel(k):  # noqa: ANN001, ANN201 - ints or Gluon int tensors alike
+    """Logical QK channel k (K order of the MMA) -> physical channel, within each 128-channel box:
+    k = 16 s + 8 h + 2 q + e -> 32 q + 4 s + 2 h + e."""
+    kl = k & 127
+    return (k - kl) | (((kl >> 1) & 3) << 5) | ((kl >> 4) << 2) | (((kl >> 3) & 1) << 1) | (kl & 1)
+
+
+def pv_channel(m):  # noqa: ANN001, ANN201
+    """Logical PV row m of a box (M order of the MMA) -> physical channel of the box: a thread's four
+    rows (m bits 3 and 6) are four contiguous bytes; lanes (m bits 0-2) and warps (bits 4-5) above."""
+    return ((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5)

@@ -1,0 +1,242 @@
+"""The <= 16-row snapmla decode page loop with register MMA operands: no fp16 tile (Gluon, Hopper only).
+
+`gluon_decode.py` widens every page into a 64 KB fp16 tile in shared memory that both fp16 MMAs read;
+that tile leaves room for one page slot per program (converted in place), so each of the two
+programs on an SM has at most one page in flight and none while it computes (2.38 TB/s at B=128 H=16
+L=4K, docs/perf-notes.md 16). Here the page never leaves its TMA slot: each product's A operand is
+loaded from the fp8 boxes straight into registers (16-byte `ld.shared`, conflict-free), widened there
+(`cvt.rn.f16x2.e4m3x2`, exact) and fed to the same exact fp16 wgmma:
+
+  * S^T = C Q^T: A = the page [64 tokens, 128 channels] per box. wgmma's register fragment holds, per
+    thread, channel pairs 2q, 2q+1 (+8, +16 ...) of two tokens; the MMA's K order is ours to choose, so
+    logical channel k = 16 s + 8 h + 2 q + e of a box is physical channel 32 q + 4 s + 2 h + e
+    (`_qk_channel`): each thread's 64 codes per token row are 32 contiguous bytes. The query is stored
+    in the same order, so the dot product is unchanged (up to fp32 summation order).
+  * O^T += C^T P^T: A = the page read channel-major, [128 channels, 64 tokens] per box. Here the M
+    order (output channels) is ours: logical row m of a box is physical channel `_pv_channel(m)`, the
+    four rows a thread holds being four contiguous bytes; the epilogue stores each row at its physical
+    channel. One accumulator per box (4 x 16 registers) bounds the live A registers to one box.
+  * both are plain reinterpretations of the TMA box ([64, 128] e4m3, 128-byte swizzle) as a
+    `SharedLinearLayout` (`box_view_bases`): the permutation costs nothing at run time.
+
+With the fp16 tile gone a program needs ~100 KB for STAGES = 2 page slots (40 KB each: latent and
+RoPE) and its query operands, so two programs still share an SM, each with the next page in flight
+while it computes this one. On a request's last page the tokens past its length are zeroed in the slot
+before the products (P = 0 does not cancel a NaN code). The softmax, P quantization (P_DIV) and
+epilogue are `gluon_decode`'s. ABLATE bits as there (1: skip the A-operand widening of PV, 2: QK, 4:
+PV, 8: softmax/P, 16: TMA), for `scripts/probe_gluon_decode.py`'s timing only.
+"""
+
+from __future__ import annotations
+
+from .box_views import box_view_bases
+from .gluon_decode import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from .gluon_decode import (
+        NEW_REINTERPRET,
+        _e4m3_to_f16,
+        _issue_page,
+        _page_p,
+        _query_operands,
+        _row_state,
+        _split_run,
+        _store_result,
+        cta_barrier,
+    )
+
+    QK_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=box_view_bases("qk")))
+    PV_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=box_view_bases("pv")))
+
+    @gluon.jit
+    def _box_view(lat_smem, box, VIEW: gl.constexpr, SHAPE: gl.constexpr):
+        if NEW_REINTERPRET:
+            return lat_smem.index(box).reinterpret(gl.float8e4nv, SHAPE, VIEW)
+        else:
+            return lat_smem.index(box)._reinterpret(gl.float8e4nv, SHAPE, VIEW)
+
+    @gluon.jit
+    def _zero_tail(lat_smem, box0, base, length, NBOX: gl.constexpr, PAGE: gl.constexpr, cvt_l: gl.constexpr):
+        """A request's last page: the codes of tokens past its length -> 0 in the slot (they may be NaN)."""
+        keep = gl.expand_dims((base + gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))) < length, 1)
+        for k in gl.static_range(NBOX):
+            c8 = lat_smem.index(box0 + k).load(cvt_l)
+            lat_smem.index(box0 + k).store(
+                gl.where(keep, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True))
+
+    @gluon.jit
+    def _widen(a8):
+        """e4m3 A operand -> fp16, PACK codes per asm instance (see _e4m3_to_f16)."""
+        return _e4m3_to_f16(a8)
+
+    @gluon.jit
+    def _snapmla_decode_gluon_regs(
+        Q, lat_desc, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
+        stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
+        stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
+        H, NSPLIT,
+        S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr,
+        num_warps: gl.constexpr, ABLATE: gl.constexpr = 0,
+    ):
+        gl.static_assert(num_warps == 4)
+        gl.static_assert(R == 512)  # four boxes, four PV accumulators (the host checks)
+        gl.static_assert(PAGE == 64)
+        BN: gl.constexpr = 16  # query rows (wgmma N)
+        BOXW: gl.constexpr = 128
+        NBOX: gl.constexpr = R // BOXW
+
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BN, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
+        tok_l: gl.constexpr = gl.SliceLayout(1, mma_l)  # along M (tokens / channels)
+        row_l: gl.constexpr = gl.SliceLayout(0, mma_l)  # along N (query rows)
+        sm_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])  # as gluon_decode: a warp per row
+        srow_l: gl.constexpr = gl.SliceLayout(0, sm_l)
+        stok_l: gl.constexpr = gl.SliceLayout(1, sm_l)
+        cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+
+        b = gl.program_id(0)
+        row0 = gl.program_id(1) * BN
+        split = gl.program_id(2)
+        b64 = b.to(gl.int64)
+        length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
+
+        lat_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * NBOX, PAGE, BOXW], lat_desc.layout)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
+        q_smem = gl.allocate_shared_memory(gl.float16, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16))
+        p_smem = gl.allocate_shared_memory(gl.float16, [BN, PAGE], gl.NVMMASharedLayout.get_default_for([BN, PAGE], gl.float16))
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+
+        # ---- prologue: STAGES - 1 pages in flight before anything else
+        bt_row = BT + b64 * stride_bt + p_lo
+        for s in gl.static_range(STAGES - 1):
+            ok = s < n_run
+            page = gl.load(bt_row + s, mask=ok, other=0).to(gl.int64)
+            _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
+                        ok, NBOX, BOXW, 0)
+
+        # ---- query: q^ as fp16 in the QK view's channel order, q~r as bf16; sigma per row
+        sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN,
+                                False, q_l, True, True)
+        rows = row0 + gl.arange(0, BN, layout=row_l)
+        row_ok = rows < S * H
+        limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
+        acc0 = gl.zeros([BOXW, BN], gl.float32, mma_l)  # O^T, one accumulator per box (logical rows)
+        acc1 = gl.zeros([BOXW, BN], gl.float32, mma_l)
+        acc2 = gl.zeros([BOXW, BN], gl.float32, mma_l)
+        acc3 = gl.zeros([BOXW, BN], gl.float32, mma_l)
+        zero_s = gl.zeros([PAGE, BN], gl.float32, mma_l)
+        zero_sm = gl.zeros([PAGE, BN], gl.float32, sm_l)
+        offs_t = gl.arange(0, PAGE, layout=stok_l)
+        fence_async_shared()
+        cta_barrier()
+
+        page_next = gl.load(bt_row + STAGES - 1, mask=STAGES - 1 < n_run, other=0).to(gl.int64)
+        s_cur = gl.load(SCALE + gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64) * stride_sp
+                        + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length, other=0.0)
+        for it in range(n_run):
+            slot = it % STAGES
+            nxt = it + STAGES - 1
+            box0 = slot * NBOX
+            # the slot of page it - 1 is free: its last reads were before last iteration's barrier
+            _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
+                        rope_page_rows, (nxt < n_run) & (ABLATE & 16 == 0), NBOX, BOXW, 0)
+            page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
+            page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
+            base = (p_lo + it) * PAGE
+            s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
+                             mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
+            if ABLATE & 16 == 0:
+                mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
+            if base + PAGE > length:
+                _zero_tail(lat_smem, box0, base, length, NBOX, PAGE, cvt_l)
+                cta_barrier()
+
+            # scores^T [PAGE, BN]: four boxes of e4m3 values widened in registers (exact fp16 products)
+            # plus RoPE (bf16), fp32 accumulation
+            if ABLATE & 2:  # (timing probes only, scripts/probe_gluon_decode.py: wrong results)
+                qk = zero_s + it
+            else:
+                rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
+                # one box's A operand live at a time: each MMA is waited for before the box after next
+                # is loaded (an async wgmma holds its register operands until it completes)
+                qk = warpgroup_mma(_widen(_box_view(lat_smem, box0, QK_VIEW, [PAGE, BOXW]).load(a_l)),
+                                   q_smem.slice(0, BOXW, dim=1).permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
+                for k in gl.static_range(1, NBOX):
+                    a16 = _widen(_box_view(lat_smem, box0 + k, QK_VIEW, [PAGE, BOXW]).load(a_l))
+                    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+                    qk = warpgroup_mma(a16, q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)), qk, is_async=True)
+                qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
+                qk = qk + rd
+
+            raw = gl.convert_layout(qk, sm_l)
+            if ABLATE & 8:
+                p8 = raw.to(gl.float8e4nv)
+                rescale = gl.full([BN], 1.0, gl.float32, srow_l)
+            else:
+                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i,
+                                                              pi_i, pi_max, zero_sm, P_DIV)
+            p_smem.store(gl.permute(p8.to(gl.float16), [1, 0]))  # P as [rows, tokens]: 16-byte stores
+            fence_async_shared()
+            cta_barrier()
+            # O^T [R, BN] += C^T P^T, box by box (rows in the PV view's order)
+            beta = gl.expand_dims(gl.convert_layout(rescale, row_l), 0)
+            if ABLATE & 4:
+                acc0 = acc0 * beta
+                acc1 = acc1 * beta
+                acc2 = acc2 * beta
+                acc3 = acc3 * beta
+            else:
+                pt = p_smem.permute((1, 0))
+                if ABLATE & 1:
+                    a16 = gl.zeros([BOXW, PAGE], gl.float16, a_l) + it
+                    acc0 = warpgroup_mma(a16, pt, acc0 * beta, is_async=True)
+                    acc1 = warpgroup_mma(a16, pt, acc1 * beta, is_async=True)
+                    acc2 = warpgroup_mma(a16, pt, acc2 * beta, is_async=True)
+                    acc3 = warpgroup_mma(a16, pt, acc3 * beta, is_async=True)
+                else:
+                    acc0 = warpgroup_mma(_widen(_box_view(lat_smem, box0, PV_VIEW, [BOXW, PAGE]).load(a_l)), pt,
+                                         acc0 * beta, is_async=True)
+                    a16 = _widen(_box_view(lat_smem, box0 + 1, PV_VIEW, [BOXW, PAGE]).load(a_l))
+                    acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
+                    acc1 = warpgroup_mma(a16, pt, acc1 * beta, is_async=True)
+                    a16 = _widen(_box_view(lat_smem, box0 + 2, PV_VIEW, [BOXW, PAGE]).load(a_l))
+                    acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1,))
+                    acc2 = warpgroup_mma(a16, pt, acc2 * beta, is_async=True)
+                    a16 = _widen(_box_view(lat_smem, box0 + 3, PV_VIEW, [BOXW, PAGE]).load(a_l))
+                    acc2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc2,))
+                    acc3 = warpgroup_mma(a16, pt, acc3 * beta, is_async=True)
+                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
+            cta_barrier()  # every warp's reads of this slot (and of P) are done: the slot may be refilled
+            s_cur = s_next
+
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
+
+        m_o = gl.convert_layout(m_i, row_l)
+        l_o = gl.convert_layout(l_i, row_l)
+        pi_o = gl.convert_layout(pi_i, row_l)
+        _store_result(acc0, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
+                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, 0, True, True)
+        _store_result(acc1, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
+                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, BOXW, False, True)
+        _store_result(acc2, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
+                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, 2 * BOXW, False, True)
+        _store_result(acc3, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
+                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, 3 * BOXW, False, True)
