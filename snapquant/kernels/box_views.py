@@ -34,14 +34,14 @@ def box_view_bases(kind: str) -> list[list[int]]:
     return bases
 
 
-def qk_channel(k):  # noqa: ANN001, ANN201 - ints or Gluon int tensors alike
+def qk_channel(k):  # ints or Gluon int tensors alike
     """Logical QK channel k (K order of the MMA) -> physical channel, within each 128-channel box:
     k = 16 s + 8 h + 2 q + e -> 32 q + 4 s + 2 h + e."""
     kl = k & 127
     return (k - kl) | (((kl >> 1) & 3) << 5) | ((kl >> 4) << 2) | (((kl >> 3) & 1) << 1) | (kl & 1)
 
 
-def pv_channel(m):  # noqa: ANN001, ANN201
+def pv_channel(m):
     """Logical PV row m of a box (M order of the MMA) -> physical channel of the box: a thread's four
     rows (m bits 3 and 6) are four contiguous bytes; lanes (m bits 0-2) and warps (bits 4-5) above."""
     return ((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5)
