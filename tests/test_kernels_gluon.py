@@ -28,17 +28,17 @@ SMEM_LIMIT = 227 * 1024  # H100 / H200 shared memory per block (opt-in maximum)
 
 @needs_gluon
 def test_gluon_kernel_compiles_for_sm90_with_tma_and_wgmma():
-    rows = decode_compile_stats(BY_NAME["snapmla+gluon"], uniform_shape(8, 16, 2048))
+    rows = decode_compile_stats(BY_NAME["snapmla+gluon+s1"], uniform_shape(8, 16, 2048))
     assert [r["kernel"] for r in rows] == ["decode_gluon", "combine"]
     st = rows[0]
-    assert st["smem"] <= SMEM_LIMIT // 2 - 1024  # the default (one slot, in place): two programs per SM
-    # two slots: gluon_regs (register A operands, no fp16 tile), still two programs per SM
-    two_slots = decode_compile_stats(BY_NAME["snapmla+gluon+s2"], uniform_shape(8, 16, 2048))[0]
-    assert "error" not in two_slots, two_slots.get("error")
-    assert two_slots["kernel"] == "decode_gluon_regs"
-    assert two_slots["smem"] <= SMEM_LIMIT // 2 - 1024
-    assert two_slots["wgmma"] == 68 and (two_slots.get("wgmma_waits") or 0) <= 8
-    assert two_slots["ptxas_advice"] in ("", None)
+    assert st["smem"] <= SMEM_LIMIT // 2 - 1024  # one slot, in place: two programs per SM
+    # the default at r = 512: gluon_regs (register A operands, no fp16 tile), two slots, two programs per SM
+    regs = decode_compile_stats(BY_NAME["snapmla+gluon"], uniform_shape(8, 16, 2048))[0]
+    assert "error" not in regs, regs.get("error")
+    assert regs["kernel"] == "decode_gluon_regs"
+    assert regs["smem"] <= SMEM_LIMIT // 2 - 1024
+    assert regs["wgmma"] == 68 and (regs.get("wgmma_waits") or 0) <= 8
+    assert regs["ptxas_advice"] in ("", None) and regs["spill_bytes"] <= 128
     assert "error" not in st, st.get("error")
     # QK 32 + RoPE 4 + PV 32 wgmma instructions per page at r = 512 (m64n16k16), no mma.sync
     assert st["wgmma"] == 68 and st["mma_sync"] == 0
@@ -105,7 +105,9 @@ def test_gluon_tile_refuses_other_formats_and_schedules():
                     tile="gluon", fp8_mma="qk")
     from snapquant.kernels.mla_decode import _gluon_stages
 
-    assert _gluon_stages(None, False) == 1 and _gluon_stages(None, "qk") == 2 and _gluon_stages(1, "qk") == 1
+    # exact MMAs: gluon_regs' two slots at r = 512, the in-place slot elsewhere; native FP8 QK: two slots
+    assert _gluon_stages(None, False, 512) == 2 and _gluon_stages(None, False, 256) == 1
+    assert _gluon_stages(None, "qk", 512) == 2 and _gluon_stages(1, "qk", 512) == 1
 
 
 @needs_gluon

@@ -54,6 +54,10 @@ _FP8_MMA = {False: (False, False), True: (True, True), "none": (False, False), "
 # SM hide each other's waits; H200, B=128 H=16 L=4K: 162.7 us vs 195.1 (2 slots, one page prefetched,
 # one program per SM) and 200.2 (3 slots); mixed lengths 220 vs 306 us (results/bench/h200_gluon6_raw)
 GLUON_STAGES = 1
+# ... except at r = 512, where two slots run `gluon_regs` (register operands widened from the slots, no fp16
+# tile: ~105 KB, still two programs per SM, each with a page in flight while it computes one): B=128 H=16
+# L=4K 116.7 vs 141.8 us (results/bench/h200_regs)
+GLUON_REGS_STAGES = 2
 # Past 16 rows the wide kernel is the default for the snapmla (fp8 query and P) and bf16 layouts. H200
 # (results/bench/decode_h200.md): B=32 H=64 L=8K bf16 106.0 vs 304.5 us (Triton rows), snapmla 149.8 vs
 # 305.2 (Triton pairs); B=128 H=128 L=4K bf16 361.7 vs 1073.9, snapmla 517.7 vs 985.8; at 32 rows (B=64
@@ -300,7 +304,7 @@ def plan_decode(
         if tile == "gluon":
             # the narrow kernel with one stage fits two programs per SM (shared memory ~100 KB)
             narrow = block_m == GLUON_ROWS
-            resident = _narrow_resident(_gluon_stages(num_stages, fp8_mma), fp8_mma == "qk") if narrow else 1
+            resident = _narrow_resident(_gluon_stages(num_stages, fp8_mma, r), fp8_mma == "qk") if narrow else 1
             num_splits = _one_wave_splits(B * m_blocks, ops.block_table.shape[1], sms * resident,
                                           NARROW_MAX_RUN if narrow else None)
         elif schedule == "uniform":
@@ -388,8 +392,8 @@ def plan_decode(
     if tile == "gluon" and block_m == GLUON_ROWS:
         plan.launches.append(_gluon_launch(q, ops, o_part, lse_part, float(softmax_scale) * LOG2E, num_splits,
                                            bool(causal), P_DIVS.index(p_div), fp8_mma == "qk",
-                                           _gluon_stages(num_stages, fp8_mma), num_warps or 4))
-        knobs.update(num_warps=num_warps or 4, num_stages=_gluon_stages(num_stages, fp8_mma))
+                                           _gluon_stages(num_stages, fp8_mma, r), num_warps or 4))
+        knobs.update(num_warps=num_warps or 4, num_stages=_gluon_stages(num_stages, fp8_mma, r))
     elif tile == "gluon":
         plan.launches.append(_gluon_wide_launch(q, ops, o_part, lse_part, float(softmax_scale) * LOG2E, num_splits,
                                                 bool(causal), P_DIVS.index(p_div), m_blocks, fp8_mma is True))
@@ -442,7 +446,8 @@ def _gluon_reason(ops: KernelOperands, rows: int, native: bool, num_warps: int |
         return f"tile='gluon' runs exact fp16 MMAs{native8} at {rows} query rows, got fp8_mma={fp8_mma!r}"
     if ops.device.type == "cuda" and _capability(ops.device)[0] != 9:
         return f"tile='gluon' runs on Hopper (sm_90) only, not {torch.cuda.get_device_name(ops.device)}"
-    if not wide and _narrow_regs(_gluon_stages(num_stages, fp8_mma), fp8_mma == "qk") and ops.kv_lora_rank != 512:
+    regs = not wide and _narrow_regs(_gluon_stages(num_stages, fp8_mma, ops.kv_lora_rank), fp8_mma == "qk")
+    if regs and ops.kv_lora_rank != 512:
         return (f"tile='gluon' at <= {GLUON_ROWS} rows with num_stages >= 2 (register operands, gluon_regs) is "
                 f"written for kv_lora_rank 512 (four 128-channel boxes), got {ops.kv_lora_rank}")
     if fp8_mma in ("qk", True) and ops.kv_lora_rank != 512:
@@ -458,13 +463,18 @@ def _gluon_runs(ops: KernelOperands, rows: int, fp8_mma: bool | str, config: KVQ
             and _gluon_reason(ops, rows, True, None, None, fp8_mma, config) is None)
 
 
-def _gluon_stages(num_stages: int | None, fp8_mma: bool | str) -> int:
-    """Ring slots of tile="gluon" when not given: the in-place single slot, except with a native FP8 QK,
-    whose first measured configuration is 2 slots (175.5 vs 195.2 us exact at B=128 H=16 L=4K, H200); its
-    single-slot form (the conversion waits for the QK halfway) measured 163.7 vs 162.2 us exact (run W4)."""
+def _gluon_stages(num_stages: int | None, fp8_mma: bool | str, r: int) -> int:
+    """Ring slots of the <= 16-row Gluon kernel when not given. Exact MMAs at r = 512: two, i.e.
+    `gluon_regs` (register operands, no fp16 tile, two programs per SM); H200 B=128 H=16 L=4K 116.7 us vs
+    141.8 for the in-place slot of `gluon_decode`, B=32 L=16K 115.2 vs 140.5, B=8 L=32K 68.4 vs 81.3
+    (results/bench/h200_regs). Other widths: the in-place slot (GLUON_STAGES). Native FP8 QK: two
+    separate slots in `gluon_decode` (175.5 vs 195.2 us exact at the time; its single-slot form measured
+    163.7 vs 162.2 us exact, run W4)."""
     if num_stages is not None:
         return num_stages
-    return 2 if fp8_mma == "qk" else GLUON_STAGES
+    if fp8_mma == "qk":
+        return 2
+    return GLUON_REGS_STAGES if r == 512 else GLUON_STAGES
 
 
 def _gluon_args(q, ops, o_part, lse_part, sm_scale_log2, num_splits, fp8):
