@@ -121,7 +121,7 @@ def main() -> int:
                           fmt)
         # native FP8 MMAs (fp8_mma=True, gluon_wide8): ablations, then its constexpr knobs one at a time
         plan8 = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
-        base8 = {k: plan8.launches[0].kwargs[k] for k in ("CHAINS", "TR", "SM_ROWS")}
+        base8 = {k: plan8.launches[0].kwargs[k] for k in ("CHAINS", "SM_ROWS")}
         print(f"(gluon_wide8 defaults: {base8}, splits {plan8.knobs['num_splits']})")
         time_plan("snapmla wide8 (fp8_mma=True default)", plan8, "snapmla", error=True)
         for ab, what in ({} if args.no_ablate else ABLATIONS).items():
@@ -130,7 +130,7 @@ def main() -> int:
             plan = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
             plan.launches[0].kwargs["ABLATE"] = ab
             time_plan(f"snapmla wide8 ablate={ab:2d} {what.replace('conversion', 'transpose')}", plan, "snapmla")
-        for knob, values in (("CHAINS", (1, 2)), ("TR", (0, 3))):
+        for knob, values in (("CHAINS", (1, 2)),):
             for v in values:
                 if v == base8[knob]:
                     continue

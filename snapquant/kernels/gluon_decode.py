@@ -18,10 +18,13 @@ barriers. Gluon lets the kernel say what plain Triton decides for it:
     fma-corrected division (P_DIV 2) by default: the same numbers as tile="pairs" up to fp32
     summation order inside the MMAs.
 
-Ring slots (STAGES, the launcher's num_stages): 1 (default) is one slot converted in place, TMA
-writing the fp8 boxes into the upper half of the fp16 tile's 64 KB: ~98 KB of shared memory, so two
-programs share an SM and hide each other's latency (measured fastest). 2 or 3 keep separate fp8 slots
-and prefetch STAGES - 1 pages (one program per SM); the opt-in native FP8 QK (QK_FP8) needs them.
+Ring slots (STAGES, the launcher's num_stages): 1 is one slot converted in place, TMA writing the fp8
+boxes into the upper half of the fp16 tile's 64 KB: ~98 KB of shared memory, so two programs share an
+SM and hide each other's latency. 2 or 3 keep separate fp8 slots and prefetch STAGES - 1 pages (one
+program per SM); only the opt-in native FP8 QK (QK_FP8) uses them here: with exact MMAs the launcher
+runs `gluon_regs.py` for two or more slots, which never widens the page into a tile and is the default
+at r = 512 (1.29x faster than one slot in place at B=128 H=16 L=4K, H200); this kernel's single slot is
+the default at other widths.
 Every wgmma is waited for within its own page: a wait deferred across the loop made ptxas serialize
 all of them (advisory C7515; `compile_stats` reports `wgmma_waits` and `ptxas_advice`).
 

@@ -76,7 +76,7 @@ if HAVE_GLUON:
         H, NSPLIT,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
-        CHAINS: gl.constexpr = 2, SM_ROWS: gl.constexpr = True, TR: gl.constexpr = 0, ABLATE: gl.constexpr = 0,
+        CHAINS: gl.constexpr = 2, SM_ROWS: gl.constexpr = True, ABLATE: gl.constexpr = 0,
     ):
         gl.static_assert(num_warps == 8)
         BM: gl.constexpr = BM_ROWS
@@ -98,14 +98,10 @@ if HAVE_GLUON:
             sm_l: gl.constexpr = s_l
         srow_l: gl.constexpr = gl.SliceLayout(1, sm_l)
         stok_l: gl.constexpr = gl.SliceLayout(0, sm_l)
-        # the transpose's register tile: each thread loads TR-wide runs of a token row and stores runs of
-        # a channel row (token-contiguous) in the transposed tile
-        # (H200: TR=0 fastest of the three measured; docs/perf-notes.md section 16)
-        if TR == 0:
-            tr_l: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [2, 4], [1, 0])
-        else:  # 8-byte token runs, a warp's lanes over 8 channel rows x 4 token groups: the stores are
-            # conflict-free in the tile's 64-byte swizzle (16 bank pairs, 2 wavefronts); the loads byte-wide
-            tr_l: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, num_warps], [0, 1])
+        # the transpose's register tile: 4 x 4 codes per thread, loaded as 4-byte runs of a token row and
+        # stored as 4-byte runs of a channel row. H200: the fastest of four layouts measured, e.g. 181 us at
+        # B=32 H=64 L=8K against 250 for conflict-free 8-byte stores with byte-wide loads (perf-notes 16, 18)
+        tr_l: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [2, 4], [1, 0])
         q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
 
         row0 = gl.program_id(0) * BM

@@ -183,8 +183,9 @@ def mla_decode(
         tile: "rows" (query rows are the MMA's M dimension), "tokens" (swap AB: the page's 64
             tokens are; snapmla and bf16 layouts only), "pairs" (rows, with the fp8 latent read
             as int16 pairs of codes: snapmla layout with fp8 query and P) or "gluon" (Hopper GPU,
-            uniform schedule; <= 16 query rows: `gluon_decode.py`, snapmla with fp8 query and P,
-            fp8_mma "qk" allowed, num_stages 1 fits two programs per SM; more rows: `gluon_wide.py`,
+            uniform schedule; <= 16 query rows: snapmla with fp8 query and P, two programs per SM,
+            `gluon_regs.py` (register MMA operands, two slots: the default at r = 512) or with
+            num_stages 1 (the default at other widths) or fp8_mma "qk" `gluon_decode.py`; more rows: `gluon_wide.py`,
             64-row tiles, snapmla with fp8 query and P or the bf16 layout, exact MMAs, or with
             fp8_mma=True `gluon_wide8.py`, native e4m3 QK and PV, snapmla, r = 512). None
             (default): gluon where it runs, else pairs where it applies, else rows (`default_tile`).
@@ -533,7 +534,7 @@ def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, caus
         from .gluon_wide8 import _mla_decode_gluon_wide8
 
         return KernelLaunch("decode_gluon_wide8", _mla_decode_gluon_wide8, (m_blocks, B, num_splits), args,
-                            dict(CHAINS=2, TR=0, **common))
+                            dict(CHAINS=2, **common))
     from .gluon_wide import _mla_decode_gluon_wide
 
     return KernelLaunch("decode_gluon_wide", _mla_decode_gluon_wide, (m_blocks, B, num_splits), args,
