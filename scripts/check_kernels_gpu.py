@@ -173,8 +173,6 @@ GLUON = {"snapmla+gluon": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H 
                                                 "_tol": (3e-3, 5e-3)})}
 GLUON_WIDE = {"snapmla+gluon-wide": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H > 16: 64-row tiles
               "bf16+gluon-wide": ("bf16", {"tile": "gluon"}),
-              # register MMA operands widened from three TMA slots (gluon_wide_regs)
-              "snapmla+gluon-wide+regs": ("snapmla", {"tile": "gluon", "num_stages": 3}),
               # native FP8 QK and PV (gluon_wide8): the FP8 MMA's accumulation rounding, its own tolerances
               "snapmla+gluon-wide+fp8mma": ("snapmla", {"tile": "gluon", "fp8_mma": True, "_tol": (1e-2, 1e-2)})}
 

@@ -119,21 +119,6 @@ def main() -> int:
             for ns in (int(x) for x in args.splits.split(",")):
                 time_plan(f"{fmt} wide splits={ns}", mla_decode_plan(q, caches[fmt], tau, tile="gluon", num_splits=ns),
                           fmt)
-        # register MMA operands (num_stages=3, gluon_wide_regs): default, 2 slots, ablations, split counts
-        planr = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", num_stages=3)
-        time_plan(f"snapmla wide_regs s3 (splits {planr.knobs['num_splits']})", planr, "snapmla", error=True)
-        plan = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", num_stages=3)
-        plan.launches[0].kwargs["STAGES"] = 2
-        time_plan("snapmla wide_regs s2", plan, "snapmla", error=True)
-        for ab, what in ({} if args.no_ablate else ABLATIONS).items():
-            if ab == 0:
-                continue
-            plan = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", num_stages=3)
-            plan.launches[0].kwargs["ABLATE"] = ab
-            time_plan(f"snapmla wide_regs ablate={ab:2d} {what}", plan, "snapmla")
-        for ns in (int(x) for x in args.splits.split(",")):
-            time_plan(f"snapmla wide_regs splits={ns}", mla_decode_plan(q, caches["snapmla"], tau, tile="gluon",
-                                                                      num_stages=3, num_splits=ns), "snapmla", error=True)
         # native FP8 MMAs (fp8_mma=True, gluon_wide8): ablations, then its constexpr knobs one at a time
         plan8 = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
         base8 = {k: plan8.launches[0].kwargs[k] for k in ("CHAINS", "SM_ROWS")}

@@ -237,18 +237,6 @@ def test_wide_gluon_kernel_compiles_unserialized(variant):
 
 
 @needs_gluon
-def test_wide_register_operand_kernel_compiles_unserialized():
-    """gluon_wide_regs: QK 4 x 8 (m64n32k16 per warpgroup) + RoPE 4 + PV 2 x 8 wgmma per page, three
-    40 KB slots and the 64 KB query within the SM's shared memory, no serialization advisory."""
-    st = decode_compile_stats(BY_NAME["snapmla+gluon+wregs"], uniform_shape(4, 64, 2048))[0]
-    assert "error" not in st, st.get("error")
-    assert st["kernel"] == "decode_gluon_wide_regs"
-    assert st["wgmma"] == 52 and st["mma_sync"] == 0
-    assert 3 * 40 * 1024 + 64 * 1024 < st["smem"] <= SMEM_LIMIT
-    assert st["ptxas_advice"] in ("", None)
-
-
-@needs_gluon
 def test_wide8_kernel_compiles_to_native_fp8_mmas():
     """fp8_mma=True past 16 rows is gluon_wide8: per page QK 16 e4m3 (m64n32k32) + RoPE 4 bf16 and PV 2
     e4m3 (m64n256k32) wgmma, no fp16 widening, within one SM's shared memory (2 TMA slots, 2 transposed
@@ -294,12 +282,7 @@ def test_wide_gluon_tile_plans_and_refusals():
     with pytest.raises(ConfigError, match="num_warps=8"):
         _meta_plan(PRESETS["bf16"], 64, tile="gluon", num_warps=4)
     with pytest.raises(ConfigError, match="num_stages=2"):
-        _meta_plan(PRESETS["snapmla"], 64, tile="gluon", num_stages=4)
-    # three slots: gluon_wide_regs (register MMA operands), snapmla with exact MMAs only
-    assert _meta_plan(PRESETS["snapmla"], 64, tile="gluon", num_stages=3).launches[0].name == "decode_gluon_wide_regs"
-    for layout, mma in (("bf16", False), ("snapmla", True)):
-        with pytest.raises(ConfigError, match="gluon_wide_regs"):
-            _meta_plan(PRESETS[layout], 64, tile="gluon", num_stages=3, fp8_mma=mma)
+        _meta_plan(PRESETS["bf16"], 64, tile="gluon", num_stages=3)
     with pytest.raises(ConfigError, match="bf16 layout"):
         _meta_plan(PRESETS["snapmla_kv_only"], 64, tile="gluon")
     with pytest.raises(ConfigError, match="at <= 16"):  # no narrow bf16 kernel
@@ -324,11 +307,10 @@ def test_wide_gluon_default_follows_its_switch(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
-@pytest.mark.parametrize("layout,fp8_mma,stages", [("snapmla", False, None), ("bf16", False, None),
-                                                  ("snapmla", True, None), ("snapmla", False, 3)])
+@pytest.mark.parametrize("layout,fp8_mma", [("snapmla", False), ("bf16", False), ("snapmla", True)])
 @pytest.mark.parametrize("B,H,S,L,splits", [(5, 64, 1, 700, None), (3, 20, 2, 130, 1), (4, 128, 1, 64, 3),
                                             (2, 32, 2, 1000, 2)])
-def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, B, H, S, L, splits, r=512, d=64):
+def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, B, H, S, L, splits, r=512, d=64):
     """64-row tiles (full, partial: 40 rows, several per request) against `mla_decode_reference` and the
     Triton tile, with stale tokens past each request's length in its last page. fp8_mma=True runs
     `gluon_wide8` (native e4m3 MMAs): NaN codes past the length must not reach its accumulator."""
@@ -346,10 +328,7 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, B, H, 
             tail.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
     q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
     tau = 1 / math.sqrt(192)
-    out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma, num_stages=stages)
-    if stages == 3:  # gluon_wide_regs: register MMA operands
-        assert mla_decode_plan(q, cache, tau, cfg, num_splits=splits, tile="gluon",
-                               num_stages=3).launches[0].name == "decode_gluon_wide_regs"
+    out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma)
     if fp8_mma:
         assert mla_decode_plan(q, cache, tau, cfg, num_splits=splits, fp8_mma=True).launches[0].name.endswith("wide8")
     base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="pairs" if layout == "snapmla" else "rows")
@@ -368,35 +347,35 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, B, H, 
 
 
 # ------------------------------------------- the register-operand kernel's box views (gluon_regs.py)
-@pytest.mark.parametrize("kind", ["qk", "pv", "pv256"])
-def test_box_views_read_the_swizzled_boxes_in_the_mma_order(kind):
+@pytest.mark.parametrize("kind", ["qk", "pv"])
+def test_box_views_read_the_swizzled_box_in_the_mma_order(kind):
     """The SharedLinearLayout of each view, applied as Triton does (the logical index of a byte offset is
-    the XOR of the bases of its set bits), must read TMA boxes ([64 tokens, 128 codes] each, 128-byte
-    swizzle: chunk c of row t at chunk position c ^ (t % 8)) at the channel the map names: QK view
-    [t, k] = box[t, qk_channel(k)], PV views [m, t] = boxes[t, pv_channel(m)]. Random boxes, every offset."""
-    from snapquant.kernels.box_views import VIEWS, box_view_bases, qk_channel
+    the XOR of the bases of its set bits), must read a TMA box ([64 tokens, 128 codes], 128-byte swizzle:
+    chunk c of row t at chunk position c ^ (t % 8)) at the channel the map names: QK view [t, k] =
+    box[t, qk_channel(k)], PV view [m, t] = box[t, pv_channel(m)]. A random box, every offset."""
+    from snapquant.kernels.box_views import box_view_bases, pv_channel, qk_channel
 
-    to_channel, boxes = VIEWS[kind]
     bases = box_view_bases(kind)
-    assert len(bases) == 13 + (boxes - 1)  # 8 KB per box
+    assert len(bases) == 13  # 8 KB
     gen = torch.Generator().manual_seed(7)
-    page = torch.randint(0, 256, (64, 128 * boxes), generator=gen, dtype=torch.uint8)  # [tokens, channels]
-    smem = torch.empty(64 * 128 * boxes, dtype=torch.uint8)
-    for c in range(128 * boxes):
-        box, ci = divmod(c, 128)
-        for t in range(64):
-            smem[box * 8192 + t * 128 + (((ci // 16) ^ (t % 8)) * 16) + ci % 16] = page[t, c]
-    n = 128 * boxes
-    view = torch.full((64, n) if kind == "qk" else (n, 64), -1, dtype=torch.int32)
-    for off in range(64 * n):
+    box = torch.randint(0, 256, (64, 128), generator=gen, dtype=torch.uint8)
+    smem = torch.empty(64 * 128, dtype=torch.uint8)
+    for t in range(64):
+        for c in range(128):
+            smem[t * 128 + (((c // 16) ^ (t % 8)) * 16) + c % 16] = box[t, c]
+    view = torch.full((64, 128) if kind == "qk" else (128, 64), -1, dtype=torch.int32)
+    for off in range(64 * 128):
         i = j = 0
         for bit, (bi, bj) in enumerate(bases):
             if off >> bit & 1:
                 i, j = i ^ bi, j ^ bj
         assert view[i, j] == -1, "two offsets map to one logical element"
         view[i, j] = int(smem[off])
-    expect = page[:, [to_channel(k) for k in range(n)]]
-    assert torch.equal(view, (expect if kind == "qk" else expect.T).to(torch.int32))
+    if kind == "qk":
+        expect = box[:, [qk_channel(k) for k in range(128)]]
+    else:
+        expect = box[:, [pv_channel(m) for m in range(128)]].T
+    assert torch.equal(view, expect.to(torch.int32))
     # across the four boxes of a page the QK map keeps each box's channels in that box
     assert sorted(qk_channel(k) for k in range(512)) == list(range(512))
     assert all(qk_channel(k) // 128 == k // 128 for k in range(512))

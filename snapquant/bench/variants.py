@@ -195,8 +195,6 @@ VARIANTS: tuple[Variant, ...] = (
     _v("snapmla+gluon+fp8mma", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows_gt16",
        tile="gluon", fp8_mma=True,
        note="64-row tiles with native e4m3 QK and PV (gluon_wide8): V transposed to channel-major e4m3 in shared memory"),
-    _v("snapmla+gluon+wregs", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows_gt16", tile="gluon",
-       num_stages=3, note="64-row tiles with register MMA operands widened from three TMA slots (gluon_wide_regs)"),
     _v("bf16+rows", "bf16", "bf16", priority=1, check="bf16", tile="rows",
        note="the plain-Triton BF16 kernel (rows tile), whatever the default"),
     _v("snapmla+gluon+s2", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",

@@ -233,10 +233,10 @@ if HAVE_GLUON:
         l_o = gl.convert_layout(l_i, row_l)
         pi_o = gl.convert_layout(pi_i, row_l)
         _store_result(acc0, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
-                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, 0, True, 1)
+                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, 0, True, True)
         _store_result(acc1, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
-                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, BOXW, False, 1)
+                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, BOXW, False, True)
         _store_result(acc2, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
-                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, 2 * BOXW, False, 1)
+                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, 2 * BOXW, False, True)
         _store_result(acc3, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
-                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, 3 * BOXW, False, 1)
+                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, 3 * BOXW, False, True)

@@ -397,9 +397,8 @@ def plan_decode(
         knobs.update(num_warps=num_warps or 4, num_stages=_gluon_stages(num_stages, fp8_mma, r))
     elif tile == "gluon":
         plan.launches.append(_gluon_wide_launch(q, ops, o_part, lse_part, float(softmax_scale) * LOG2E, num_splits,
-                                                bool(causal), P_DIVS.index(p_div), m_blocks, fp8_mma is True,
-                                                num_stages or 2))
-        knobs.update(num_warps=8, num_stages=num_stages or 2)
+                                                bool(causal), P_DIVS.index(p_div), m_blocks, fp8_mma is True))
+        knobs.update(num_warps=8, num_stages=2)
     else:
         plan.launches.append(KernelLaunch("decode_uniform", _mla_decode_stage1, (B, m_blocks, num_splits * nb), (
             q_arg, lat_arg, ops.rope, ops.scale, ops.block_table, ops.lengths, o_part, lse_part,
@@ -437,14 +436,8 @@ def _gluon_reason(ops: KernelOperands, rows: int, native: bool, num_warps: int |
     warps = 8 if wide else 4
     if num_warps not in (None, warps):
         return f"tile='gluon' at {rows} query rows runs num_warps={warps}, got num_warps={num_warps}"
-    if wide and num_stages not in (None, 2, 3):
-        return (f"tile='gluon' at > {GLUON_ROWS} query rows runs num_stages=2 (two TMA slots) or 3 (gluon_wide_regs), "
-                f"got num_stages={num_stages}")
-    if wide and num_stages == 3 and (ops.layout != "snapmla" or fp8_mma not in (False, "none")
-                                     or ops.kv_lora_rank != 512):
-        return (f"tile='gluon' with num_stages=3 past {GLUON_ROWS} rows (gluon_wide_regs, register MMA operands) runs "
-                f"the snapmla layout with exact MMAs at kv_lora_rank 512, got {ops.layout}, fp8_mma={fp8_mma!r}, "
-                f"kv_lora_rank {ops.kv_lora_rank}")
+    if wide and num_stages not in (None, 2):
+        return f"tile='gluon' at > {GLUON_ROWS} query rows runs num_stages=2 (two TMA slots), got num_stages={num_stages}"
     if wide:  # native FP8 MMAs past 16 rows: gluon_wide8, the snapmla layout only
         allowed = (False, "none", True) if ops.layout == "snapmla" else (False, "none")
     else:
@@ -529,19 +522,12 @@ def _narrow_resident(stages: int, qk_fp8: bool) -> int:
     return 2 if stages == 1 or (stages == 2 and not qk_fp8) else 1
 
 
-def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, m_blocks, mma8, stages):
+def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, m_blocks, mma8):
     """The 64-row Gluon page loop as stage 1 of the uniform schedule: `gluon_wide` (exact fp16 MMAs, fp8
-    snapmla or bf16), with native FP8 MMAs (fp8_mma=True) `gluon_wide8`, with three slots
-    `gluon_wide_regs` (exact, register MMA operands, snapmla)."""
+    snapmla or bf16) or, with native FP8 MMAs (fp8_mma=True), `gluon_wide8`."""
     B, S = q.shape[:2]
     fp8 = ops.layout == "snapmla"
     args = _gluon_args(q, ops, o_part, lse_part, sm_scale_log2, num_splits, fp8)
-    if stages == 3:
-        from .gluon_wide_regs import _mla_decode_gluon_wide_regs
-
-        return KernelLaunch("decode_gluon_wide_regs", _mla_decode_gluon_wide_regs, (m_blocks, B, num_splits), args,
-                            dict(S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, STAGES=3, CAUSAL=causal,
-                                 P_DIV=p_div, LSE_NATURAL=num_splits == 1, num_warps=8))
     common = dict(S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, CAUSAL=causal, P_DIV=p_div,
                   LSE_NATURAL=num_splits == 1, SM_ROWS=True, num_warps=8)
     if mma8:
