@@ -251,6 +251,34 @@ if HAVE_GLUON:
         return p8, rescale, m_new, l_i, pi_new, pi_max
 
     @gluon.jit
+    def _start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,
+                    STAGES: gl.constexpr, AHEAD: gl.constexpr, NBOX: gl.constexpr, BOXW: gl.constexpr,
+                    BOX0: gl.constexpr):
+        """Initialise the ring's STAGES barriers and put the run's first AHEAD pages in flight (slots 0..)."""
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+        for s in gl.static_range(AHEAD):
+            ok = s < n_run
+            page = gl.load(bt_row + s, mask=ok, other=0).to(gl.int64)
+            _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
+                        ok, NBOX, BOXW, BOX0)
+
+    @gluon.jit
+    def _page_p_smem(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, p_smem, P_DIV: gl.constexpr,
+                     ABLATE: gl.constexpr, BN: gl.constexpr, srow_l: gl.constexpr):
+        """`_page_p` for the swap-AB kernels (tokens along axis 0), then P^ as fp16 [rows, tokens] into p_smem,
+        the PV MMA's B operand (16-byte stores). ABLATE 8 skips the softmax (timing probes only)."""
+        if ABLATE & 8:
+            p8 = raw.to(gl.float8e4nv)
+            rescale = gl.full([BN], 1.0, gl.float32, srow_l)
+        else:
+            p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max,
+                                                          zero_s, P_DIV)
+        p_smem.store(gl.permute(p8.to(gl.float16), [1, 0]))
+        fence_async_shared()
+        return rescale, m_i, l_i, pi_i, pi_max
+
+    @gluon.jit
     def _store_result(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
                       stride_lb, stride_lm, stride_ls, R: gl.constexpr, LSE_NATURAL: gl.constexpr, ch_l: gl.constexpr,
                       AX: gl.constexpr = 1, CH0: gl.constexpr = 0, STORE_LSE: gl.constexpr = True,
@@ -360,17 +388,12 @@ if HAVE_GLUON:
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16))
         p_smem = gl.allocate_shared_memory(gl.float16, [BN, PAGE], gl.NVMMASharedLayout.get_default_for([BN, PAGE], gl.float16))
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(bars.index(s), count=1)
 
         # ---- prologue: the first max(STAGES - 1, 1) pages in flight before anything else
         bt_row = BT + b64 * stride_bt + p_lo
         ahead: gl.constexpr = 1 if INPLACE else STAGES - 1
-        for s in gl.static_range(ahead):
-            ok = s < n_run
-            page = gl.load(bt_row + s, mask=ok, other=0).to(gl.int64)
-            _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
-                        ok, NBOX, BOXW, BOX0)
+        _start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,
+                    STAGES, ahead, NBOX, BOXW, BOX0)
 
         # ---- query: per-row fp8 scale sigma, q^ = e4m3(q / sigma) as fp16, q~r = bf16(q_r / sigma)
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, QK_FP8,
@@ -445,15 +468,9 @@ if HAVE_GLUON:
                                    is_async=True)
                 qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
 
-            raw = gl.convert_layout(qk + rd, sm_l)
-            if ABLATE & 8:
-                p8 = raw.to(gl.float8e4nv)
-                rescale = gl.full([BN], 1.0, gl.float32, srow_l)
-            else:
-                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i,
-                                                              pi_i, pi_max, zero_sm, P_DIV)
-            p_smem.store(gl.permute(p8.to(gl.float16), [1, 0]))  # P as [rows, tokens]: 16-byte stores
-            fence_async_shared()
+            rescale, m_i, l_i, pi_i, pi_max = _page_p_smem(gl.convert_layout(qk + rd, sm_l), s_cur, coef,
+                                                           base + offs_t, limit, m_i, l_i, pi_i, pi_max, zero_sm,
+                                                           p_smem, P_DIV, ABLATE, BN, srow_l)
             # O^T [R, BN] += C^T P^T: the same fp16 tile, read transposed
             beta = gl.expand_dims(gl.convert_layout(rescale, row_l), 0)
             if ABLATE & 4:

@@ -46,10 +46,11 @@ if HAVE_GLUON:
         NEW_REINTERPRET,
         _e4m3_to_f16,
         _issue_page,
-        _page_p,
+        _page_p_smem,
         _query_operands,
         _row_state,
         _split_run,
+        _start_ring,
         _store_result,
         cta_barrier,
     )
@@ -118,16 +119,11 @@ if HAVE_GLUON:
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16))
         p_smem = gl.allocate_shared_memory(gl.float16, [BN, PAGE], gl.NVMMASharedLayout.get_default_for([BN, PAGE], gl.float16))
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(bars.index(s), count=1)
 
         # ---- prologue: STAGES - 1 pages in flight before anything else
         bt_row = BT + b64 * stride_bt + p_lo
-        for s in gl.static_range(STAGES - 1):
-            ok = s < n_run
-            page = gl.load(bt_row + s, mask=ok, other=0).to(gl.int64)
-            _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
-                        ok, NBOX, BOXW, 0)
+        _start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,
+                    STAGES, STAGES - 1, NBOX, BOXW, 0)
 
         # ---- query: q^ as fp16 in the QK view's channel order, q~r as bf16; sigma per row
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN,
@@ -185,15 +181,9 @@ if HAVE_GLUON:
                 qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
                 qk = qk + rd
 
-            raw = gl.convert_layout(qk, sm_l)
-            if ABLATE & 8:
-                p8 = raw.to(gl.float8e4nv)
-                rescale = gl.full([BN], 1.0, gl.float32, srow_l)
-            else:
-                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i,
-                                                              pi_i, pi_max, zero_sm, P_DIV)
-            p_smem.store(gl.permute(p8.to(gl.float16), [1, 0]))  # P as [rows, tokens]: 16-byte stores
-            fence_async_shared()
+            rescale, m_i, l_i, pi_i, pi_max = _page_p_smem(gl.convert_layout(qk, sm_l), s_cur, coef, base + offs_t,
+                                                           limit, m_i, l_i, pi_i, pi_max, zero_sm, p_smem, P_DIV,
+                                                           ABLATE, BN, srow_l)
             cta_barrier()
             # O^T [R, BN] += C^T P^T, box by box (rows in the PV view's order)
             beta = gl.expand_dims(gl.convert_layout(rescale, row_l), 0)
