@@ -6,8 +6,9 @@
     mla_decode         split-KV absorbed MLA decode with an LSE combine -> (out, lse); knobs for
                        the work schedule (uniform / balanced) and the FP8 variants (kernels and
                        their numerics: decode_kernels.py; on Hopper the Gluon kernels
-                       gluon_decode.py (<= 16 query rows) and gluon_wide.py (64-row tiles);
-                       host side: mla_decode.py)
+                       gluon_regs.py (<= 16 query rows: register MMA operands read through
+                       box_views.py; gluon_decode.py at other widths), gluon_wide.py (64-row
+                       tiles) and gluon_wide8.py (native FP8 MMAs, opt-in); host side: mla_decode.py)
     mla_decode_plan    the same checks and launches as a replayable plan (benchmarks, CUDA graphs)
     supports(config)   whether the kernels implement a config
     triton_backend     the decode backend `snapquant.attention.backends` calls `triton`; importing
