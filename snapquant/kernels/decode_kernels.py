@@ -42,7 +42,7 @@ Work schedules (`schedule=`):
 FP8 knobs (compile-time variants, so a benchmark can compare them side by side):
   fp8_mma   False (default): fp8 x fp8 products run as exact fp16 MMAs of the e4m3 values;
             "qk" / "pv" / True: Hopper's native FP8 MMA for that product (less precise, see `_tl`).
-  tile      (defaults: `mla_decode.plan_decode`; tile="gluon" is a separate kernel, `gluon_decode.py`)
+  tile      (defaults: `mla_decode.plan_decode`; tile="gluon" runs the separate Gluon kernels, `gluon_*.py`)
             "rows": query rows are the MMA's M dimension. At H = 16 that is BLOCK_M = 16,
             compiled to Ampere-style mma.sync, and there Triton does not software-pipeline an
             8-bit tile (it does a 16-bit one): `block_m=64` pads the rows to get Hopper wgmma and a

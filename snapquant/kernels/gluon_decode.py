@@ -363,6 +363,7 @@ if HAVE_GLUON:
         # ---- shared memory: the TMA ring, the fp16 tile, the query operands, P^T, the barriers
         c16_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], gl.float16)
         INPLACE: gl.constexpr = STAGES == 1
+        gl.static_assert(INPLACE or QK_FP8)  # exact MMAs with separate slots: gluon_regs (the launcher's choice)
         if INPLACE:
             # One slot, converted in place: TMA writes the fp8 boxes into the upper half of the fp16
             # tile's 64 KB; fp16 chunk k (channels 128k.., bytes 16K k..) only overwrites boxes already

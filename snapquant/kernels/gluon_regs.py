@@ -4,7 +4,8 @@
 that tile leaves room for one page slot per program (converted in place), so each of the two
 programs on an SM has at most one page in flight and none while it computes (2.38 TB/s at B=128 H=16
 L=4K, docs/perf-notes.md 16). Here the page never leaves its TMA slot: each product's A operand is
-loaded from the fp8 boxes straight into registers (16-byte `ld.shared`, conflict-free), widened there
+loaded from the fp8 boxes straight into registers (16-byte `ld.shared` for QK, 4-byte for PV, each in
+the minimum number of shared-memory wavefronts), widened there
 (`cvt.rn.f16x2.e4m3x2`, exact) and fed to the same exact fp16 wgmma:
 
   * S^T = C Q^T: A = the page [64 tokens, 128 channels] per box. wgmma's register fragment holds, per
@@ -19,7 +20,7 @@ loaded from the fp8 boxes straight into registers (16-byte `ld.shared`, conflict
   * both are plain reinterpretations of the TMA box ([64, 128] e4m3, 128-byte swizzle) as a
     `SharedLinearLayout` (`box_view_bases`): the permutation costs nothing at run time.
 
-With the fp16 tile gone a program needs ~100 KB for STAGES = 2 page slots (40 KB each: latent and
+With the fp16 tile gone a program needs ~105 KB for STAGES = 2 page slots (40 KB each: latent and
 RoPE) and its query operands, so two programs still share an SM, each with the next page in flight
 while it computes this one. On a request's last page the tokens past its length are zeroed in the slot
 before the products (P = 0 does not cancel a NaN code). The softmax, P quantization (P_DIV) and
@@ -73,11 +74,6 @@ if HAVE_GLUON:
             c8 = lat_smem.index(box0 + k).load(cvt_l)
             lat_smem.index(box0 + k).store(
                 gl.where(keep, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True))
-
-    @gluon.jit
-    def _widen(a8):
-        """e4m3 A operand -> fp16, PACK codes per asm instance (see _e4m3_to_f16)."""
-        return _e4m3_to_f16(a8)
 
     @gluon.jit
     def _snapmla_decode_gluon_regs(
@@ -171,11 +167,11 @@ if HAVE_GLUON:
                                    is_async=True)
                 # one box's A operand live at a time: each MMA is waited for before the box after next
                 # is loaded (an async wgmma holds its register operands until it completes)
-                qk = warpgroup_mma(_widen(_box_view(lat_smem, box0, QK_VIEW, [PAGE, BOXW]).load(a_l)),
+                qk = warpgroup_mma(_e4m3_to_f16(_box_view(lat_smem, box0, QK_VIEW, [PAGE, BOXW]).load(a_l)),
                                    q_smem.slice(0, BOXW, dim=1).permute((1, 0)), zero_s, use_acc=False,
                                    is_async=True)
                 for k in gl.static_range(1, NBOX):
-                    a16 = _widen(_box_view(lat_smem, box0 + k, QK_VIEW, [PAGE, BOXW]).load(a_l))
+                    a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + k, QK_VIEW, [PAGE, BOXW]).load(a_l))
                     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
                     qk = warpgroup_mma(a16, q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)), qk, is_async=True)
                 qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
@@ -201,15 +197,15 @@ if HAVE_GLUON:
                     acc2 = warpgroup_mma(a16, pt, acc2 * beta, is_async=True)
                     acc3 = warpgroup_mma(a16, pt, acc3 * beta, is_async=True)
                 else:
-                    acc0 = warpgroup_mma(_widen(_box_view(lat_smem, box0, PV_VIEW, [BOXW, PAGE]).load(a_l)), pt,
+                    acc0 = warpgroup_mma(_e4m3_to_f16(_box_view(lat_smem, box0, PV_VIEW, [BOXW, PAGE]).load(a_l)), pt,
                                          acc0 * beta, is_async=True)
-                    a16 = _widen(_box_view(lat_smem, box0 + 1, PV_VIEW, [BOXW, PAGE]).load(a_l))
+                    a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + 1, PV_VIEW, [BOXW, PAGE]).load(a_l))
                     acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
                     acc1 = warpgroup_mma(a16, pt, acc1 * beta, is_async=True)
-                    a16 = _widen(_box_view(lat_smem, box0 + 2, PV_VIEW, [BOXW, PAGE]).load(a_l))
+                    a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + 2, PV_VIEW, [BOXW, PAGE]).load(a_l))
                     acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1,))
                     acc2 = warpgroup_mma(a16, pt, acc2 * beta, is_async=True)
-                    a16 = _widen(_box_view(lat_smem, box0 + 3, PV_VIEW, [BOXW, PAGE]).load(a_l))
+                    a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + 3, PV_VIEW, [BOXW, PAGE]).load(a_l))
                     acc2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc2,))
                     acc3 = warpgroup_mma(a16, pt, acc3 * beta, is_async=True)
                 acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
@@ -223,10 +219,14 @@ if HAVE_GLUON:
         l_o = gl.convert_layout(l_i, row_l)
         pi_o = gl.convert_layout(pi_i, row_l)
         _store_result(acc0, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
-                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, 0, True, True)
+                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, AX=1, CH0=0,
+                      STORE_LSE=True, PV_PERM=True)
         _store_result(acc1, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
-                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, BOXW, False, True)
+                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, AX=1, CH0=BOXW,
+                      STORE_LSE=False, PV_PERM=True)
         _store_result(acc2, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
-                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, 2 * BOXW, False, True)
+                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, AX=1, CH0=2 * BOXW,
+                      STORE_LSE=False, PV_PERM=True)
         _store_result(acc3, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
-                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, 1, 3 * BOXW, False, True)
+                      stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, AX=1, CH0=3 * BOXW,
+                      STORE_LSE=False, PV_PERM=True)

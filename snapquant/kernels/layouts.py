@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..config import KVQuantConfig
 
 PAGE_SIZE = 64
-GLUON_ROWS = 16  # query rows per program of the narrow Gluon kernel (gluon_decode: wgmma N) ...
+GLUON_ROWS = 16  # query rows per program of the narrow Gluon kernels (gluon_regs, gluon_decode: wgmma N) ...
 GLUON_WIDE_ROWS = 64  # ... and of the 64-row one past that (gluon_wide: wgmma M)
 LAYOUTS = ("snapmla", "ds_v32", "bf16")
 MIN_WIDTH = 16
