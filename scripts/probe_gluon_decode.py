@@ -33,6 +33,7 @@ def main() -> int:
     ap.add_argument("--stages", default="2,3", help="narrow kernel (H <= 16): ring slots to ablate")
     ap.add_argument("--splits", default="2,4,8,16", help="split counts to time (both kernels)")
     ap.add_argument("--no-ablate", action="store_true", help="skip the ablations (time the split counts only)")
+    ap.add_argument("--wide8-only", action="store_true", help="H > 16: probe the native FP8 kernel only")
     ap.add_argument("--out", default="results/bench/gluon_probe_h200.json")
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
@@ -106,7 +107,7 @@ def main() -> int:
                 time_plan(f"snapmla narrow s{stages} splits={ns}", mla_decode_plan(
                     q, caches["snapmla"], tau, tile="gluon", num_stages=stages, num_splits=ns), "snapmla", error=True)
     else:  # the 64-row kernel (gluon_wide), both layouts, and its split count
-        for fmt in ("snapmla", "bf16"):
+        for fmt in () if args.wide8_only else ("snapmla", "bf16"):
             for ab, what in ({} if args.no_ablate else ABLATIONS).items():
                 if fmt == "bf16" and ab & 1:  # nothing to convert
                     continue
@@ -119,9 +120,12 @@ def main() -> int:
             for ns in (int(x) for x in args.splits.split(",")):
                 time_plan(f"{fmt} wide splits={ns}", mla_decode_plan(q, caches[fmt], tau, tile="gluon", num_splits=ns),
                           fmt)
-        # native FP8 MMAs (fp8_mma=True, gluon_wide8): ablations, then its constexpr knobs one at a time
+        # native FP8 MMAs (fp8_mma=True, gluon_wide8: V^T read from the slot into registers): ablations,
+        # then its constexpr knobs one at a time, the transposing kernel it replaced, and split counts
+        from snapquant.kernels import gluon_wide8
+
         plan8 = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
-        base8 = {k: plan8.launches[0].kwargs[k] for k in ("CHAINS", "SM_ROWS")}
+        base8 = {k: plan8.launches[0].kwargs[k] for k in ("CHAINS", "STAGES", "SM_ROWS")}
         print(f"(gluon_wide8 defaults: {base8}, splits {plan8.knobs['num_splits']})")
         time_plan("snapmla wide8 (fp8_mma=True default)", plan8, "snapmla", error=True)
         for ab, what in ({} if args.no_ablate else ABLATIONS).items():
@@ -129,14 +133,18 @@ def main() -> int:
                 continue
             plan = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
             plan.launches[0].kwargs["ABLATE"] = ab
-            time_plan(f"snapmla wide8 ablate={ab:2d} {what.replace('conversion', 'transpose')}", plan, "snapmla")
-        for knob, values in (("CHAINS", (1, 2)),):
+            time_plan(f"snapmla wide8 ablate={ab:2d} {what.replace('conversion', 'V^T operand')}", plan, "snapmla")
+        for knob, values in (("CHAINS", (1, 2)), ("STAGES", (2, 3, 4)), ("EARLY_V", (True,))):
             for v in values:
-                if v == base8[knob]:
+                if v == base8.get(knob):
                     continue
                 plan = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
                 plan.launches[0].kwargs[knob] = v
                 time_plan(f"snapmla wide8 {knob}={v}", plan, "snapmla", error=True)
+        plan = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)  # the previous kernel (transposed tiles)
+        plan.launches[0].kernel = gluon_wide8._mla_decode_gluon_wide8
+        plan.launches[0].kwargs.pop("STAGES")
+        time_plan("snapmla wide8 previous kernel (V transposed in shared memory)", plan, "snapmla", error=True)
         for ns in (int(x) for x in args.splits.split(",")):
             time_plan(f"snapmla wide8 splits={ns}", mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True,
                                                                    num_splits=ns), "snapmla", error=True)

@@ -238,15 +238,15 @@ def test_wide_gluon_kernel_compiles_unserialized(variant):
 
 @needs_gluon
 def test_wide8_kernel_compiles_to_native_fp8_mmas():
-    """fp8_mma=True past 16 rows is gluon_wide8: per page QK 16 e4m3 (m64n32k32) + RoPE 4 bf16 and PV 2
-    e4m3 (m64n256k32) wgmma, no fp16 widening, within one SM's shared memory (2 TMA slots, 2 transposed
-    tiles, the e4m3 query)."""
+    """fp8_mma=True past 16 rows is gluon_wide8: per page and warpgroup QK 16 e4m3 (m64n32k32) + RoPE 4
+    bf16 and PV 8 e4m3 (m64n64k32, V^T from registers) wgmma, no fp16 widening, no transposed tile: V^T
+    is 16 8-byte loads per thread and a 64-prmt byte transpose, within one SM's shared memory (3 slots)."""
     st = decode_compile_stats(BY_NAME["snapmla+gluon+fp8mma"], uniform_shape(32, 64, 8192))[0]
     assert st["kernel"] == "decode_gluon_wide8" and "error" not in st, st.get("error")
-    assert st["wgmma"] == 22 and st["mma_sync"] == 0 and st["async_loads"] > 0 and st["cvt_e4m3"] == 0
+    assert st["wgmma"] == 28 and st["mma_sync"] == 0 and st["async_loads"] > 0 and st["cvt_e4m3"] == 0
     assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT
     if st.get("regs") is not None:
-        # Triton 3.6 (the H200 image): 255 registers, 80 bytes of stack; 3.9 (CI): 255 with 128 spilled
+        # Triton 3.6 (the H200 image): 255 registers, 32 bytes of stack
         assert st["regs"] <= 255 and st["spill_bytes"] <= 128
         assert st["wgmma_waits"] <= 4 and st["ptxas_advice"] in ("", None)
 
@@ -279,6 +279,10 @@ def test_wide_gluon_tile_plans_and_refusals():
         _meta_plan(PRESETS["bf16"], 64, tile="gluon", fp8_mma=True)
     plan8 = _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma=True)  # (also the default on a Hopper GPU)
     assert plan8.launches[0].name == "decode_gluon_wide8" and plan8.launches[0].kwargs["CHAINS"] == 2
+    assert plan8.launches[0].kwargs["STAGES"] == plan8.knobs["num_stages"] == 3
+    assert _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma=True, num_stages=4).launches[0].kwargs["STAGES"] == 4
+    with pytest.raises(ConfigError, match="num_stages 2, 3 or 4"):
+        _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma=True, num_stages=5)
     with pytest.raises(ConfigError, match="num_warps=8"):
         _meta_plan(PRESETS["bf16"], 64, tile="gluon", num_warps=4)
     with pytest.raises(ConfigError, match="num_stages=2"):
@@ -307,10 +311,11 @@ def test_wide_gluon_default_follows_its_switch(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
-@pytest.mark.parametrize("layout,fp8_mma", [("snapmla", False), ("bf16", False), ("snapmla", True)])
+@pytest.mark.parametrize("layout,fp8_mma,stages", [("snapmla", False, None), ("bf16", False, None),
+                                                   ("snapmla", True, None), ("snapmla", True, 2), ("snapmla", True, 4)])
 @pytest.mark.parametrize("B,H,S,L,splits", [(5, 64, 1, 700, None), (3, 20, 2, 130, 1), (4, 128, 1, 64, 3),
                                             (2, 32, 2, 1000, 2)])
-def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, B, H, S, L, splits, r=512, d=64):
+def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, B, H, S, L, splits, r=512, d=64):
     """64-row tiles (full, partial: 40 rows, several per request) against `mla_decode_reference` and the
     Triton tile, with stale tokens past each request's length in its last page. fp8_mma=True runs
     `gluon_wide8` (native e4m3 MMAs): NaN codes past the length must not reach its accumulator."""
@@ -328,7 +333,7 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, B, H, S, L, sp
             tail.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
     q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
     tau = 1 / math.sqrt(192)
-    out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma)
+    out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma, num_stages=stages)
     if fp8_mma:
         assert mla_decode_plan(q, cache, tau, cfg, num_splits=splits, fp8_mma=True).launches[0].name.endswith("wide8")
     base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="pairs" if layout == "snapmla" else "rows")
@@ -347,6 +352,28 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, B, H, S, L, sp
 
 
 # ------------------------------------------- the register-operand kernel's box views (gluon_regs.py)
+def test_slot_view_reads_v_transposed_as_pv8_rows():
+    """gluon_wide8's view of a page slot (four swizzled TMA boxes): byte offset -> logical (m, token) is
+    linear, and names the byte of (token, pv8_channel(m)); the transposed view trades rows m bits 3, 7
+    with tokens bits 0, 1 (undone by the kernel's 4 x 4 byte transpose). Every offset of the slot."""
+    from snapquant.kernels.box_views import pv8_channel, slot_view_bases
+
+    assert sorted(pv8_channel(m) for m in range(512)) == list(range(512))
+    for transposed in (False, True):
+        bases = slot_view_bases(transposed)
+        assert len(bases) == 15
+        for off in range(1 << 15):
+            m = t = 0
+            for i, (bm, bt) in enumerate(bases):
+                if off >> i & 1:
+                    m, t = m ^ bm, t ^ bt
+            if transposed:
+                m, t = (m & ~0x88) | ((t & 1) << 3) | ((t & 2) << 6), (t & ~3) | ((m >> 3) & 1) | ((m >> 6) & 2)
+            box, within = divmod(off, 64 * 128)
+            row, pos = within // 128, (within // 16) % 8
+            assert (t, pv8_channel(m)) == (row, box * 128 + ((pos ^ (row % 8)) * 16) + within % 16), off
+
+
 @pytest.mark.parametrize("kind", ["qk", "pv"])
 def test_box_views_read_the_swizzled_box_in_the_mma_order(kind):
     """The SharedLinearLayout of each view, applied as Triton does (the logical index of a byte offset is

@@ -1,7 +1,8 @@
 """Register-operand views of a TMA page box: which physical channel each logical MMA index reads.
 
 Pure Python (no Gluon), so the maps and the layouts built from them are tested on any machine;
-`gluon_regs.py` is their user, the module docstring there says why they exist.
+`gluon_regs.py` (exact fp16 operands) and `gluon_wide8.py` (e4m3 operands, `slot_view_bases`) are their
+users; the module docstrings there say why they exist.
 """
 
 from __future__ import annotations
@@ -45,3 +46,35 @@ def pv_channel(m):
     """Logical PV row m of a box (M order of the MMA) -> physical channel of the box: a thread's four
     rows (m bits 3 and 6) are four contiguous bytes; lanes (m bits 0-2) and warps (bits 4-5) above."""
     return ((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5)
+
+
+SLOT_BOXES = 4  # a page slot of r = 512: four boxes, 32 KB
+
+
+def pv8_channel(m):
+    """Logical row m of the 64-row native FP8 PV (O^T [512, 64] = V^T P^T, 8 warps along M, e4m3 A
+    operand from registers) -> physical channel of the page. wgmma's 8-bit A fragment gives a thread
+    rows m with bits 0-2 = its lane group, bit 3 = the +8 half, bits 4-6 = its warp, bits 7-8 = the
+    64-row repeat; bits 3, 7, 8 map to channel bits 0-2, so a thread's eight rows are eight contiguous
+    bytes of a token row (one 8-byte `ld.shared`)."""
+    return ((m >> 3) & 1) | (((m >> 7) & 3) << 1) | ((m & 7) << 3) | (((m >> 4) & 7) << 6)
+
+
+def slot_view_bases(transposed: bool = False) -> list[list[int]]:
+    """SharedLinearLayout offset bases reading a page slot (SLOT_BOXES TMA boxes, 32 KB, stacked) as the
+    logical [512 m, 64 tokens] V^T of `pv8_channel`: basis i is the (m, token) of byte offset 2^i.
+    transposed: rows m bits 3, 7 and tokens bits 0, 1 trade places, so that a load labels four tokens'
+    four channels transposed and a 4 x 4 byte transpose in registers (`gluon_wide8._transpose4x4`)
+    puts every byte at its true (m, token)."""
+    box_bytes = PAGE_ROWS * BOX_BYTES
+    logical_of = {pv8_channel(j): j for j in range(SLOT_BOXES * BOX_BYTES)}
+    bases = []
+    for i in range((SLOT_BOXES * box_bytes).bit_length() - 1):
+        box, within = divmod(1 << i, box_bytes)
+        t, c = _swizzled_position(within)
+        m = logical_of[box * BOX_BYTES + c]
+        if transposed:
+            m, t = ((m & ~0x88) | ((t & 1) << 3) | ((t & 2) << 6),
+                    (t & ~3) | ((m >> 3) & 1) | ((m >> 6) & 2))
+        bases.append([m, t])
+    return bases

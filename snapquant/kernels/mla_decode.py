@@ -58,6 +58,8 @@ GLUON_STAGES = 1
 # tile: ~105 KB, still two programs per SM, each with a page in flight while it computes one): B=128 H=16
 # L=4K 116.7 vs 141.8 us (results/bench/h200_regs)
 GLUON_REGS_STAGES = 2
+# page slots of the native FP8 64-row kernel (gluon_wide8, fp8_mma=True): 40 KB each, 172 KB in all with 3
+WIDE8_STAGES = 3
 # Past 16 rows the wide kernel is the default for the snapmla (fp8 query and P) and bf16 layouts. H200
 # (results/bench/decode_h200.md): B=32 H=64 L=8K bf16 106.0 vs 304.5 us (Triton rows), snapmla 149.8 vs
 # 305.2 (Triton pairs); B=128 H=128 L=4K bf16 361.7 vs 1073.9, snapmla 517.7 vs 985.8; at 32 rows (B=64
@@ -397,8 +399,9 @@ def plan_decode(
         knobs.update(num_warps=num_warps or 4, num_stages=_gluon_stages(num_stages, fp8_mma, r))
     elif tile == "gluon":
         plan.launches.append(_gluon_wide_launch(q, ops, o_part, lse_part, float(softmax_scale) * LOG2E, num_splits,
-                                                bool(causal), P_DIVS.index(p_div), m_blocks, fp8_mma is True))
-        knobs.update(num_warps=8, num_stages=2)
+                                                bool(causal), P_DIVS.index(p_div), m_blocks, fp8_mma is True,
+                                                num_stages or WIDE8_STAGES))
+        knobs.update(num_warps=8, num_stages=(num_stages or WIDE8_STAGES) if fp8_mma is True else 2)
     else:
         plan.launches.append(KernelLaunch("decode_uniform", _mla_decode_stage1, (B, m_blocks, num_splits * nb), (
             q_arg, lat_arg, ops.rope, ops.scale, ops.block_table, ops.lengths, o_part, lse_part,
@@ -436,7 +439,10 @@ def _gluon_reason(ops: KernelOperands, rows: int, native: bool, num_warps: int |
     warps = 8 if wide else 4
     if num_warps not in (None, warps):
         return f"tile='gluon' at {rows} query rows runs num_warps={warps}, got num_warps={num_warps}"
-    if wide and num_stages not in (None, 2):
+    if wide and fp8_mma is True and num_stages not in (None, 2, 3, 4):
+        return (f"tile='gluon' with fp8_mma=True at > {GLUON_ROWS} query rows runs num_stages 2, 3 or 4 (TMA slots), "
+                f"got num_stages={num_stages}")
+    if wide and fp8_mma is not True and num_stages not in (None, 2):
         return f"tile='gluon' at > {GLUON_ROWS} query rows runs num_stages=2 (two TMA slots), got num_stages={num_stages}"
     if wide:  # native FP8 MMAs past 16 rows: gluon_wide8, the snapmla layout only
         allowed = (False, "none", True) if ops.layout == "snapmla" else (False, "none")
@@ -522,19 +528,19 @@ def _narrow_resident(stages: int, qk_fp8: bool) -> int:
     return 2 if stages == 1 or (stages == 2 and not qk_fp8) else 1
 
 
-def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, m_blocks, mma8):
+def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, m_blocks, mma8, stages):
     """The 64-row Gluon page loop as stage 1 of the uniform schedule: `gluon_wide` (exact fp16 MMAs, fp8
-    snapmla or bf16) or, with native FP8 MMAs (fp8_mma=True), `gluon_wide8`."""
+    snapmla or bf16, two slots) or, with native FP8 MMAs (fp8_mma=True), `gluon_wide8` (`stages` slots)."""
     B, S = q.shape[:2]
     fp8 = ops.layout == "snapmla"
     args = _gluon_args(q, ops, o_part, lse_part, sm_scale_log2, num_splits, fp8)
     common = dict(S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, CAUSAL=causal, P_DIV=p_div,
                   LSE_NATURAL=num_splits == 1, SM_ROWS=True, num_warps=8)
     if mma8:
-        from .gluon_wide8 import _mla_decode_gluon_wide8
+        from .gluon_wide8 import _mla_decode_gluon_wide8v
 
-        return KernelLaunch("decode_gluon_wide8", _mla_decode_gluon_wide8, (m_blocks, B, num_splits), args,
-                            dict(CHAINS=2, **common))
+        return KernelLaunch("decode_gluon_wide8", _mla_decode_gluon_wide8v, (m_blocks, B, num_splits), args,
+                            dict(CHAINS=2, STAGES=stages, **common))
     from .gluon_wide import _mla_decode_gluon_wide
 
     return KernelLaunch("decode_gluon_wide", _mla_decode_gluon_wide, (m_blocks, B, num_splits), args,
