@@ -41,13 +41,13 @@ if HAVE_GLUON:
     )
 
     from .gluon_decode import (
+        LN2,
         NEW_REINTERPRET,
         _issue_page,
         _page_p,
         _query_operands,
         _row_state,
         _split_run,
-        _store_result,
         cta_barrier,
         tma_load,
     )
@@ -65,6 +65,12 @@ if HAVE_GLUON:
     V_LOAD = gl.constexpr(gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [256, 0], [8, 0], [128, 0], [0, 16], [0, 32]],
         lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0], [64, 0]],
+        block_bases=[], shape=[512, 64]))
+    # the PV accumulator's layout in physical channel order (after _store_vt's reshape), registers
+    # reordered so each thread's 8 contiguous channels of a row come first (two 16-byte stores)
+    VT_STORE = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 8], [0, 16], [0, 32]],
+        lane_bases=[[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]], warp_bases=[[64, 0], [128, 0], [256, 0]],
         block_bases=[], shape=[512, 64]))
 
 
@@ -298,6 +304,31 @@ if HAVE_GLUON:
         return gl.convert_layout(v8.to(gl.float8e4nv, bitcast=True), a_l)
 
     @gluon.jit
+    def _store_vt(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, n_rows, stride_ob, stride_om, stride_os,
+                  stride_lb, stride_lm, stride_ls, LSE_NATURAL: gl.constexpr, BM: gl.constexpr, o_l: gl.constexpr):
+        """The epilogue of O^T [512 m, BM rows] (pv8_channel order): out = O / l, lse = m + log2(l pi) (rows
+        that saw nothing: 0 and -inf). m = 128 j + 16 w + 8 e + g is channel 64 w + 8 g + 2 j + e, so
+        reshaping m to (j, w, e, g) and permuting to (w, g, j, e) puts the channels in order without moving
+        data: each thread's 8 values per row are contiguous (vector stores, whole sectors per warp)."""
+        orow_l: gl.constexpr = gl.SliceLayout(0, o_l)
+        m_o = gl.convert_layout(m_i, orow_l)
+        l_o = gl.convert_layout(l_i, orow_l)
+        empty = l_o == 0.0
+        out = acc / gl.expand_dims(gl.where(empty, 1.0, l_o), 0)
+        lse = gl.where(empty, float("-inf"), m_o + gl.log2(gl.where(empty, 1.0, l_o * gl.convert_layout(pi_i, orow_l))))
+        if LSE_NATURAL:
+            lse = lse * LN2
+        rows = row0 + gl.arange(0, BM, layout=orow_l)
+        gl.store(LSE_PART + b64 * stride_lb + rows * stride_lm + split * stride_ls, lse, mask=rows < n_rows)
+        out = gl.reshape(gl.permute(gl.reshape(out, [4, 8, 2, 8, BM]), [1, 3, 0, 2, 4]), [512, BM])
+        out = gl.convert_layout(out, VT_STORE)  # registers renamed only
+        offs_c = gl.arange(0, 512, layout=gl.SliceLayout(1, VT_STORE))
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, VT_STORE))
+        o_ptr = (O_PART + b64 * stride_ob + split * stride_os + gl.expand_dims(rows * stride_om, 0)
+                 + gl.expand_dims(offs_c, 1))
+        gl.store(o_ptr, out, mask=gl.expand_dims(rows < n_rows, 0))
+
+    @gluon.jit
     def _mla_decode_gluon_wide8v(
         Q, lat_desc, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
         stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
@@ -440,8 +471,5 @@ if HAVE_GLUON:
 
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
-        rows = row0 + gl.arange(0, BM, layout=orow_l)
-        _store_result(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l),
-                      gl.convert_layout(pi_i, orow_l), O_PART, LSE_PART, b64, split, rows, rows < S * H,
-                      stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, R, LSE_NATURAL,
-                      gl.SliceLayout(1, o_l), AX=1, CH0=0, STORE_LSE=True, PV_PERM=2)
+        _store_vt(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
+                  stride_lb, stride_lm, stride_ls, LSE_NATURAL, BM, o_l)
