@@ -121,9 +121,7 @@ def main() -> int:
                 time_plan(f"{fmt} wide splits={ns}", mla_decode_plan(q, caches[fmt], tau, tile="gluon", num_splits=ns),
                           fmt)
         # native FP8 MMAs (fp8_mma=True, gluon_wide8: V^T read from the slot into registers): ablations,
-        # then its constexpr knobs one at a time, the transposing kernel it replaced, and split counts
-        from snapquant.kernels import gluon_wide8
-
+        # then its constexpr knobs one at a time and split counts
         plan8 = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
         base8 = {k: plan8.launches[0].kwargs[k] for k in ("CHAINS", "STAGES", "SM_ROWS")}
         print(f"(gluon_wide8 defaults: {base8}, splits {plan8.knobs['num_splits']})")
@@ -141,10 +139,6 @@ def main() -> int:
                 plan = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
                 plan.launches[0].kwargs[knob] = v
                 time_plan(f"snapmla wide8 {knob}={v}", plan, "snapmla", error=True)
-        plan = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)  # the previous kernel (transposed tiles)
-        plan.launches[0].kernel = gluon_wide8._mla_decode_gluon_wide8
-        plan.launches[0].kwargs.pop("STAGES")
-        time_plan("snapmla wide8 previous kernel (V transposed in shared memory)", plan, "snapmla", error=True)
         for ns in (int(x) for x in args.splits.split(",")):
             time_plan(f"snapmla wide8 splits={ns}", mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True,
                                                                    num_splits=ns), "snapmla", error=True)

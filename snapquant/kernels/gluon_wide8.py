@@ -4,24 +4,31 @@ SnapMLA's own design: both products run on the tensor cores' e4m3 path, at twice
 no page is ever widened to fp16. `gluon_wide.py` (the default, exact) widens every page to an fp16
 tile that both of its fp16 MMAs read; past 16 rows that costs it its speed (docs/perf-notes.md 13).
 
-  * one program = 64 query rows x one split, 8 warps; the two warpgroups split N as in `gluon_wide`;
-  * QK: q^ (e4m3, 32 KB in shared memory) times the page's TMA boxes as they landed, in CHAINS
-    accumulation chains summed in fp32 (Hopper's FP8 MMA keeps ~14 bits inside a chain; DeepSeek-V3
-    promotes every 128 products). Two chains of 256 channels, the launcher's choice: one 512-long
-    chain measured LSE errors up to 0.016 (H200 check), two at most 7.7e-3, 10 % slower, and four
-    would need 32 more registers than the 255 the kernel already uses. RoPE stays a bf16 MMA;
-  * PV: P^ (e4m3, `_page_p`'s fp8_scale_fused arithmetic) from registers times V^T. An 8-bit MMA
-    operand must be K-major, and K is the page's token axis, so each page is transposed once into a
-    channel-major e4m3 tile [r, 64] (32 KB; tokens past the request's length become zeros there, so
-    0 x NaN codes never reach the accumulator). The next page is transposed while the tensor cores run
-    this page's PV (two transposed tiles);
-  * the accumulator carries across pages inside the MMA (there is no room for a second 128-register
-    copy): the result differs from the exact kernels by the FP8 MMA's accumulation rounding (tested
-    at 3e-3 relative; the exact kernels are the default).
+  * one program = 64 query rows x one split, 8 warps;
+  * QK: S [64 rows, 64 tokens] = q^ (e4m3, 32 KB in shared memory) times the page's TMA boxes as they
+    landed, the warpgroups splitting the tokens, in CHAINS accumulation chains summed in fp32 (Hopper's
+    FP8 MMA keeps ~14 bits inside a chain; DeepSeek-V3 promotes every 128 products). Two chains of 256
+    channels, the launcher's choice: one 512-long chain measured LSE errors up to 0.016 (H200 check),
+    two at most 7.7e-3. RoPE stays a bf16 MMA;
+  * PV, swapped: O^T [512 channels, 64 rows] += V^T P^T, 8 warps along the channels. An 8-bit MMA
+    operand in shared memory must be K-major, and K is the page's token axis, which the cache stores
+    channel-major. As the A operand V^T comes from registers instead: each thread loads 8 contiguous
+    bytes per token row straight from the TMA slot (a `SharedLinearLayout` view, `box_views.
+    slot_view_bases`) and one 4 x 4 byte transpose (`prmt`) per four registers yields wgmma's fragment:
+    16 loads and 64 byte permutes per thread per page, no transposed tile, no extra barrier. The
+    channel order of the MMA's rows is ours to choose (`box_views.pv8_channel`); the epilogue puts the
+    channels back in order with a reshape (no data movement) and stores 16 bytes at a time. P^ (e4m3,
+    `_page_p`'s fp8_scale_fused arithmetic) goes to shared memory as [rows, tokens], the K-major B
+    operand P^T. A request's last page has its tail codes zeroed in the slot first (P = 0 does not
+    cancel a NaN);
+  * the accumulator carries across pages inside the MMA: the result differs from the exact kernels by
+    the FP8 MMA's accumulation rounding (tested at 1e-2 relative, measured 1.3-3.2e-3; the exact
+    kernels are the default).
 
-Shared memory: two TMA slots of 40 KB, 2 x 32 KB transposed tiles, 40 KB of query operands. A
-page's TMA is issued as soon as its slot's QK has finished (one page-time of latency hiding with two
-slots). ABLATE bits as in `gluon_wide` (1 now drops the transpose), for `scripts/probe_gluon_decode.py`.
+Shared memory: STAGES TMA slots of 40 KB (the launcher's num_stages, 2 by default: 131 KB in all;
+H200, B=32 H=64 L=8K 138.7 us with 2, 141.0 with 3, 144.0 with 4), 44 KB of query and P operands. The
+kernel it replaced transposed each page into a channel-major shared tile (182 us there; perf-notes
+20). ABLATE bits as in `gluon_wide` (1 drops the V^T operand), for `scripts/probe_gluon_decode.py`.
 """
 
 from __future__ import annotations
@@ -43,7 +50,6 @@ if HAVE_GLUON:
     from .gluon_decode import (
         LN2,
         NEW_REINTERPRET,
-        _issue_page,
         _page_p,
         _query_operands,
         _row_state,
@@ -51,7 +57,6 @@ if HAVE_GLUON:
         cta_barrier,
         tma_load,
     )
-    from .gluon_wide import _store_rows
 
     BM_ROWS = gl.constexpr(GLUON_WIDE_ROWS)
     # a page slot (four 128-channel boxes, stacked) read as V^T [512 m, 64 tokens] (box_views.pv8_channel),
@@ -72,179 +77,6 @@ if HAVE_GLUON:
         reg_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 8], [0, 16], [0, 32]],
         lane_bases=[[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]], warp_bases=[[64, 0], [128, 0], [256, 0]],
         block_bases=[], shape=[512, 64]))
-
-
-if HAVE_GLUON:
-
-    @gluon.jit
-    def _transpose_page(lat_smem, box0, vt, base, length, NBOX: gl.constexpr, BOXW: gl.constexpr,
-                        PAGE: gl.constexpr, tr_l: gl.constexpr):
-        """The page's e4m3 boxes [PAGE, BOXW] (token-major, as the TMA wrote them) -> the channel-major tile
-        vt [NBOX * BOXW, PAGE]; on a request's last page the tokens past its length become zeros."""
-        offs_t = gl.arange(0, PAGE, layout=gl.SliceLayout(1, tr_l))
-        tail = base + PAGE > length
-        keep = gl.expand_dims((base + offs_t) < length, 1)
-        for k in gl.static_range(NBOX):
-            c8 = lat_smem.index(box0 + k).load(tr_l)
-            if tail:
-                c8 = gl.where(keep, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True)
-            vt.slice(k * BOXW, BOXW, dim=0).store(gl.permute(c8, [1, 0]))
-
-    @gluon.jit
-    def _mla_decode_gluon_wide8(
-        Q, lat_desc, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
-        stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
-        stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
-        H, NSPLIT,
-        S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
-        CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
-        CHAINS: gl.constexpr = 2, SM_ROWS: gl.constexpr = True, ABLATE: gl.constexpr = 0,
-    ):
-        gl.static_assert(num_warps == 8)
-        BM: gl.constexpr = BM_ROWS
-        BOXW: gl.constexpr = 128
-        NBOX: gl.constexpr = R // BOXW
-        gl.static_assert((CHAINS == 1) | (CHAINS == 2))
-
-        # ---- layouts: the two warpgroups split N (S: tokens, O: channels); 8-bit MMAs step K by 32
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, PAGE // 2, 16])
-        s8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, PAGE // 2, 32])
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, R // 2, 32])
-        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=4)
-        if SM_ROWS:  # each warp owns 8 whole rows: the softmax's reductions are shuffles
-            sm_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
-        else:
-            sm_l: gl.constexpr = s_l
-        srow_l: gl.constexpr = gl.SliceLayout(1, sm_l)
-        stok_l: gl.constexpr = gl.SliceLayout(0, sm_l)
-        # the transpose's register tile: 4 x 4 codes per thread, loaded as 4-byte runs of a token row and
-        # stored as 4-byte runs of a channel row. H200: the fastest of four layouts measured, e.g. 181 us at
-        # B=32 H=64 L=8K against 250 for conflict-free 8-byte stores with byte-wide loads (perf-notes 16, 18)
-        tr_l: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [2, 4], [1, 0])
-        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-
-        row0 = gl.program_id(0) * BM
-        b = gl.program_id(1)
-        split = gl.program_id(2)
-        b64 = b.to(gl.int64)
-        length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
-
-        # ---- shared memory: RAW TMA slots (e4m3 boxes + bf16 RoPE rows), two transposed tiles, the query.
-        # Three slots would need 233.5 KB, over the 227 KB an SM has.
-        RAW: gl.constexpr = 2
-        lat_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * NBOX, PAGE, BOXW], lat_desc.layout)
-        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [RAW, PAGE, D], rope_desc.layout)
-        vt_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, R, PAGE],
-                                            gl.NVMMASharedLayout.get_default_for([R, PAGE], gl.float8e4nv))
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BM, R],
-                                           gl.NVMMASharedLayout.get_default_for([BM, R], gl.float8e4nv))
-        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, D], gl.NVMMASharedLayout.get_default_for([BM, D], gl.bfloat16))
-        bars = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(RAW):
-            mbarrier.init(bars.index(s), count=1)
-
-        NO_TMA: gl.constexpr = ABLATE & 16 != 0
-        bt_row = BT + b64 * stride_bt + p_lo
-        for s in gl.static_range(RAW):
-            page = gl.load(bt_row + s, mask=s < n_run, other=0).to(gl.int64)
-            _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
-                        (s < n_run) & (not NO_TMA), NBOX, BOXW, 0)
-
-        sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, True,
-                                q_l)
-        limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BM, CAUSAL, srow_l)
-        acc = gl.zeros([BM, R], gl.float32, o_l)
-        zero_s = gl.zeros([BM, PAGE], gl.float32, s_l)
-        zero_s8 = gl.zeros([BM, PAGE], gl.float32, s8_l)
-        zero_sm = gl.zeros([BM, PAGE], gl.float32, sm_l)
-        offs_t = gl.arange(0, PAGE, layout=stok_l)
-
-        # page 0 transposed before the loop; each iteration transposes the next page under its PV
-        page0 = gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64)
-        s_cur = gl.load(SCALE + page0 * stride_sp + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length,
-                        other=0.0)
-        mbarrier.wait(bars.index(0), 0, pred=(n_run > 0) & (not NO_TMA))
-        if (n_run > 0) & (ABLATE & 1 == 0):
-            _transpose_page(lat_smem, 0, vt_smem.index(0), p_lo * PAGE, length, NBOX, BOXW, PAGE, tr_l)
-        fence_async_shared()
-        cta_barrier()
-
-        for it in range(n_run):
-            slot = it % RAW
-            buf = it % 2
-            base = (p_lo + it) * PAGE
-            page_next = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
-            page_refill = gl.load(bt_row + it + RAW, mask=it + RAW < n_run, other=0).to(gl.int64)
-            s_next = gl.load(SCALE + page_next * stride_sp + offs_t * stride_st,
-                             mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
-            if it > 0:  # page 0 was waited for before the loop
-                mbarrier.wait(bars.index(slot), (it // RAW) & 1, pred=not NO_TMA)
-
-            # scores [BM, PAGE]: NoPE (e4m3 x e4m3, one fp32 sum per 128-channel box) + RoPE (bf16)
-            if ABLATE & 2:  # (timing probes only, scripts/probe_gluon_decode.py: wrong results)
-                qk = zero_s + it
-            else:
-                # CHAINS accumulators over R / CHAINS channels each, summed in fp32
-                KC: gl.constexpr = R // CHAINS
-                k0 = warpgroup_mma(q_smem.slice(0, BOXW, dim=1), lat_smem.index(slot * NBOX).permute((1, 0)),
-                                   zero_s8, use_acc=False, is_async=True)
-                for k in gl.static_range(1, KC // BOXW):
-                    k0 = warpgroup_mma(q_smem.slice(k * BOXW, BOXW, dim=1),
-                                       lat_smem.index(slot * NBOX + k).permute((1, 0)), k0, is_async=True)
-                if CHAINS == 1:
-                    rd = warpgroup_mma(qr_smem, rope_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                       is_async=True)
-                    k0, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, rd))
-                    qk = gl.convert_layout(k0, s_l) + rd
-                else:
-                    k1 = warpgroup_mma(q_smem.slice(KC, BOXW, dim=1),
-                                       lat_smem.index(slot * NBOX + KC // BOXW).permute((1, 0)), zero_s8,
-                                       use_acc=False, is_async=True)
-                    for k in gl.static_range(KC // BOXW + 1, NBOX):
-                        k1 = warpgroup_mma(q_smem.slice(k * BOXW, BOXW, dim=1),
-                                           lat_smem.index(slot * NBOX + k).permute((1, 0)), k1, is_async=True)
-                    rd = warpgroup_mma(qr_smem, rope_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                                       is_async=True)
-                    k0, k1, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, rd))
-                    qk = gl.convert_layout(k0 + k1, s_l) + rd  # the same registers (no data movement)
-            # the slot's page is read by both warpgroups' QK (its transpose happened last iteration): refill it
-            cta_barrier()
-            _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, slot, page_refill, lat_page_rows,
-                        rope_page_rows, (it + RAW < n_run) & (not NO_TMA), NBOX, BOXW, 0)
-
-            raw = gl.convert_layout(qk, sm_l)
-            if ABLATE & 8:
-                p8 = raw.to(gl.float8e4nv)
-                rescale = gl.full([BM], 1.0, gl.float32, srow_l)
-            else:
-                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
-                                                              pi_max, zero_sm, P_DIV, 1)
-            s_cur = s_next
-            # O [BM, R] += P^ V: e4m3 x e4m3 from the transposed tile, waited for within the page
-            beta = gl.expand_dims(gl.convert_layout(rescale, gl.SliceLayout(1, o_l)), 1)
-            if ABLATE & 4:
-                acc = acc * beta + gl.convert_layout(gl.sum(p8.to(gl.float32), 1), gl.SliceLayout(1, o_l))[:, None]
-            else:
-                acc = warpgroup_mma(gl.convert_layout(p8, p_l), vt_smem.index(buf).permute((1, 0)), acc * beta,
-                                    is_async=True)
-            # while the tensor cores run PV: the next page -> the other transposed tile
-            if it + 1 < n_run:
-                mbarrier.wait(bars.index((it + 1) % RAW), ((it + 1) // RAW) & 1, pred=not NO_TMA)
-            if (it + 1 < n_run) & (ABLATE & 1 == 0):
-                _transpose_page(lat_smem, ((it + 1) % RAW) * NBOX, vt_smem.index(1 - buf), base + PAGE, length, NBOX,
-                                BOXW, PAGE, tr_l)
-            fence_async_shared()
-            if ABLATE & 4 == 0:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            cta_barrier()  # the next tile is written by all warps before either warpgroup's PV reads it
-
-        for s in gl.static_range(RAW):
-            mbarrier.invalidate(bars.index(s))
-        _store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
-                    stride_lb, stride_lm, stride_ls, R, LSE_NATURAL, BM, o_l)
 
 
 if HAVE_GLUON:
@@ -329,14 +161,14 @@ if HAVE_GLUON:
         gl.store(o_ptr, out, mask=gl.expand_dims(rows < n_rows, 0))
 
     @gluon.jit
-    def _mla_decode_gluon_wide8v(
+    def _mla_decode_gluon_wide8(
         Q, lat_desc, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
         stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
         stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
         H, NSPLIT,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
-        STAGES: gl.constexpr = 3, CHAINS: gl.constexpr = 2, SM_ROWS: gl.constexpr = True, EARLY_V: gl.constexpr = False,
+        STAGES: gl.constexpr = 2, CHAINS: gl.constexpr = 2, SM_ROWS: gl.constexpr = True, EARLY_V: gl.constexpr = False,
         ABLATE: gl.constexpr = 0,
     ):
         """Native FP8 MMAs with PV swapped: O^T [R, 64 rows] += V^T P^T, V^T read from the TMA slot into
@@ -349,7 +181,7 @@ if HAVE_GLUON:
         BOXW: gl.constexpr = 128
         NBOX: gl.constexpr = R // BOXW
 
-        # QK as in _mla_decode_gluon_wide8 (the warpgroups split the tokens); PV: 8 warps along M = channels
+        # QK: the warpgroups split the tokens (N); PV: 8 warps along M = channels
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, PAGE // 2, 16])
         s8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],

@@ -58,8 +58,9 @@ GLUON_STAGES = 1
 # tile: ~105 KB, still two programs per SM, each with a page in flight while it computes one): B=128 H=16
 # L=4K 116.7 vs 141.8 us (results/bench/h200_regs)
 GLUON_REGS_STAGES = 2
-# page slots of the native FP8 64-row kernel (gluon_wide8, fp8_mma=True): 40 KB each, 172 KB in all with 3
-WIDE8_STAGES = 3
+# page slots of the native FP8 64-row kernel (gluon_wide8, fp8_mma=True): 40 KB each; H200 B=32 H=64 L=8K
+# 138.7 us with 2, 141.0 with 3, 144.0 with 4 (results/bench/h200_wide8v/r2)
+WIDE8_STAGES = 2
 # Past 16 rows the wide kernel is the default for the snapmla (fp8 query and P) and bf16 layouts. H200
 # (results/bench/decode_h200.md): B=32 H=64 L=8K bf16 106.0 vs 304.5 us (Triton rows), snapmla 149.8 vs
 # 305.2 (Triton pairs); B=128 H=128 L=4K bf16 361.7 vs 1073.9, snapmla 517.7 vs 985.8; at 32 rows (B=64
@@ -537,9 +538,9 @@ def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, caus
     common = dict(S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, CAUSAL=causal, P_DIV=p_div,
                   LSE_NATURAL=num_splits == 1, SM_ROWS=True, num_warps=8)
     if mma8:
-        from .gluon_wide8 import _mla_decode_gluon_wide8v
+        from .gluon_wide8 import _mla_decode_gluon_wide8
 
-        return KernelLaunch("decode_gluon_wide8", _mla_decode_gluon_wide8v, (m_blocks, B, num_splits), args,
+        return KernelLaunch("decode_gluon_wide8", _mla_decode_gluon_wide8, (m_blocks, B, num_splits), args,
                             dict(CHAINS=2, STAGES=stages, **common))
     from .gluon_wide import _mla_decode_gluon_wide
 
