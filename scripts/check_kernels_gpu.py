@@ -173,8 +173,11 @@ GLUON = {"snapmla+gluon": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H 
                                                 "_tol": (3e-3, 5e-3)})}
 GLUON_WIDE = {"snapmla+gluon-wide": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H > 16: 64-row tiles
               "bf16+gluon-wide": ("bf16", {"tile": "gluon"}),
-              # native FP8 QK and PV (gluon_wide8): the FP8 MMA's accumulation rounding, its own tolerances
-              "snapmla+gluon-wide+fp8mma": ("snapmla", {"tile": "gluon", "fp8_mma": True, "_tol": (1e-2, 1e-2)})}
+              # native FP8 QK and PV (gluon_narrow8, 32-row programs; gluon_wide8, 64): the FP8 MMA's
+              # accumulation rounding, their own tolerances
+              "snapmla+gluon-wide+fp8mma": ("snapmla", {"tile": "gluon", "fp8_mma": True, "_tol": (1e-2, 1e-2)}),
+              "snapmla+gluon-wide8+fp8mma": ("snapmla", {"tile": "gluon", "fp8_mma": True, "block_m": 64,
+                                                         "_tol": (1e-2, 1e-2)})}
 
 
 def check_decode(name: str, config, B: int, H: int, L: int, S: int, num_splits: int | None,

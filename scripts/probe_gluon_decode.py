@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--stages", default="2,3", help="narrow kernel (H <= 16): ring slots to ablate")
     ap.add_argument("--splits", default="2,4,8,16", help="split counts to time (both kernels)")
     ap.add_argument("--no-ablate", action="store_true", help="skip the ablations (time the split counts only)")
-    ap.add_argument("--wide8-only", action="store_true", help="H > 16: probe the native FP8 kernel only")
+    ap.add_argument("--wide8-only", action="store_true", help="H > 16: probe the native FP8 kernels only")
     ap.add_argument("--out", default="results/bench/gluon_probe_h200.json")
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
@@ -120,28 +120,34 @@ def main() -> int:
             for ns in (int(x) for x in args.splits.split(",")):
                 time_plan(f"{fmt} wide splits={ns}", mla_decode_plan(q, caches[fmt], tau, tile="gluon", num_splits=ns),
                           fmt)
-        # native FP8 MMAs (fp8_mma=True, gluon_wide8: V^T read from the slot into registers): ablations,
-        # then its constexpr knobs one at a time and split counts
-        plan8 = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
-        base8 = {k: plan8.launches[0].kwargs[k] for k in ("CHAINS", "STAGES", "SM_ROWS")}
-        print(f"(gluon_wide8 defaults: {base8}, splits {plan8.knobs['num_splits']})")
-        time_plan("snapmla wide8 (fp8_mma=True default)", plan8, "snapmla", error=True)
-        for ab, what in ({} if args.no_ablate else ABLATIONS).items():
-            if ab == 0:
-                continue
-            plan = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
-            plan.launches[0].kwargs["ABLATE"] = ab
-            time_plan(f"snapmla wide8 ablate={ab:2d} {what.replace('conversion', 'V^T operand')}", plan, "snapmla")
-        for knob, values in (("CHAINS", (1, 2)), ("STAGES", (2, 3, 4)), ("EARLY_V", (True,))):
-            for v in values:
-                if v == base8.get(knob):
+        # native FP8 MMAs (fp8_mma=True): gluon_narrow8 (32 rows, two programs per SM, the default) and
+        # gluon_wide8 (64 rows): ablations, constexpr knobs one at a time, split counts
+        for bm, knobs8 in ((32, (("CHAINS", (1, 2)), ("STAGES", (2, 3)))),
+                           (64, (("CHAINS", (1, 2)), ("STAGES", (2, 3)), ("EARLY_V", (True,))))):
+            name8 = {32: "narrow8", 64: "wide8"}[bm]
+            plan8 = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", fp8_mma=True, block_m=bm)
+            base8 = dict(plan8.launches[0].kwargs)
+            print(f"({plan8.launches[0].name}: CHAINS {base8['CHAINS']}, STAGES {base8['STAGES']}, "
+                  f"splits {plan8.knobs['num_splits']})")
+            time_plan(f"snapmla {name8} (fp8_mma=True, block_m={bm})", plan8, "snapmla", error=True)
+            for ab, what in ({} if args.no_ablate or bm == 64 else ABLATIONS).items():
+                if ab == 0:
                     continue
-                plan = mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True)
-                plan.launches[0].kwargs[knob] = v
-                time_plan(f"snapmla wide8 {knob}={v}", plan, "snapmla", error=True)
-        for ns in (int(x) for x in args.splits.split(",")):
-            time_plan(f"snapmla wide8 splits={ns}", mla_decode_plan(q, caches["snapmla"], tau, fp8_mma=True,
-                                                                   num_splits=ns), "snapmla", error=True)
+                plan = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", fp8_mma=True, block_m=bm)
+                plan.launches[0].kwargs["ABLATE"] = ab
+                time_plan(f"snapmla {name8} ablate={ab:2d} {what.replace('conversion', 'V^T operand')}", plan,
+                          "snapmla")
+            for knob, values in knobs8:
+                for v in values:
+                    if v == base8.get(knob):
+                        continue
+                    plan = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", fp8_mma=True, block_m=bm)
+                    plan.launches[0].kwargs[knob] = v
+                    time_plan(f"snapmla {name8} {knob}={v}", plan, "snapmla", error=True)
+            for ns in (int(x) for x in args.splits.split(",")):
+                time_plan(f"snapmla {name8} splits={ns}", mla_decode_plan(
+                    q, caches["snapmla"], tau, tile="gluon", fp8_mma=True, block_m=bm, num_splits=ns), "snapmla",
+                    error=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

@@ -237,16 +237,24 @@ def test_wide_gluon_kernel_compiles_unserialized(variant):
 
 
 @needs_gluon
-def test_wide8_kernel_compiles_to_native_fp8_mmas():
-    """fp8_mma=True past 16 rows is gluon_wide8: per page and warpgroup QK 16 e4m3 (m64n32k32) + RoPE 4
-    bf16 and PV 8 e4m3 (m64n64k32, V^T from registers) wgmma, no fp16 widening, no transposed tile: V^T
-    is 16 8-byte loads per thread and a 64-prmt byte transpose; two slots (131 KB: one program per SM)."""
-    st = decode_compile_stats(BY_NAME["snapmla+gluon+fp8mma"], uniform_shape(32, 64, 8192))[0]
-    assert st["kernel"] == "decode_gluon_wide8" and "error" not in st, st.get("error")
-    assert st["wgmma"] == 28 and st["mma_sync"] == 0 and st["async_loads"] > 0 and st["cvt_e4m3"] == 0
-    assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_native_fp8_kernels_compile_to_fp8_mmas(block_m):
+    """fp8_mma=True past 16 rows: per page QK 16 e4m3 (m64n32k32) + RoPE 4 bf16 wgmma per warpgroup, PV from
+    V^T in registers (16 8-byte loads and 64 byte permutes per thread per 256 channels), no fp16
+    widening, no transposed tile. block_m 32 (gluon_narrow8): PV 16 e4m3 m64n32k32 for the page's 512
+    channels, <= half an SM's shared memory (two programs per SM); 64 (gluon_wide8): PV 8 m64n64k32 per
+    warpgroup, one program per SM."""
+    v = BY_NAME["snapmla+gluon+fp8mma" if block_m == 32 else "snapmla+gluon+fp8mma+bm64"]
+    st = decode_compile_stats(v, uniform_shape(32, 64, 8192))[0]
+    kernel, wgmma = {32: ("decode_gluon_narrow8", 36), 64: ("decode_gluon_wide8", 28)}[block_m]
+    assert st["kernel"] == kernel and "error" not in st, st.get("error")
+    assert st["wgmma"] == wgmma and st["mma_sync"] == 0 and st["async_loads"] > 0 and st["cvt_e4m3"] == 0
+    if block_m == 32:
+        assert st["smem"] <= SMEM_LIMIT // 2
+    else:
+        assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT
     if st.get("regs") is not None:
-        # Triton 3.6 (the H200 image): 255 registers, 32 bytes of stack
+        # Triton 3.6 (the H200 image): 255 registers, 16 / 48 bytes of stack
         assert st["regs"] <= 255 and st["spill_bytes"] <= 128
         assert st["wgmma_waits"] <= 4 and st["ptxas_advice"] in ("", None)
 
@@ -278,11 +286,19 @@ def test_wide_gluon_tile_plans_and_refusals():
     with pytest.raises(ConfigError, match="fp8_mma=True"):  # native FP8 MMAs need the snapmla layout
         _meta_plan(PRESETS["bf16"], 64, tile="gluon", fp8_mma=True)
     plan8 = _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma=True)  # (also the default on a Hopper GPU)
-    assert plan8.launches[0].name == "decode_gluon_wide8" and plan8.launches[0].kwargs["CHAINS"] == 2
+    assert plan8.launches[0].name == "decode_gluon_narrow8" and plan8.launches[0].kwargs["CHAINS"] == 2
     assert plan8.launches[0].kwargs["STAGES"] == plan8.knobs["num_stages"] == 2
-    assert _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma=True, num_stages=4).launches[0].kwargs["STAGES"] == 4
+    assert plan8.knobs["block_m"] == 32 and plan8.knobs["num_warps"] == 4 and plan8.launches[0].grid[0] == 2
+    assert plan8.knobs["num_splits"] == 4  # one wave of 2 x 132 slots, capped by the 4 pages
+    wide8 = _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma=True, block_m=64, num_stages=4)
+    assert wide8.launches[0].name == "decode_gluon_wide8" and wide8.launches[0].kwargs["STAGES"] == 4
+    assert wide8.knobs["num_warps"] == 8 and wide8.launches[0].grid[0] == 1
     with pytest.raises(ConfigError, match="num_stages 2, 3 or 4"):
         _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma=True, num_stages=5)
+    with pytest.raises(ConfigError, match="block_m 32 .gluon_narrow8. or 64"):
+        _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma=True, block_m=16)
+    with pytest.raises(ConfigError, match="block_m is a knob"):
+        _meta_plan(PRESETS["snapmla"], 64, tile="gluon", block_m=32)
     with pytest.raises(ConfigError, match="num_warps=8"):
         _meta_plan(PRESETS["bf16"], 64, tile="gluon", num_warps=4)
     with pytest.raises(ConfigError, match="num_stages=2"):
@@ -311,14 +327,16 @@ def test_wide_gluon_default_follows_its_switch(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
-@pytest.mark.parametrize("layout,fp8_mma,stages", [("snapmla", False, None), ("bf16", False, None),
-                                                   ("snapmla", True, None), ("snapmla", True, 2), ("snapmla", True, 4)])
+@pytest.mark.parametrize("layout,fp8_mma,stages,block_m", [
+    ("snapmla", False, None, None), ("bf16", False, None, None), ("snapmla", True, None, None),
+    ("snapmla", True, 3, 32), ("snapmla", True, None, 64), ("snapmla", True, 4, 64)])
 @pytest.mark.parametrize("B,H,S,L,splits", [(5, 64, 1, 700, None), (3, 20, 2, 130, 1), (4, 128, 1, 64, 3),
                                             (2, 32, 2, 1000, 2)])
-def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, B, H, S, L, splits, r=512, d=64):
+def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, block_m, B, H, S, L, splits, r=512, d=64):
     """64-row tiles (full, partial: 40 rows, several per request) against `mla_decode_reference` and the
     Triton tile, with stale tokens past each request's length in its last page. fp8_mma=True runs
-    `gluon_wide8` (native e4m3 MMAs): NaN codes past the length must not reach its accumulator."""
+    `gluon_narrow8` (32 rows) or `gluon_wide8` (block_m 64), native e4m3 MMAs: NaN codes past the length
+    must not reach their accumulators."""
     torch.manual_seed(B * 1000 + H + L)
     cfg = PRESETS[layout]
     lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
@@ -333,9 +351,12 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, B, H, 
             tail.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
     q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
     tau = 1 / math.sqrt(192)
-    out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma, num_stages=stages)
+    out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma, num_stages=stages,
+                          block_m=block_m)
     if fp8_mma:
-        assert mla_decode_plan(q, cache, tau, cfg, num_splits=splits, fp8_mma=True).launches[0].name.endswith("wide8")
+        name = mla_decode_plan(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=True, block_m=block_m,
+                               num_stages=stages).launches[0].name
+        assert name == ("decode_gluon_wide8" if block_m == 64 else "decode_gluon_narrow8")
     base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="pairs" if layout == "snapmla" else "rows")
     kv = cache.to_quantized_kv(int(cache.lengths.max())).to("cpu")
     ref, ref_lse = mla_decode_reference(q.cpu(), kv, cache.lengths.cpu(), tau, cfg)
@@ -352,26 +373,30 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, B, H, 
 
 
 # ------------------------------------------- the register-operand kernel's box views (gluon_regs.py)
-def test_slot_view_reads_v_transposed_as_pv8_rows():
-    """gluon_wide8's view of a page slot (four swizzled TMA boxes): byte offset -> logical (m, token) is
-    linear, and names the byte of (token, pv8_channel(m)); the transposed view trades rows m bits 3, 7
-    with tokens bits 0, 1 (undone by the kernel's 4 x 4 byte transpose). Every offset of the slot."""
+@pytest.mark.parametrize("boxes,warp_bits", [(4, 3), (2, 2)])
+def test_slot_view_reads_v_transposed_as_pv8_rows(boxes, warp_bits):
+    """The native FP8 kernels' view of stacked swizzled TMA boxes (gluon_wide8: a page slot, 8 warps;
+    gluon_narrow8: a pair of boxes, 4 warps): byte offset -> logical (m, token) is linear and names the
+    byte of (token, pv8_channel(m)); the transposed view trades rows m bits 3, 4 + warp_bits with tokens
+    bits 0, 1 (undone by the kernels' 4 x 4 byte transpose). Every offset."""
     from snapquant.kernels.box_views import pv8_channel, slot_view_bases
 
-    assert sorted(pv8_channel(m) for m in range(512)) == list(range(512))
+    rows, j0 = boxes * 128, 1 << (4 + warp_bits)
+    assert sorted(pv8_channel(m, warp_bits) for m in range(rows)) == list(range(rows))
     for transposed in (False, True):
-        bases = slot_view_bases(transposed)
-        assert len(bases) == 15
-        for off in range(1 << 15):
+        bases = slot_view_bases(transposed, boxes, warp_bits)
+        assert len(bases) == (boxes * 8192).bit_length() - 1
+        for off in range(boxes * 8192):
             m = t = 0
             for i, (bm, bt) in enumerate(bases):
                 if off >> i & 1:
                     m, t = m ^ bm, t ^ bt
             if transposed:
-                m, t = (m & ~0x88) | ((t & 1) << 3) | ((t & 2) << 6), (t & ~3) | ((m >> 3) & 1) | ((m >> 6) & 2)
+                m, t = ((m & ~(8 | j0)) | ((t & 1) << 3) | (j0 if t & 2 else 0),
+                        (t & ~3) | ((m >> 3) & 1) | (2 if m & j0 else 0))
             box, within = divmod(off, 64 * 128)
             row, pos = within // 128, (within // 16) % 8
-            assert (t, pv8_channel(m)) == (row, box * 128 + ((pos ^ (row % 8)) * 16) + within % 16), off
+            assert (t, pv8_channel(m, warp_bits)) == (row, box * 128 + ((pos ^ (row % 8)) * 16) + within % 16), off
 
 
 @pytest.mark.parametrize("kind", ["qk", "pv"])

@@ -51,30 +51,33 @@ def pv_channel(m):
 SLOT_BOXES = 4  # a page slot of r = 512: four boxes, 32 KB
 
 
-def pv8_channel(m):
-    """Logical row m of the 64-row native FP8 PV (O^T [512, 64] = V^T P^T, 8 warps along M, e4m3 A
-    operand from registers) -> physical channel of the page. wgmma's 8-bit A fragment gives a thread
-    rows m with bits 0-2 = its lane group, bit 3 = the +8 half, bits 4-6 = its warp, bits 7-8 = the
-    64-row repeat; bits 3, 7, 8 map to channel bits 0-2, so a thread's eight rows are eight contiguous
-    bytes of a token row (one 8-byte `ld.shared`)."""
-    return ((m >> 3) & 1) | (((m >> 7) & 3) << 1) | ((m & 7) << 3) | (((m >> 4) & 7) << 6)
+def pv8_channel(m, warp_bits: int = 3):
+    """Logical row m of a native FP8 PV (O^T = V^T P^T, warps along M, e4m3 A operand from registers) ->
+    physical channel. wgmma's 8-bit A fragment gives a thread rows m with bits 0-2 = its lane group g,
+    bit 3 = the +8 half e, the next `warp_bits` bits = its warp w, the rest = the 16 x 2^warp_bits-row
+    repeat j (two bits); e and j map to channel bits 0-2, so a thread's eight rows are eight contiguous
+    bytes of a token row (one 8-byte `ld.shared`): channel = e + 2 j + 8 g + 64 w. warp_bits 3: the
+    64-row kernel's 512 rows (8 warps); 2: one 256-row half of the 32-row kernel (4 warps)."""
+    w_mask = (1 << warp_bits) - 1
+    return ((m >> 3) & 1) | (((m >> (4 + warp_bits)) & 3) << 1) | ((m & 7) << 3) | (((m >> 4) & w_mask) << 6)
 
 
-def slot_view_bases(transposed: bool = False) -> list[list[int]]:
-    """SharedLinearLayout offset bases reading a page slot (SLOT_BOXES TMA boxes, 32 KB, stacked) as the
-    logical [512 m, 64 tokens] V^T of `pv8_channel`: basis i is the (m, token) of byte offset 2^i.
-    transposed: rows m bits 3, 7 and tokens bits 0, 1 trade places, so that a load labels four tokens'
-    four channels transposed and a 4 x 4 byte transpose in registers (`gluon_wide8._transpose4x4`)
-    puts every byte at its true (m, token)."""
+def slot_view_bases(transposed: bool = False, boxes: int = SLOT_BOXES, warp_bits: int = 3) -> list[list[int]]:
+    """SharedLinearLayout offset bases reading `boxes` stacked TMA boxes (a page slot: 4, 32 KB; half a
+    slot: 2) as the logical [128 boxes m, 64 tokens] V^T of `pv8_channel(m, warp_bits)`: basis i is the
+    (m, token) of byte offset 2^i. transposed: rows m bits 3, 4 + warp_bits (e and j's low bit) and tokens
+    bits 0, 1 trade places, so that a load labels four tokens' four channels transposed and a 4 x 4 byte
+    transpose in registers (`gluon_wide8._transpose4x4`) puts every byte at its true (m, token)."""
     box_bytes = PAGE_ROWS * BOX_BYTES
-    logical_of = {pv8_channel(j): j for j in range(SLOT_BOXES * BOX_BYTES)}
+    j0 = 1 << (4 + warp_bits)
+    logical_of = {pv8_channel(j, warp_bits): j for j in range(boxes * BOX_BYTES)}
     bases = []
-    for i in range((SLOT_BOXES * box_bytes).bit_length() - 1):
+    for i in range((boxes * box_bytes).bit_length() - 1):
         box, within = divmod(1 << i, box_bytes)
         t, c = _swizzled_position(within)
         m = logical_of[box * BOX_BYTES + c]
         if transposed:
-            m, t = ((m & ~0x88) | ((t & 1) << 3) | ((t & 2) << 6),
-                    (t & ~3) | ((m >> 3) & 1) | ((m >> 6) & 2))
+            m, t = ((m & ~(8 | j0)) | ((t & 1) << 3) | (j0 if t & 2 else 0),
+                    (t & ~3) | ((m >> 3) & 1) | (2 if m & j0 else 0))
         bases.append([m, t])
     return bases

@@ -137,25 +137,31 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _store_vt(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, n_rows, stride_ob, stride_om, stride_os,
-                  stride_lb, stride_lm, stride_ls, LSE_NATURAL: gl.constexpr, BM: gl.constexpr, o_l: gl.constexpr):
-        """The epilogue of O^T [512 m, BM rows] (pv8_channel order): out = O / l, lse = m + log2(l pi) (rows
-        that saw nothing: 0 and -inf). m = 128 j + 16 w + 8 e + g is channel 64 w + 8 g + 2 j + e, so
-        reshaping m to (j, w, e, g) and permuting to (w, g, j, e) puts the channels in order without moving
-        data: each thread's 8 values per row are contiguous (vector stores, whole sectors per warp)."""
+                  stride_lb, stride_lm, stride_ls, LSE_NATURAL: gl.constexpr, BM: gl.constexpr, o_l: gl.constexpr,
+                  W: gl.constexpr = 8, st_l: gl.constexpr = VT_STORE, CH0: gl.constexpr = 0,
+                  STORE_LSE: gl.constexpr = True):
+        """The epilogue of O^T [64 W m, BM rows] (`pv8_channel` order, W warps along M, output channels CH0..):
+        out = O / l, lse = m + log2(l pi) (rows that saw nothing: 0 and -inf). m = 16 W j + 16 w + 8 e + g
+        is channel 64 w + 8 g + 2 j + e, so reshaping m to (j, w, e, g) and permuting to (w, g, j, e) puts
+        the channels in order without moving data; st_l then only renames registers so that each thread's
+        8 contiguous channels of a row are consecutive (16-byte stores, whole sectors per warp)."""
         orow_l: gl.constexpr = gl.SliceLayout(0, o_l)
-        m_o = gl.convert_layout(m_i, orow_l)
+        NM: gl.constexpr = 64 * W
         l_o = gl.convert_layout(l_i, orow_l)
         empty = l_o == 0.0
         out = acc / gl.expand_dims(gl.where(empty, 1.0, l_o), 0)
-        lse = gl.where(empty, float("-inf"), m_o + gl.log2(gl.where(empty, 1.0, l_o * gl.convert_layout(pi_i, orow_l))))
-        if LSE_NATURAL:
-            lse = lse * LN2
-        rows = row0 + gl.arange(0, BM, layout=orow_l)
-        gl.store(LSE_PART + b64 * stride_lb + rows * stride_lm + split * stride_ls, lse, mask=rows < n_rows)
-        out = gl.reshape(gl.permute(gl.reshape(out, [4, 8, 2, 8, BM]), [1, 3, 0, 2, 4]), [512, BM])
-        out = gl.convert_layout(out, VT_STORE)  # registers renamed only
-        offs_c = gl.arange(0, 512, layout=gl.SliceLayout(1, VT_STORE))
-        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, VT_STORE))
+        if STORE_LSE:
+            m_o = gl.convert_layout(m_i, orow_l)
+            lse = gl.where(empty, float("-inf"),
+                           m_o + gl.log2(gl.where(empty, 1.0, l_o * gl.convert_layout(pi_i, orow_l))))
+            if LSE_NATURAL:
+                lse = lse * LN2
+            rows = row0 + gl.arange(0, BM, layout=orow_l)
+            gl.store(LSE_PART + b64 * stride_lb + rows * stride_lm + split * stride_ls, lse, mask=rows < n_rows)
+        out = gl.reshape(gl.permute(gl.reshape(out, [4, W, 2, 8, BM]), [1, 3, 0, 2, 4]), [NM, BM])
+        out = gl.convert_layout(out, st_l)  # registers renamed only
+        offs_c = CH0 + gl.arange(0, NM, layout=gl.SliceLayout(1, st_l))
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, st_l))
         o_ptr = (O_PART + b64 * stride_ob + split * stride_os + gl.expand_dims(rows * stride_om, 0)
                  + gl.expand_dims(offs_c, 1))
         gl.store(o_ptr, out, mask=gl.expand_dims(rows < n_rows, 0))

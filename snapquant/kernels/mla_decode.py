@@ -61,6 +61,9 @@ GLUON_REGS_STAGES = 2
 # page slots of the native FP8 64-row kernel (gluon_wide8, fp8_mma=True): 40 KB each; H200 B=32 H=64 L=8K
 # 138.7 us with 2, 141.0 with 3, 144.0 with 4 (results/bench/h200_wide8v/r2)
 WIDE8_STAGES = 2
+# query rows per program of the native FP8 kernels past 16 rows: 32 runs `gluon_narrow8` (4 warps, two
+# programs per SM), 64 `gluon_wide8` (8 warps, one program per SM)
+WIDE8_ROWS = 32
 # Past 16 rows the wide kernel is the default for the snapmla (fp8 query and P) and bf16 layouts. H200
 # (results/bench/decode_h200.md): B=32 H=64 L=8K bf16 106.0 vs 304.5 us (Triton rows), snapmla 149.8 vs
 # 305.2 (Triton pairs); B=128 H=128 L=4K bf16 361.7 vs 1073.9, snapmla 517.7 vs 985.8; at 32 rows (B=64
@@ -293,13 +296,14 @@ def plan_decode(
         raise unknown_choice("fp8_mma", fp8_mma, [str(k) for k in _FP8_MMA])
     native = (not interpreting(dev)) if native is None else bool(native)
     if tile == "gluon" and (reason := _gluon_reason(ops, S * H, native, num_warps, num_stages, fp8_mma,
-                                                     config)) is not None:
+                                                     config, block_m)) is not None:
         raise ConfigError(reason)
     sms = num_sms if num_sms is not None else _num_sms(dev)
     bw = r // nb
     rows = S * H
-    if tile == "gluon":  # the kernel's query rows per program
-        block_m = GLUON_ROWS if S * H <= GLUON_ROWS else GLUON_WIDE_ROWS
+    if tile == "gluon":  # the kernel's query rows per program (native FP8 past 16 rows: 32 or 64, a knob)
+        block_m = (GLUON_ROWS if S * H <= GLUON_ROWS else (block_m or WIDE8_ROWS) if fp8_mma is True
+                   else GLUON_WIDE_ROWS)
     if block_m is None:
         block_m = min(64, max(16, triton.next_power_of_2(rows)))
     _check_pow2("block_m", block_m, 16)
@@ -308,7 +312,8 @@ def plan_decode(
         if tile == "gluon":
             # the narrow kernel with one stage fits two programs per SM (shared memory ~100 KB)
             narrow = block_m == GLUON_ROWS
-            resident = _narrow_resident(_gluon_stages(num_stages, fp8_mma, r), fp8_mma == "qk") if narrow else 1
+            resident = (_narrow_resident(_gluon_stages(num_stages, fp8_mma, r), fp8_mma == "qk") if narrow
+                        else 2 if block_m == 32 else 1)
             num_splits = _one_wave_splits(B * m_blocks, ops.block_table.shape[1], sms * resident,
                                           NARROW_MAX_RUN if narrow else None)
         elif schedule == "uniform":
@@ -401,8 +406,9 @@ def plan_decode(
     elif tile == "gluon":
         plan.launches.append(_gluon_wide_launch(q, ops, o_part, lse_part, float(softmax_scale) * LOG2E, num_splits,
                                                 bool(causal), P_DIVS.index(p_div), m_blocks, fp8_mma is True,
-                                                num_stages or WIDE8_STAGES))
-        knobs.update(num_warps=8, num_stages=(num_stages or WIDE8_STAGES) if fp8_mma is True else 2)
+                                                num_stages or WIDE8_STAGES, block_m))
+        knobs.update(num_warps=4 if block_m == 32 else 8,
+                     num_stages=(num_stages or WIDE8_STAGES) if fp8_mma is True else 2)
     else:
         plan.launches.append(KernelLaunch("decode_uniform", _mla_decode_stage1, (B, m_blocks, num_splits * nb), (
             q_arg, lat_arg, ops.rope, ops.scale, ops.block_table, ops.lengths, o_part, lse_part,
@@ -424,7 +430,7 @@ def plan_decode(
 
 
 def _gluon_reason(ops: KernelOperands, rows: int, native: bool, num_warps: int | None, num_stages: int | None,
-                  fp8_mma: bool | str, config: KVQuantConfig) -> str | None:
+                  fp8_mma: bool | str, config: KVQuantConfig, block_m: int | None = None) -> str | None:
     """Why tile="gluon" cannot run these operands, config and knobs (None when it can). A CUDA device
     must be Hopper; a meta device (plans compiled without a GPU, `compile_stats`) is taken as one."""
     from .gluon_decode import gluon_unsupported_reason
@@ -437,7 +443,13 @@ def _gluon_reason(ops: KernelOperands, rows: int, native: bool, num_warps: int |
     if not native:
         return "tile='gluon' needs a Hopper GPU (Gluon kernels have no interpreter mode)"
     wide = rows > GLUON_ROWS
-    warps = 8 if wide else 4
+    wide8_rows = (block_m or WIDE8_ROWS) if wide and fp8_mma is True else None
+    if wide8_rows not in (None, 32, 64):
+        return f"tile='gluon' with fp8_mma=True runs block_m 32 (gluon_narrow8) or 64 (gluon_wide8), got {block_m}"
+    if block_m is not None and wide8_rows is None:
+        return (f"tile='gluon' picks its own rows per program ({GLUON_ROWS} or {GLUON_WIDE_ROWS}); block_m is a knob "
+                f"of the native FP8 kernels past {GLUON_ROWS} rows (fp8_mma=True) only, got block_m={block_m}")
+    warps = 8 if wide and wide8_rows != 32 else 4
     if num_warps not in (None, warps):
         return f"tile='gluon' at {rows} query rows runs num_warps={warps}, got num_warps={num_warps}"
     if wide and fp8_mma is True and num_stages not in (None, 2, 3, 4):
@@ -529,14 +541,22 @@ def _narrow_resident(stages: int, qk_fp8: bool) -> int:
     return 2 if stages == 1 or (stages == 2 and not qk_fp8) else 1
 
 
-def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, m_blocks, mma8, stages):
-    """The 64-row Gluon page loop as stage 1 of the uniform schedule: `gluon_wide` (exact fp16 MMAs, fp8
-    snapmla or bf16, two slots) or, with native FP8 MMAs (fp8_mma=True), `gluon_wide8` (`stages` slots)."""
+def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, causal, p_div, m_blocks, mma8, stages,
+                       block_m):
+    """The Gluon page loop past 16 rows as stage 1 of the uniform schedule: `gluon_wide` (64 rows, exact
+    fp16 MMAs, fp8 snapmla or bf16, two slots) or, with native FP8 MMAs (fp8_mma=True, `stages` slots),
+    `gluon_narrow8` (block_m 32) or `gluon_wide8` (64)."""
     B, S = q.shape[:2]
     fp8 = ops.layout == "snapmla"
     args = _gluon_args(q, ops, o_part, lse_part, sm_scale_log2, num_splits, fp8)
     common = dict(S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, CAUSAL=causal, P_DIV=p_div,
                   LSE_NATURAL=num_splits == 1, SM_ROWS=True, num_warps=8)
+    if mma8 and block_m == 32:
+        from .gluon_narrow8 import _mla_decode_gluon_narrow8
+
+        common.pop("SM_ROWS")
+        return KernelLaunch("decode_gluon_narrow8", _mla_decode_gluon_narrow8, (m_blocks, B, num_splits), args,
+                            dict(CHAINS=2, STAGES=stages, **dict(common, num_warps=4)))
     if mma8:
         from .gluon_wide8 import _mla_decode_gluon_wide8
 

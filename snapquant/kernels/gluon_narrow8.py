@@ -1,0 +1,207 @@
+"""The 32-row decode page loop with native FP8 MMAs, two programs per SM (Gluon, Hopper only).
+
+`gluon_wide8.py` runs 64 query rows per program on 8 warps. Its 128-register accumulator and 131 KB of
+shared memory leave room for one program per SM, so the per-page chain (QK MMAs, the softmax and P
+quantization, PV MMAs) runs with nothing beside it: the softmax alone costs 50 of 139 us at B=32 H=64
+L=8K (docs/perf-notes.md 20). Here one warpgroup runs 32 rows, and both products are swapped so that
+32 rows are wgmma's N:
+
+  * S^T [64 tokens, 32 rows] = C Q^T: A = the page's e4m3 TMA boxes as they landed (K-major), B = q^T
+    (e4m3, [32, 512] in shared memory), in two fp32 chains; RoPE a bf16 MMA;
+  * the softmax with a warp per 8 rows (`_page_p`, tokens along axis 0), P^ as [rows, tokens] into
+    shared memory: the K-major B operand P^T;
+  * O^T [512, 32] += V^T P^T in two accumulators of 256 channels (a pair of boxes each, 64 registers),
+    V^T from registers as in `gluon_wide8` (`_vt_operand`: 8-byte loads through a transposed view of the
+    pair of boxes, one 4 x 4 byte transpose per four registers), each half's operand loaded while the
+    other half's MMA runs.
+
+Per program ~110 KB of shared memory (two 40 KB slots, the e4m3 query, P^, the softmax's conversion)
+and 128 threads: two programs share an SM and run each other's MMAs under their softmax. Each page is
+read by both row halves of a 64-row head group (the second read mostly from L2). Numerics as
+`gluon_wide8` (FP8 accumulation inside the MMA; opt-in `fp8_mma=True`). ABLATE bits as in
+`gluon_wide8`, for `scripts/probe_gluon_decode.py`'s timing only.
+"""
+
+from __future__ import annotations
+
+from .box_views import slot_view_bases
+from .gluon_decode import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from .gluon_decode import NEW_REINTERPRET, _page_p, _query_operands, _row_state, _split_run, cta_barrier
+    from .gluon_wide8 import _issue_slot, _store_vt, _transpose4x4, _zero_tail_slot
+
+    # a pair of boxes (256 channels, 16 KB) read as V^T [256 m, 64 tokens] for 4 warps along M
+    # (box_views.pv8_channel with two warp bits), rows m bits 3, 6 and tokens bits 0, 1 traded
+    PAIR_VIEW_T = gl.constexpr(gl.SharedLinearLayout(offset_bases=slot_view_bases(True, 2, 2)))
+    # wgmma's e4m3 A-operand layout for [256, 64] with 4 warps, registers reordered as gluon_wide8.V_LOAD
+    V_LOAD4 = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [128, 0], [8, 0], [64, 0], [0, 16], [0, 32]],
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]],
+        block_bases=[], shape=[256, 64]))
+    # a half accumulator [256, 32] in physical channel order, each thread's 8 contiguous channels first
+    VT_STORE4 = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 8], [0, 16]],
+        lane_bases=[[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]], warp_bases=[[64, 0], [128, 0]],
+        block_bases=[], shape=[256, 32]))
+
+    @gluon.jit
+    def _vt_half(lat4, slot, half: gl.constexpr, PAGE: gl.constexpr, a_l: gl.constexpr, ABLATE: gl.constexpr):
+        """Boxes 2 half, 2 half + 1 of the slot as PV's A operand V^T [256, PAGE] in registers (layout a_l)."""
+        if ABLATE & 1:
+            return gl.zeros([256, PAGE], gl.float8e4nv, a_l)
+        pair = lat4.index(slot).slice(half * 2 * PAGE, 2 * PAGE, dim=0)
+        if NEW_REINTERPRET:
+            view = pair.reinterpret(gl.float8e4nv, [256, PAGE], PAIR_VIEW_T)
+        else:
+            view = pair._reinterpret(gl.float8e4nv, [256, PAGE], PAIR_VIEW_T)
+        return gl.convert_layout(_transpose4x4(view.load(V_LOAD4)).to(gl.float8e4nv, bitcast=True), a_l)
+
+    @gluon.jit
+    def _mla_decode_gluon_narrow8(
+        Q, lat_desc, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
+        stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
+        stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
+        H, NSPLIT,
+        S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+        CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr = 2, CHAINS: gl.constexpr = 2, ABLATE: gl.constexpr = 0,
+    ):
+        gl.static_assert(num_warps == 4)
+        gl.static_assert(R == 512)
+        gl.static_assert(PAGE == 64)
+        gl.static_assert((CHAINS == 1) | (CHAINS == 2))
+        BN: gl.constexpr = 32  # query rows (wgmma N)
+        BOXW: gl.constexpr = 128
+        NBOX: gl.constexpr = R // BOXW
+        HALF: gl.constexpr = 256
+
+        s8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+        a_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=4)
+        sm_l: gl.constexpr = gl.BlockedLayout([16, 1], [4, 8], [1, num_warps], [0, 1])  # a warp owns 8 rows
+        srow_l: gl.constexpr = gl.SliceLayout(0, sm_l)
+        stok_l: gl.constexpr = gl.SliceLayout(1, sm_l)
+        orow_l: gl.constexpr = gl.SliceLayout(0, o_l)
+        cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+
+        row0 = gl.program_id(0) * BN
+        b = gl.program_id(1)
+        split = gl.program_id(2)
+        b64 = b.to(gl.int64)
+        length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
+
+        lat4 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, NBOX * PAGE, BOXW], lat_desc.layout)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BN, R],
+                                           gl.NVMMASharedLayout.get_default_for([BN, R], gl.float8e4nv))
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16))
+        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [BN, PAGE],
+                                           gl.NVMMASharedLayout.get_default_for([BN, PAGE], gl.float8e4nv))
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+
+        NO_TMA: gl.constexpr = ABLATE & 16 != 0
+        bt_row = BT + b64 * stride_bt + p_lo
+        for s in gl.static_range(STAGES):
+            page = gl.load(bt_row + s, mask=s < n_run, other=0).to(gl.int64)
+            _issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
+                        (s < n_run) & (not NO_TMA), NBOX, BOXW, PAGE)
+
+        sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, True,
+                                q_l)
+        limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
+        acc_a = gl.zeros([HALF, BN], gl.float32, o_l)  # O^T of boxes 0-1, rows in pv8_channel(m, 2) order
+        acc_b = gl.zeros([HALF, BN], gl.float32, o_l)  # boxes 2-3
+        zero_s = gl.zeros([PAGE, BN], gl.float32, s_l)
+        zero_s8 = gl.zeros([PAGE, BN], gl.float32, s8_l)
+        zero_sm = gl.zeros([PAGE, BN], gl.float32, sm_l)
+        offs_t = gl.arange(0, PAGE, layout=stok_l)
+        fence_async_shared()
+        cta_barrier()
+
+        s_cur = gl.load(SCALE + gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64) * stride_sp
+                        + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length, other=0.0)
+        for it in range(n_run):
+            slot = it % STAGES
+            base = (p_lo + it) * PAGE
+            page_refill = gl.load(bt_row + it + STAGES, mask=it + STAGES < n_run, other=0).to(gl.int64)
+            page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
+            s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
+                             mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
+            mbarrier.wait(bars.index(slot), (it // STAGES) & 1, pred=not NO_TMA)
+            page_smem = lat4.index(slot)
+            if base + PAGE > length:
+                _zero_tail_slot(lat4, slot, base, length, NBOX, PAGE, cvt_l)
+                fence_async_shared()  # the QK MMAs read the slot through the async proxy
+                cta_barrier()
+
+            # scores^T [PAGE, BN]: the boxes as they landed (A) times q^T (B), CHAINS fp32 chains, + RoPE
+            if ABLATE & 2:  # (timing probes only, scripts/probe_gluon_decode.py: wrong results)
+                qk = zero_s + it
+            else:
+                KC: gl.constexpr = R // CHAINS
+                k0 = warpgroup_mma(page_smem.slice(0, PAGE, dim=0), q_smem.slice(0, BOXW, dim=1).permute((1, 0)),
+                                   zero_s8, use_acc=False, is_async=True)
+                for k in gl.static_range(1, KC // BOXW):
+                    k0 = warpgroup_mma(page_smem.slice(k * PAGE, PAGE, dim=0),
+                                       q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)), k0, is_async=True)
+                rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
+                if CHAINS == 2:
+                    k1 = warpgroup_mma(page_smem.slice((KC // BOXW) * PAGE, PAGE, dim=0),
+                                       q_smem.slice(KC, BOXW, dim=1).permute((1, 0)), zero_s8, use_acc=False,
+                                       is_async=True)
+                    for k in gl.static_range(KC // BOXW + 1, NBOX):
+                        k1 = warpgroup_mma(page_smem.slice(k * PAGE, PAGE, dim=0),
+                                           q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)), k1, is_async=True)
+                    k0, k1, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, rd))
+                    qk = gl.convert_layout(k0 + k1, s_l) + rd  # the same registers (no data movement)
+                else:
+                    k0, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, rd))
+                    qk = gl.convert_layout(k0, s_l) + rd
+
+            raw = gl.convert_layout(qk, sm_l)
+            if ABLATE & 8:
+                p8 = raw.to(gl.float8e4nv)
+                rescale = gl.full([BN], 1.0, gl.float32, srow_l)
+            else:
+                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
+                                                              pi_max, zero_sm, P_DIV, 0)
+            s_cur = s_next
+            p_smem.store(gl.permute(p8, [1, 0]))  # P^ [rows, tokens]: the K-major B operand P^T
+            fence_async_shared()
+            cta_barrier()
+            beta = gl.expand_dims(gl.convert_layout(rescale, orow_l), 0)
+            if ABLATE & 4:
+                acc_a = acc_a * beta
+                acc_b = acc_b * beta
+            else:
+                pt = p_smem.permute((1, 0))
+                acc_a = warpgroup_mma(_vt_half(lat4, slot, 0, PAGE, a_o, ABLATE), pt, acc_a * beta, is_async=True)
+                vt_b = _vt_half(lat4, slot, 1, PAGE, a_o, ABLATE)  # while the tensor cores run the first half
+                acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+                acc_b = warpgroup_mma(vt_b, pt, acc_b * beta, is_async=True)
+                acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
+            cta_barrier()  # every warp has read the slot (QK, V^T) and P^: refill the slot
+            _issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, slot, page_refill, lat_page_rows, rope_page_rows,
+                        (it + STAGES < n_run) & (not NO_TMA), NBOX, BOXW, PAGE)
+
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
+        _store_vt(acc_a, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
+                  stride_lb, stride_lm, stride_ls, LSE_NATURAL, BN, o_l, 4, VT_STORE4, 0, True)
+        _store_vt(acc_b, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
+                  stride_lb, stride_lm, stride_ls, LSE_NATURAL, BN, o_l, 4, VT_STORE4, HALF, False)
