@@ -38,7 +38,7 @@ if HAVE_GLUON:
     )
 
     from .gluon_decode import NEW_REINTERPRET, _page_p, _query_operands, _row_state, _split_run, cta_barrier
-    from .gluon_wide8 import _issue_slot, _store_vt, _transpose4x4, _zero_tail_slot
+    from .gluon_wide8 import _issue_slot, _native8_smem, _page_start, _store_vt, _transpose4x4
 
     # a pair of boxes (256 channels, 16 KB) read as V^T [256 m, 64 tokens] for 4 warps along M
     # (box_views.pv8_channel with two warp bits), rows m bits 3, 6 and tokens bits 0, 1 traded
@@ -102,23 +102,11 @@ if HAVE_GLUON:
         b64 = b.to(gl.int64)
         length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
 
-        lat4 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, NBOX * PAGE, BOXW], lat_desc.layout)
-        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BN, R],
-                                           gl.NVMMASharedLayout.get_default_for([BN, R], gl.float8e4nv))
-        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16))
-        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [BN, PAGE],
-                                           gl.NVMMASharedLayout.get_default_for([BN, PAGE], gl.float8e4nv))
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(bars.index(s), count=1)
-
         NO_TMA: gl.constexpr = ABLATE & 16 != 0
         bt_row = BT + b64 * stride_bt + p_lo
-        for s in gl.static_range(STAGES):
-            page = gl.load(bt_row + s, mask=s < n_run, other=0).to(gl.int64)
-            _issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
-                        (s < n_run) & (not NO_TMA), NBOX, BOXW, PAGE)
+        lat4, rope_smem, q_smem, qr_smem, p_smem, bars = _native8_smem(
+            lat_desc, rope_desc, bt_row, n_run, lat_page_rows, rope_page_rows, STAGES, NBOX, BOXW, PAGE, BN, R, D,
+            NO_TMA)
 
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, True,
                                 q_l)
@@ -135,18 +123,9 @@ if HAVE_GLUON:
         s_cur = gl.load(SCALE + gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64) * stride_sp
                         + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length, other=0.0)
         for it in range(n_run):
-            slot = it % STAGES
-            base = (p_lo + it) * PAGE
-            page_refill = gl.load(bt_row + it + STAGES, mask=it + STAGES < n_run, other=0).to(gl.int64)
-            page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
-            s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
-                             mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
-            mbarrier.wait(bars.index(slot), (it // STAGES) & 1, pred=not NO_TMA)
+            slot, base, page_refill, s_next = _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length, offs_t,
+                                                          stride_sp, stride_st, STAGES, NBOX, PAGE, NO_TMA, cvt_l)
             page_smem = lat4.index(slot)
-            if base + PAGE > length:
-                _zero_tail_slot(lat4, slot, base, length, NBOX, PAGE, cvt_l)
-                fence_async_shared()  # the QK MMAs read the slot through the async proxy
-                cta_barrier()
 
             # scores^T [PAGE, BN]: the boxes as they landed (A) times q^T (B), CHAINS fp32 chains, + RoPE
             if ABLATE & 2:  # (timing probes only, scripts/probe_gluon_decode.py: wrong results)

@@ -94,6 +94,29 @@ if HAVE_GLUON:
         tma_load(rope_desc, [(page * rope_page_rows).to(gl.int32), 0], bar, rope_smem.index(slot), pred=pred)
 
     @gluon.jit
+    def _native8_smem(lat_desc, rope_desc, bt_row, n_run, lat_page_rows, rope_page_rows, STAGES: gl.constexpr,
+                      NBOX: gl.constexpr, BOXW: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, R: gl.constexpr,
+                      D: gl.constexpr, NO_TMA: gl.constexpr):
+        """The native FP8 kernels' shared memory: STAGES page slots of 40 KB (latent boxes stacked, RoPE
+        rows), the e4m3 query [BN, R], the RoPE query, P^ [BN, 64] and the slots' barriers; the run's first
+        STAGES pages put in flight."""
+        lat4 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, NBOX * PAGE, BOXW], lat_desc.layout)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BN, R],
+                                           gl.NVMMASharedLayout.get_default_for([BN, R], gl.float8e4nv))
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16))
+        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [BN, PAGE],
+                                           gl.NVMMASharedLayout.get_default_for([BN, PAGE], gl.float8e4nv))
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+        for s in gl.static_range(STAGES):
+            page = gl.load(bt_row + s, mask=s < n_run, other=0).to(gl.int64)
+            _issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
+                        (s < n_run) & (not NO_TMA), NBOX, BOXW, PAGE)
+        return lat4, rope_smem, q_smem, qr_smem, p_smem, bars
+
+    @gluon.jit
     def _zero_tail_slot(lat4, slot, base, length, NBOX: gl.constexpr, PAGE: gl.constexpr, cvt_l: gl.constexpr):
         """A request's last page: the codes of tokens past its length -> 0 in the slot, before any product
         reads it (they may be NaN, and P = 0 does not cancel a NaN)."""
@@ -102,6 +125,26 @@ if HAVE_GLUON:
             box = lat4.index(slot).slice(k * PAGE, PAGE, dim=0)
             c8 = box.load(cvt_l)
             box.store(gl.where(keep, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True))
+
+    @gluon.jit
+    def _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length, offs_t, stride_sp, stride_st,
+                    STAGES: gl.constexpr, NBOX: gl.constexpr, PAGE: gl.constexpr, NO_TMA: gl.constexpr,
+                    cvt_l: gl.constexpr):
+        """Page `it` of the run: waits for its slot, zeroes a request's last page's tail codes there (before
+        any product reads them), and returns (slot, first token, the page to refill the slot with, the next
+        page's token scales)."""
+        slot = it % STAGES
+        base = (p_lo + it) * PAGE
+        page_refill = gl.load(bt_row + it + STAGES, mask=it + STAGES < n_run, other=0).to(gl.int64)
+        page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
+        s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
+                         mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
+        mbarrier.wait(bars.index(slot), (it // STAGES) & 1, pred=not NO_TMA)
+        if base + PAGE > length:
+            _zero_tail_slot(lat4, slot, base, length, NBOX, PAGE, cvt_l)
+            fence_async_shared()  # the QK MMAs read the slot through the async proxy
+            cta_barrier()
+        return slot, base, page_refill, s_next
 
     @gluon.jit
     def _transpose4x4(v8):
@@ -210,24 +253,11 @@ if HAVE_GLUON:
         b64 = b.to(gl.int64)
         length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
 
-        # shared memory: STAGES slots of 40 KB (no transposed tiles), the e4m3 query (32 KB), RoPE query, P^
-        lat4 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, NBOX * PAGE, BOXW], lat_desc.layout)
-        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BM, R],
-                                           gl.NVMMASharedLayout.get_default_for([BM, R], gl.float8e4nv))
-        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, D], gl.NVMMASharedLayout.get_default_for([BM, D], gl.bfloat16))
-        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [BM, PAGE],
-                                           gl.NVMMASharedLayout.get_default_for([BM, PAGE], gl.float8e4nv))
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(bars.index(s), count=1)
-
         NO_TMA: gl.constexpr = ABLATE & 16 != 0
         bt_row = BT + b64 * stride_bt + p_lo
-        for s in gl.static_range(STAGES):
-            page = gl.load(bt_row + s, mask=s < n_run, other=0).to(gl.int64)
-            _issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
-                        (s < n_run) & (not NO_TMA), NBOX, BOXW, PAGE)
+        lat4, rope_smem, q_smem, qr_smem, p_smem, bars = _native8_smem(
+            lat_desc, rope_desc, bt_row, n_run, lat_page_rows, rope_page_rows, STAGES, NBOX, BOXW, PAGE, BM, R, D,
+            NO_TMA)
 
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, True,
                                 q_l)
@@ -243,18 +273,9 @@ if HAVE_GLUON:
         s_cur = gl.load(SCALE + gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64) * stride_sp
                         + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length, other=0.0)
         for it in range(n_run):
-            slot = it % STAGES
-            base = (p_lo + it) * PAGE
-            page_refill = gl.load(bt_row + it + STAGES, mask=it + STAGES < n_run, other=0).to(gl.int64)
-            page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
-            s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
-                             mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
-            mbarrier.wait(bars.index(slot), (it // STAGES) & 1, pred=not NO_TMA)
+            slot, base, page_refill, s_next = _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length, offs_t,
+                                                          stride_sp, stride_st, STAGES, NBOX, PAGE, NO_TMA, cvt_l)
             page_smem = lat4.index(slot)
-            if base + PAGE > length:
-                _zero_tail_slot(lat4, slot, base, length, NBOX, PAGE, cvt_l)
-                fence_async_shared()  # the QK MMAs read the slot through the async proxy
-                cta_barrier()
 
             # scores [BM, PAGE]: NoPE (e4m3 x e4m3, CHAINS fp32 chains) + RoPE (bf16), issued asynchronously
             if ABLATE & 2 == 0:

@@ -179,7 +179,8 @@ def mla_decode(
         causal: with S > 1, query token i sees positions < length - (S - 1 - i).
         check_bounds: validate lengths and the block table first (one device sync).
         block_m, num_warps, num_stages, maxnreg: tuning knobs (rows per program; launch
-            parameters; maxnreg caps registers per thread, GPU only).
+            parameters; maxnreg caps registers per thread, GPU only). With tile="gluon", block_m
+            only picks the native FP8 kernel past 16 rows (32 or 64, see tile).
         fp8_mma: native FP8 MMAs (faster, but Hopper accumulates each K=32 step in ~14 bits) for
             the fp8 x fp8 products: False (exact fp16 MMAs), "qk", "pv" or True (both).
         schedule: "uniform" or "balanced" (see the module docstring).
@@ -193,7 +194,8 @@ def mla_decode(
             `gluon_regs.py` (register MMA operands, two slots: the default at r = 512) or with
             num_stages 1 (the default at other widths) or fp8_mma "qk" `gluon_decode.py`; more rows: `gluon_wide.py`,
             64-row tiles, snapmla with fp8 query and P or the bf16 layout, exact MMAs, or with
-            fp8_mma=True `gluon_wide8.py`, native e4m3 QK and PV, snapmla, r = 512). None
+            fp8_mma=True native e4m3 QK and PV (snapmla, r = 512): `gluon_narrow8.py` (32-row
+            programs, two per SM, the default) or with block_m=64 `gluon_wide8.py`). None
             (default): gluon where it runs, else pairs where it applies, else rows (`default_tile`).
 
     Returns:
