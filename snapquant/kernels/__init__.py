@@ -8,7 +8,8 @@
                        their numerics: decode_kernels.py; on Hopper the Gluon kernels
                        gluon_regs.py (<= 16 query rows: register MMA operands read through
                        box_views.py; gluon_decode.py at other widths), gluon_wide.py (64-row
-                       tiles) and gluon_wide8.py (native FP8 MMAs, opt-in); host side: mla_decode.py)
+                       tiles) and the native FP8 MMA kernels (opt-in) gluon_narrow8.py (32-row
+                       tiles, two per SM) and gluon_wide8.py (64-row); host side: mla_decode.py)
     mla_decode_plan    the same checks and launches as a replayable plan (benchmarks, CUDA graphs)
     supports(config)   whether the kernels implement a config
     triton_backend     the decode backend `snapquant.attention.backends` calls `triton`; importing

@@ -1,8 +1,8 @@
 """Register-operand views of a TMA page box: which physical channel each logical MMA index reads.
 
 Pure Python (no Gluon), so the maps and the layouts built from them are tested on any machine;
-`gluon_regs.py` (exact fp16 operands) and `gluon_wide8.py` (e4m3 operands, `slot_view_bases`) are their
-users; the module docstrings there say why they exist.
+`gluon_regs.py` (exact fp16 operands) and `gluon_wide8.py` / `gluon_narrow8.py` (e4m3 operands,
+`slot_view_bases`) are their users; the module docstrings there say why they exist.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .box_views import pv8_channel, pv_channel, qk_channel
+from .box_views import pv_channel, qk_channel
 from .layouts import GLUON_ROWS
 
 try:  # Gluon ships with triton >= 3.5; older installs simply have no tile="gluon"
@@ -127,7 +127,6 @@ if HAVE_GLUON:
 
     _qk_channel = gluon.jit(qk_channel)
     _pv_channel = gluon.jit(pv_channel)
-    _pv8_channel = gluon.jit(pv8_channel)
 
     @gluon.jit
     def _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, slot, page, lat_page_rows, rope_page_rows,
@@ -283,10 +282,10 @@ if HAVE_GLUON:
     def _store_result(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
                       stride_lb, stride_lm, stride_ls, R: gl.constexpr, LSE_NATURAL: gl.constexpr, ch_l: gl.constexpr,
                       AX: gl.constexpr = 1, CH0: gl.constexpr = 0, STORE_LSE: gl.constexpr = True,
-                      PV_PERM: gl.constexpr = 0):
+                      PV_PERM: gl.constexpr = False):
         """out = acc / l (rows along axis AX of acc: 1 for O^T), lse = m + log2(l pi); rows that saw
-        nothing give 0 and -inf. acc holds output channels CH0..CH0 + R - 1 (PV_PERM 1: in `gluon_regs`'
-        PV order, row m being channel CH0 + pv_channel(m); 2: `gluon_wide8`'s, pv8_channel(m))."""
+        nothing give 0 and -inf. acc holds output channels CH0..CH0 + R - 1 (PV_PERM: in `gluon_regs`'
+        PV order, row m being channel CH0 + pv_channel(m))."""
         CA: gl.constexpr = 1 - AX  # the channels' axis
         empty = l_i == 0.0
         out = acc / gl.expand_dims(gl.where(empty, 1.0, l_i), CA)
@@ -294,10 +293,8 @@ if HAVE_GLUON:
         if LSE_NATURAL:
             lse = lse * LN2
         offs_c = gl.arange(0, R, layout=ch_l)
-        if PV_PERM == 1:
+        if PV_PERM:
             offs_c = _pv_channel(offs_c)
-        elif PV_PERM == 2:
-            offs_c = _pv8_channel(offs_c)
         o_ptr = (O_PART + b64 * stride_ob + split * stride_os + gl.expand_dims(rows * stride_om, CA)
                  + gl.expand_dims(CH0 + offs_c, AX))
         gl.store(o_ptr, out, mask=gl.expand_dims(row_ok, CA) & gl.expand_dims(offs_c < R, AX))

@@ -220,13 +220,13 @@ if HAVE_GLUON:
         pi_o = gl.convert_layout(pi_i, row_l)
         _store_result(acc0, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
                       stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, AX=1, CH0=0,
-                      STORE_LSE=True, PV_PERM=1)
+                      STORE_LSE=True, PV_PERM=True)
         _store_result(acc1, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
                       stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, AX=1, CH0=BOXW,
-                      STORE_LSE=False, PV_PERM=1)
+                      STORE_LSE=False, PV_PERM=True)
         _store_result(acc2, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
                       stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, AX=1, CH0=2 * BOXW,
-                      STORE_LSE=False, PV_PERM=1)
+                      STORE_LSE=False, PV_PERM=True)
         _store_result(acc3, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
                       stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, AX=1, CH0=3 * BOXW,
-                      STORE_LSE=False, PV_PERM=1)
+                      STORE_LSE=False, PV_PERM=True)

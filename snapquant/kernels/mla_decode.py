@@ -58,7 +58,7 @@ GLUON_STAGES = 1
 # tile: ~105 KB, still two programs per SM, each with a page in flight while it computes one): B=128 H=16
 # L=4K 116.7 vs 141.8 us (results/bench/h200_regs)
 GLUON_REGS_STAGES = 2
-# page slots of the native FP8 64-row kernel (gluon_wide8, fp8_mma=True): 40 KB each; H200 B=32 H=64 L=8K
+# page slots of the native FP8 kernels (fp8_mma=True past 16 rows): 40 KB each; gluon_wide8, H200 B=32 H=64 L=8K
 # 138.7 us with 2, 141.0 with 3, 144.0 with 4 (results/bench/h200_wide8v/r2)
 WIDE8_STAGES = 2
 # query rows per program of the native FP8 kernels past 16 rows: 32 runs `gluon_narrow8` (4 warps, two
@@ -459,7 +459,7 @@ def _gluon_reason(ops: KernelOperands, rows: int, native: bool, num_warps: int |
                 f"got num_stages={num_stages}")
     if wide and fp8_mma is not True and num_stages not in (None, 2):
         return f"tile='gluon' at > {GLUON_ROWS} query rows runs num_stages=2 (two TMA slots), got num_stages={num_stages}"
-    if wide:  # native FP8 MMAs past 16 rows: gluon_wide8, the snapmla layout only
+    if wide:  # native FP8 MMAs past 16 rows (gluon_narrow8 / gluon_wide8): the snapmla layout only
         allowed = (False, "none", True) if ops.layout == "snapmla" else (False, "none")
     else:
         allowed = (False, "none", "qk")
