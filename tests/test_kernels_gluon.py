@@ -399,6 +399,60 @@ def test_slot_view_reads_v_transposed_as_pv8_rows(boxes, warp_bits):
             assert (t, pv8_channel(m, warp_bits)) == (row, box * 128 + ((pos ^ (row % 8)) * 16) + within % 16), off
 
 
+@pytest.mark.parametrize("warp_bits", [3, 2])
+def test_v_operand_load_and_transpose_give_the_mma_fragment(warp_bits):
+    """The native FP8 kernels' V^T operand, simulated byte by byte: every thread loads through the
+    transposed view with `v_load_bases`, the 4 x 4 byte transpose moves register slot r to
+    `transposed_register(r)`, and then each slot must hold V^T at the coordinate its layout names, i.e.
+    the byte of (token, pv8_channel(m)) of a random swizzled page. The load layout must differ from
+    wgmma's own A layout only in whole registers (the kernels' conversion is a renaming)."""
+    from snapquant.kernels.box_views import (
+        mma_a_bases,
+        pv8_channel,
+        slot_view_bases,
+        transposed_register,
+        v_load_bases,
+    )
+
+    boxes = 4 if warp_bits == 3 else 2
+    regs, lanes, warps = v_load_bases(warp_bits)
+    a_regs, a_lanes, a_warps = mma_a_bases(warp_bits)
+    assert (lanes, warps) == (a_lanes, a_warps) and regs[:2] == a_regs[:2]
+    assert sorted(map(tuple, regs)) == sorted(map(tuple, a_regs))
+    view = slot_view_bases(True, boxes, warp_bits)
+    offset_of = {}
+    for off in range(boxes * 8192):  # the view is linear: offset -> (m, token) by XOR of bases
+        m = t = 0
+        for i, (bm, bt) in enumerate(view):
+            if off >> i & 1:
+                m, t = m ^ bm, t ^ bt
+        offset_of[(m, t)] = off
+    page = torch.randint(0, 256, (boxes * 8192,), generator=torch.Generator().manual_seed(warp_bits)).tolist()
+
+    def physical(m, t):  # byte offset of (token t, channel c) in the swizzled boxes
+        c = pv8_channel(m, warp_bits)
+        return (c // 128) * 8192 + t * 128 + ((((c % 128) // 16) ^ (t % 8)) * 16) + c % 16
+
+    def coord(bases, idx):
+        m = t = 0
+        for i, (bm, bt) in enumerate(bases):
+            if idx >> i & 1:
+                m, t = m ^ bm, t ^ bt
+        return m, t
+
+    for lane in range(32):
+        for warp in range(1 << warp_bits):
+            m0, t0 = coord(lanes, lane)
+            m1, t1 = coord(warps, warp)
+            loaded = [0] * 128
+            for r in range(128):
+                m, t = coord(regs, r)
+                loaded[transposed_register(r)] = page[offset_of[(m ^ m0 ^ m1, t ^ t0 ^ t1)]]
+            for r in range(128):
+                m, t = coord(regs, r)
+                assert loaded[r] == page[physical(m ^ m0 ^ m1, t ^ t0 ^ t1)], (lane, warp, r)
+
+
 @pytest.mark.parametrize("kind", ["qk", "pv"])
 def test_box_views_read_the_swizzled_box_in_the_mma_order(kind):
     """The SharedLinearLayout of each view, applied as Triton does (the logical index of a byte offset is

@@ -81,3 +81,38 @@ def slot_view_bases(transposed: bool = False, boxes: int = SLOT_BOXES, warp_bits
                     (t & ~3) | ((m >> 3) & 1) | (2 if m & j0 else 0))
         bases.append([m, t])
     return bases
+
+
+def mma_a_bases(warp_bits: int = 3) -> tuple[list, list, list]:
+    """wgmma's 8-bit A-operand register layout for [16 x 2^warp_bits x 4 rows m, 64 tokens] with the warps
+    along M (k_width 4: a 32-bit register holds four consecutive tokens of one row), as linear-layout
+    (register, lane, warp) bases of (m, token): what Triton's DotOperandLayout(0, NVMMA v3, k_width=4) is."""
+    reps = [[16 << warp_bits, 0], [32 << warp_bits, 0]]
+    return ([[0, 1], [0, 2], [8, 0], [0, 16], [0, 32], *reps],
+            [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], [[16 << i, 0] for i in range(warp_bits)])
+
+
+def v_load_bases(warp_bits: int = 3) -> tuple[list, list, list]:
+    """`mma_a_bases` with the registers reordered for the load through `slot_view_bases(True, ...)`:
+    bytes (tokens bits 0-1), then m's top bit (channel bit 2: with the bytes, 8 contiguous bytes per
+    load), then m bits 3 and 4 + warp_bits (the registers the 4 x 4 byte transpose trades with the
+    bytes), then the tokens' bits 4, 5. Lanes and warps as the MMA's, so the kernels' conversion back
+    to the MMA's layout renames whole registers."""
+    _, lanes, warps = mma_a_bases(warp_bits)
+    top, e, j0 = [32 << warp_bits, 0], [8, 0], [16 << warp_bits, 0]
+    return [[0, 1], [0, 2], top, e, j0, [0, 16], [0, 32]], lanes, warps
+
+
+def transposed_register(reg: int) -> int:
+    """Where `gluon_wide8._transpose4x4` puts the byte in register slot `reg` (element index in register
+    order): bits 0-1 (byte) and 3-4 (register of the four transposed) trade places."""
+    return (reg & ~0b11011) | ((reg >> 3) & 3) | ((reg & 3) << 3)
+
+
+def vt_store_bases(warp_bits: int, n_rows: int) -> tuple[list, list, list]:
+    """The PV accumulator O^T [16 x 2^warp_bits x 4 channels, n_rows] (an NVMMA v3 layout, warps along M)
+    after the epilogue's reshape to physical channel order, registers reordered so that each thread's 8
+    contiguous channels of a row come first (16-byte stores)."""
+    cols = [[0, 8 << i] for i in range((n_rows // 8).bit_length() - 1)]
+    return ([[1, 0], [2, 0], [4, 0], [0, 1], *cols], [[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]],
+            [[64 << i, 0] for i in range(warp_bits)])

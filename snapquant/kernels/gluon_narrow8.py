@@ -24,7 +24,7 @@ read by both row halves of a 64-row head group (the second read mostly from L2).
 
 from __future__ import annotations
 
-from .box_views import slot_view_bases
+from .box_views import slot_view_bases, v_load_bases, vt_store_bases
 from .gluon_decode import HAVE_GLUON
 
 if HAVE_GLUON:
@@ -44,15 +44,9 @@ if HAVE_GLUON:
     # (box_views.pv8_channel with two warp bits), rows m bits 3, 6 and tokens bits 0, 1 traded
     PAIR_VIEW_T = gl.constexpr(gl.SharedLinearLayout(offset_bases=slot_view_bases(True, 2, 2)))
     # wgmma's e4m3 A-operand layout for [256, 64] with 4 warps, registers reordered as gluon_wide8.V_LOAD
-    V_LOAD4 = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [128, 0], [8, 0], [64, 0], [0, 16], [0, 32]],
-        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]],
-        block_bases=[], shape=[256, 64]))
+    V_LOAD4 = gl.constexpr(gl.DistributedLinearLayout(*v_load_bases(2), block_bases=[], shape=[256, 64]))
     # a half accumulator [256, 32] in physical channel order, each thread's 8 contiguous channels first
-    VT_STORE4 = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 8], [0, 16]],
-        lane_bases=[[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]], warp_bases=[[64, 0], [128, 0]],
-        block_bases=[], shape=[256, 32]))
+    VT_STORE4 = gl.constexpr(gl.DistributedLinearLayout(*vt_store_bases(2, 32), block_bases=[], shape=[256, 32]))
 
     @gluon.jit
     def _vt_half(lat4, slot, half: gl.constexpr, PAGE: gl.constexpr, a_l: gl.constexpr, ABLATE: gl.constexpr):

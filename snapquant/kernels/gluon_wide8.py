@@ -33,7 +33,7 @@ kernel it replaced transposed each page into a channel-major shared tile (182 us
 
 from __future__ import annotations
 
-from .box_views import slot_view_bases
+from .box_views import slot_view_bases, v_load_bases, vt_store_bases
 from .gluon_decode import HAVE_GLUON
 from .layouts import GLUON_WIDE_ROWS
 
@@ -67,16 +67,10 @@ if HAVE_GLUON:
     # to the bytes (so with SLOT_VIEW_T a thread loads 8 contiguous bytes per token row), then m bits 3, 7
     # (the four registers _transpose4x4 transposes with the bytes). Back to the MMA's own order is a
     # renaming of whole registers.
-    V_LOAD = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [256, 0], [8, 0], [128, 0], [0, 16], [0, 32]],
-        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0], [64, 0]],
-        block_bases=[], shape=[512, 64]))
+    V_LOAD = gl.constexpr(gl.DistributedLinearLayout(*v_load_bases(3), block_bases=[], shape=[512, 64]))
     # the PV accumulator's layout in physical channel order (after _store_vt's reshape), registers
     # reordered so each thread's 8 contiguous channels of a row come first (two 16-byte stores)
-    VT_STORE = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [2, 0], [4, 0], [0, 1], [0, 8], [0, 16], [0, 32]],
-        lane_bases=[[0, 2], [0, 4], [8, 0], [16, 0], [32, 0]], warp_bases=[[64, 0], [128, 0], [256, 0]],
-        block_bases=[], shape=[512, 64]))
+    VT_STORE = gl.constexpr(gl.DistributedLinearLayout(*vt_store_bases(3, 64), block_bases=[], shape=[512, 64]))
 
 
 if HAVE_GLUON:
