@@ -123,7 +123,7 @@ def main() -> int:
         # native FP8 MMAs (fp8_mma=True): gluon_narrow8 (32 rows, two programs per SM, the default) and
         # gluon_wide8 (64 rows): ablations, constexpr knobs one at a time, split counts
         for bm, knobs8 in ((32, (("CHAINS", (1, 2)), ("STAGES", (2, 3)))),
-                           (64, (("CHAINS", (1, 2)), ("STAGES", (2, 3)), ("EARLY_V", (True,))))):
+                           (64, (("CHAINS", (1, 2)), ("STAGES", (2, 3))))):
             name8 = {32: "narrow8", 64: "wide8"}[bm]
             plan8 = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", fp8_mma=True, block_m=bm)
             base8 = dict(plan8.launches[0].kwargs)

@@ -37,8 +37,8 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .gluon_decode import NEW_REINTERPRET, _page_p, _query_operands, _row_state, _split_run, cta_barrier
-    from .gluon_wide8 import _issue_slot, _native8_smem, _page_start, _store_vt, _transpose4x4
+    from .gluon_decode import _page_p, _query_operands, _row_state, _split_run, cta_barrier
+    from .gluon_wide8 import _issue_slot, _native8_smem, _page_start, _store_vt, _vt_operand
 
     # a pair of boxes (256 channels, 16 KB) read as V^T [256 m, 64 tokens] for 4 warps along M
     # (box_views.pv8_channel with two warp bits), rows m bits 3, 6 and tokens bits 0, 1 traded
@@ -47,18 +47,6 @@ if HAVE_GLUON:
     V_LOAD4 = gl.constexpr(gl.DistributedLinearLayout(*v_load_bases(2), block_bases=[], shape=[256, 64]))
     # a half accumulator [256, 32] in physical channel order, each thread's 8 contiguous channels first
     VT_STORE4 = gl.constexpr(gl.DistributedLinearLayout(*vt_store_bases(2, 32), block_bases=[], shape=[256, 32]))
-
-    @gluon.jit
-    def _vt_half(lat4, slot, half: gl.constexpr, PAGE: gl.constexpr, a_l: gl.constexpr, ABLATE: gl.constexpr):
-        """Boxes 2 half, 2 half + 1 of the slot as PV's A operand V^T [256, PAGE] in registers (layout a_l)."""
-        if ABLATE & 1:
-            return gl.zeros([256, PAGE], gl.float8e4nv, a_l)
-        pair = lat4.index(slot).slice(half * 2 * PAGE, 2 * PAGE, dim=0)
-        if NEW_REINTERPRET:
-            view = pair.reinterpret(gl.float8e4nv, [256, PAGE], PAIR_VIEW_T)
-        else:
-            view = pair._reinterpret(gl.float8e4nv, [256, PAGE], PAIR_VIEW_T)
-        return gl.convert_layout(_transpose4x4(view.load(V_LOAD4)).to(gl.float8e4nv, bitcast=True), a_l)
 
     @gluon.jit
     def _mla_decode_gluon_narrow8(
@@ -163,8 +151,11 @@ if HAVE_GLUON:
                 acc_b = acc_b * beta
             else:
                 pt = p_smem.permute((1, 0))
-                acc_a = warpgroup_mma(_vt_half(lat4, slot, 0, PAGE, a_o, ABLATE), pt, acc_a * beta, is_async=True)
-                vt_b = _vt_half(lat4, slot, 1, PAGE, a_o, ABLATE)  # while the tensor cores run the first half
+                # V^T of boxes 0-1, then of boxes 2-3 while the tensor cores run the first half
+                acc_a = warpgroup_mma(_vt_operand(page_smem.slice(0, 2 * PAGE, dim=0), PAIR_VIEW_T, V_LOAD4, HALF, PAGE,
+                                                  a_o, ABLATE), pt, acc_a * beta, is_async=True)
+                vt_b = _vt_operand(page_smem.slice(2 * PAGE, 2 * PAGE, dim=0), PAIR_VIEW_T, V_LOAD4, HALF, PAGE, a_o,
+                                   ABLATE)
                 acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
                 acc_b = warpgroup_mma(vt_b, pt, acc_b * beta, is_async=True)
                 acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))

@@ -143,8 +143,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _transpose4x4(v8):
         """Two 4 x 4 byte transposes per 8 registers (eight prmt): register 2 r + c, byte b -> register
-        2 b + c, byte r, for 32 consecutive e4m3 codes in register order (V_LOAD: bytes = tokens bits 0-1,
-        c = m bit 8, r = m bits 3, 7)."""
+        2 b + c, byte r, for 32 consecutive e4m3 codes in register order (`box_views.v_load_bases`: bytes =
+        tokens bits 0-1, c = m's top bit, r = the two m bits the transposed view traded with the bytes;
+        `box_views.transposed_register`)."""
         return gl.inline_asm_elementwise(
             """{ .reg .b32 t<8>;
             prmt.b32 t0, $8, $10, 0x5140; prmt.b32 t1, $8, $10, 0x7362;
@@ -159,17 +160,19 @@ if HAVE_GLUON:
             is_pure=True, pack=32)
 
     @gluon.jit
-    def _vt_operand(lat4, slot, base, length, PAGE: gl.constexpr, a_l: gl.constexpr, ABLATE: gl.constexpr):
-        """The slot's page as PV's A operand V^T [512 m, PAGE tokens] in registers (e4m3, wgmma layout
-        a_l): 8-byte loads through SLOT_VIEW_T, a 4 x 4 byte transpose per four registers (whose result is
-        already the MMA's layout, up to register names). ABLATE 1: zeros (timing probes only)."""
+    def _vt_operand(boxes, VIEW: gl.constexpr, LOAD: gl.constexpr, M: gl.constexpr, PAGE: gl.constexpr,
+                    a_l: gl.constexpr, ABLATE: gl.constexpr):
+        """Stacked TMA boxes (a slot, or a pair of its boxes) as PV's A operand V^T [M, PAGE] in registers
+        (e4m3, wgmma layout a_l): 8-byte loads through the transposed view VIEW in the layout LOAD
+        (`box_views.slot_view_bases`, `v_load_bases`), a 4 x 4 byte transpose per four registers, whose
+        result is already the MMA's layout up to register names. ABLATE 1: zeros (timing probes only)."""
         if ABLATE & 1:
-            return gl.zeros([512, PAGE], gl.float8e4nv, a_l)
+            return gl.zeros([M, PAGE], gl.float8e4nv, a_l)
         if NEW_REINTERPRET:
-            view = lat4.index(slot).reinterpret(gl.float8e4nv, [512, PAGE], SLOT_VIEW_T)
+            view = boxes.reinterpret(gl.float8e4nv, [M, PAGE], VIEW)
         else:
-            view = lat4.index(slot)._reinterpret(gl.float8e4nv, [512, PAGE], SLOT_VIEW_T)
-        v8 = _transpose4x4(view.load(V_LOAD))
+            view = boxes._reinterpret(gl.float8e4nv, [M, PAGE], VIEW)
+        v8 = _transpose4x4(view.load(LOAD))
         return gl.convert_layout(v8.to(gl.float8e4nv, bitcast=True), a_l)
 
     @gluon.jit
@@ -211,8 +214,7 @@ if HAVE_GLUON:
         H, NSPLIT,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
-        STAGES: gl.constexpr = 2, CHAINS: gl.constexpr = 2, SM_ROWS: gl.constexpr = True, EARLY_V: gl.constexpr = False,
-        ABLATE: gl.constexpr = 0,
+        STAGES: gl.constexpr = 2, CHAINS: gl.constexpr = 2, ABLATE: gl.constexpr = 0,
     ):
         """Native FP8 MMAs with PV swapped: O^T [R, 64 rows] += V^T P^T, V^T read from the TMA slot into
         registers (no transposed tile), P^ [rows, tokens] from shared memory as the K-major B operand."""
@@ -231,10 +233,7 @@ if HAVE_GLUON:
                                                        instr_shape=[16, PAGE // 2, 32])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BM, 32])
         a_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=4)
-        if SM_ROWS:
-            sm_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
-        else:
-            sm_l: gl.constexpr = s_l
+        sm_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # a warp owns 8 rows
         srow_l: gl.constexpr = gl.SliceLayout(1, sm_l)
         stok_l: gl.constexpr = gl.SliceLayout(0, sm_l)
         orow_l: gl.constexpr = gl.SliceLayout(0, o_l)
@@ -288,8 +287,6 @@ if HAVE_GLUON:
                                            page_smem.slice(k * PAGE, PAGE, dim=0).permute((1, 0)), k1, is_async=True)
                 rd = warpgroup_mma(qr_smem, rope_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
                                    is_async=True)
-            if EARLY_V:  # this page's V^T into registers while the tensor cores run QK
-                vt = _vt_operand(lat4, slot, base, length, PAGE, a_o, ABLATE)
             if ABLATE & 2:  # (timing probes only, scripts/probe_gluon_decode.py: wrong results)
                 qk = zero_s + it
             elif CHAINS == 1:
@@ -298,8 +295,9 @@ if HAVE_GLUON:
             else:
                 k0, k1, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, rd))
                 qk = gl.convert_layout(k0 + k1, s_l) + rd  # the same registers (no data movement)
-            if not EARLY_V:
-                vt = _vt_operand(lat4, slot, base, length, PAGE, a_o, ABLATE)
+            # V^T after the QK wait: loaded under the QK MMAs it raised register pressure (H200, B=32 H=64
+            # L=8K: 157.4 vs 141.0 us, perf-notes 20)
+            vt = _vt_operand(page_smem, SLOT_VIEW_T, V_LOAD, R, PAGE, a_o, ABLATE)
             cta_barrier()  # every warp has read the slot (QK and V^T): refill it
             _issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, slot, page_refill, lat_page_rows, rope_page_rows,
                         (it + STAGES < n_run) & (not NO_TMA), NBOX, BOXW, PAGE)

@@ -552,11 +552,10 @@ def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, caus
     fp8 = ops.layout == "snapmla"
     args = _gluon_args(q, ops, o_part, lse_part, sm_scale_log2, num_splits, fp8)
     common = dict(S=S, R=ops.kv_lora_rank, D=ops.rope_dim, PAGE=PAGE_SIZE, CAUSAL=causal, P_DIV=p_div,
-                  LSE_NATURAL=num_splits == 1, SM_ROWS=True, num_warps=8)
+                  LSE_NATURAL=num_splits == 1, num_warps=8)
     if mma8 and block_m == 32:
         from .gluon_narrow8 import _mla_decode_gluon_narrow8
 
-        common.pop("SM_ROWS")
         return KernelLaunch("decode_gluon_narrow8", _mla_decode_gluon_narrow8, (m_blocks, B, num_splits), args,
                             dict(CHAINS=2, STAGES=stages, **dict(common, num_warps=4)))
     if mma8:
@@ -567,7 +566,7 @@ def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, caus
     from .gluon_wide import _mla_decode_gluon_wide
 
     return KernelLaunch("decode_gluon_wide", _mla_decode_gluon_wide, (m_blocks, B, num_splits), args,
-                        dict(FP8=fp8, **common))
+                        dict(FP8=fp8, SM_ROWS=True, **common))
 
 
 def default_tile(layout: str, config: KVQuantConfig, fp8_mma: bool | str = False) -> str:
