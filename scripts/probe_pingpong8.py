@@ -19,6 +19,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="32x64x8192,128x128x4096,64x128x8192,1x128x32768,4x64x8192,64x32x4096")
     ap.add_argument("--knobs", default="PINGPONG=0,STAGES=2,STAGES=4,WORKER_REGS=256,CHAINS=1")
+    ap.add_argument("--ablate-shape", default="32x64x8192", help="shape of the ablation table ('' for none)")
+    ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--out", default="results/bench/h200_pingpong/probe.json")
     args = ap.parse_args()
     import triton
@@ -60,7 +62,7 @@ def main() -> int:
         return plan
 
     # correctness: tails with NaN codes, partial row tiles, s_q = 2, explicit splits
-    for B, S, H, L, lens, ns in ((4, 1, 64, 1024, [1000, 77, 1024, 513], None), (3, 2, 20, 700, [700, 65, 300], 3),
+    for B, S, H, L, lens, ns in () if args.skip_check else ((4, 1, 64, 1024, [1000, 77, 1024, 513], None), (3, 2, 20, 700, [700, 65, 300], 3),
                                  (2, 1, 128, 4096, [4096, 4000], None), (1, 1, 128, 8192, [8100], 16)):
         cache = cache_for(B, L, lens, nan_tail=True)
         q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
@@ -78,8 +80,25 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
 
+    # where the time goes: the same ablation bits on gluon_narrow8 and gluon_pingpong8 (wrong results)
+    if args.ablate_shape:
+        B, H, L = (int(x) for x in args.ablate_shape.split("x"))
+        cache = cache_for(B, L)
+        q = torch.randn(B, H, r + d, device="cuda").to(torch.bfloat16)
+        for ab in (0, 2, 4, 8, 1, 6, 14, 16):
+            for name in ("narrow8", "pingpong8", "pingpong8 PINGPONG=0", "pingpong8 RELEASE_FENCE=0"):
+                if name == "narrow8":
+                    plan = mla_decode_plan(q, cache, tau, tile="gluon", fp8_mma=True)
+                else:
+                    kw = dict(kv.split("=") for kv in name.split()[1:])
+                    plan = pp_plan(q, cache, **{k: int(v) for k, v in kw.items()})
+                plan.launches[0].kwargs["ABLATE"] = ab
+                us = triton.testing.do_bench_cudagraph(plan.run, rep=200) * 1e3
+                rows.append({"shape": args.ablate_shape, "variant": name, "ablate": ab, "us": round(us, 1)})
+                print(f"{args.ablate_shape:14s} ablate={ab:2d} {name:28s} {us:8.1f} us", flush=True)
+
     # timings
-    for shape in args.shapes.split(","):
+    for shape in (s for s in args.shapes.split(",") if s):
         B, H, L = (int(x) for x in shape.split("x"))
         cache = cache_for(B, L)
         bf = PagedMLACache.empty(B, L, r, d, PRESETS["bf16"], device="cuda")

@@ -41,28 +41,29 @@ if HAVE_GLUON:
     from .gluon_wide8 import _issue_slot, _native8_smem, _store_vt, _vt_operand, _zero_tail_slot
 
     @gluon.jit
-    def _take_turn(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """Wait until warpgroup WG may issue its k-th batch of MMAs: warpgroup 0's first batch goes at once
+    def _take_turn(turn, k, wg, PINGPONG: gl.constexpr):
+        """Wait until warpgroup wg may issue its k-th batch of MMAs: warpgroup 0's first batch goes at once
         (a fresh mbarrier passes a wait on parity 1), every later one after the other warpgroup's."""
         if PINGPONG:
-            mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
+            mbarrier.wait(turn.index(wg), (k & 1) ^ (1 - wg))
 
     @gluon.jit
-    def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """Warpgroup WG has issued its batch (every warp: wgmma is warpgroup-wide): the other one's turn."""
+    def _pass_turn(turn, wg, PINGPONG: gl.constexpr):
+        """Warpgroup wg has issued its batch (every warp: wgmma is warpgroup-wide): the other one's turn."""
         if PINGPONG:
             cta_barrier()
-            mbarrier.arrive(turn.index(1 - WG), count=1)
+            mbarrier.arrive(turn.index(1 - wg), count=1)
 
     @gluon.jit
     def _pingpong_rows(Q, lat_desc, rope_desc, SCALE, bt_row, O_PART, LSE_PART, sm_scale_log2, b64, split, length,
                        p_lo, n_run, stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp,
                        stride_st, stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, H,
-                       lat4, rope_smem, q_all, qr_all, p_all, ready, empty, turn, zeroed,
+                       lat4, rope_smem, q_smem, qr_smem, p_smem, ready, empty, turn, zeroed, wg: gl.constexpr,
                        S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
                        CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, STAGES: gl.constexpr,
-                       CHAINS: gl.constexpr, ABLATE: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
-        """One warpgroup's 32 rows (rows 32 WG.. of the program's 64): `gluon_narrow8`'s page loop on the
+                       CHAINS: gl.constexpr, ABLATE: gl.constexpr, PINGPONG: gl.constexpr,
+                       RELEASE_FENCE: gl.constexpr):
+        """One warpgroup's 32 rows (rows 32 wg.. of the program's 64): `gluon_narrow8`'s page loop on the
         shared slots, with turns on the tensor cores and the slot hand-offs described in the module."""
         BN: gl.constexpr = 32
         BOXW: gl.constexpr = 128
@@ -80,10 +81,7 @@ if HAVE_GLUON:
         q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         NO_TMA: gl.constexpr = ABLATE & 16 != 0
 
-        row0 = gl.program_id(0) * (2 * BN) + WG * BN
-        q_smem = q_all.slice(WG * BN, BN, dim=0)
-        qr_smem = qr_all.slice(WG * BN, BN, dim=0)
-        p_smem = p_all.slice(WG * BN, BN, dim=0)
+        row0 = gl.program_id(0) * (2 * BN) + wg * BN
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, True,
                                 q_l)
         limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
@@ -106,7 +104,7 @@ if HAVE_GLUON:
                              mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1, pred=not NO_TMA)
             if base + PAGE > length:  # a request's last page: its tail codes -> 0 (P = 0 does not cancel a NaN)
-                if WG == 0:
+                if wg == 0:
                     _zero_tail_slot(lat4, slot, base, length, NBOX, PAGE, cvt_l)
                     fence_async_shared()  # the QK MMAs read the slot through the async proxy
                     cta_barrier()
@@ -116,9 +114,9 @@ if HAVE_GLUON:
             page_smem = lat4.index(slot)
 
             # scores^T [PAGE, BN]: the boxes as they landed (A) times q^T (B), CHAINS fp32 chains, + RoPE
-            _take_turn(turn, 2 * it, WG, PINGPONG)
+            _take_turn(turn, 2 * it, wg, PINGPONG)
             if ABLATE & 2:  # (timing probes only, scripts/probe_gluon_decode.py: wrong results)
-                _pass_turn(turn, WG, PINGPONG)
+                _pass_turn(turn, wg, PINGPONG)
                 qk = zero_s + it
             else:
                 KC: gl.constexpr = R // CHAINS
@@ -136,11 +134,11 @@ if HAVE_GLUON:
                     for k in gl.static_range(KC // BOXW + 1, NBOX):
                         k1 = warpgroup_mma(page_smem.slice(k * PAGE, PAGE, dim=0),
                                            q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)), k1, is_async=True)
-                    _pass_turn(turn, WG, PINGPONG)
+                    _pass_turn(turn, wg, PINGPONG)
                     k0, k1, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, rd))
                     qk = gl.convert_layout(k0 + k1, s_l) + rd  # the same registers (no data movement)
                 else:
-                    _pass_turn(turn, WG, PINGPONG)
+                    _pass_turn(turn, wg, PINGPONG)
                     k0, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, rd))
                     qk = gl.convert_layout(k0, s_l) + rd
 
@@ -156,9 +154,9 @@ if HAVE_GLUON:
             fence_async_shared()
             cta_barrier()
             beta = gl.expand_dims(gl.convert_layout(rescale, orow_l), 0)
-            _take_turn(turn, 2 * it + 1, WG, PINGPONG)
+            _take_turn(turn, 2 * it + 1, wg, PINGPONG)
             if ABLATE & 4:
-                _pass_turn(turn, WG, PINGPONG)
+                _pass_turn(turn, wg, PINGPONG)
                 acc_a = acc_a * beta
                 acc_b = acc_b * beta
             else:
@@ -169,14 +167,15 @@ if HAVE_GLUON:
                 vt_b = _vt_operand(page_smem.slice(2 * PAGE, 2 * PAGE, dim=0), PAIR_VIEW_T, V_LOAD4, HALF, PAGE, a_o,
                                    ABLATE)
                 acc_b = warpgroup_mma(vt_b, pt, acc_b * beta, is_async=True)
-                _pass_turn(turn, WG, PINGPONG)
+                _pass_turn(turn, wg, PINGPONG)
                 acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
             # this warpgroup is done with the slot (QK, V^T) and with P^; warpgroup 1 refills the slot once
             # warpgroup 0 is too (the loads went through the generic proxy, the refill is async)
-            fence_async_shared()
+            if RELEASE_FENCE:
+                fence_async_shared()
             cta_barrier()
             mbarrier.arrive(empty.index(slot), count=1)
-            if WG == 1:
+            if wg == 1:
                 refill = (it + STAGES < n_run) & (not NO_TMA)
                 mbarrier.wait(empty.index(slot), (it // STAGES) & 1, pred=refill)
                 page_refill = gl.load(bt_row + it + STAGES, mask=it + STAGES < n_run, other=0).to(gl.int64)
@@ -197,7 +196,7 @@ if HAVE_GLUON:
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
         STAGES: gl.constexpr = 3, CHAINS: gl.constexpr = 2, ABLATE: gl.constexpr = 0, PINGPONG: gl.constexpr = True,
-        WORKER_REGS: gl.constexpr = 240,
+        WORKER_REGS: gl.constexpr = 240, RELEASE_FENCE: gl.constexpr = True,
     ):
         """64 query rows x one split on two warpgroups (this warpgroup runs rows 0-31 as the default
         partition, a 4-warp worker partition rows 32-63)."""
@@ -226,14 +225,21 @@ if HAVE_GLUON:
         mbarrier.init(zeroed, count=1)
         fence_async_shared()
         cta_barrier()
-        # the same code on both warpgroups (a tuple built once and extended loses its constexprs)
-        gl.warp_specialize([(_pingpong_rows, (Q, lat_desc, rope_desc, SCALE, bt_row, O_PART, LSE_PART, sm_scale_log2, b64, split, length, p_lo,
-                n_run, stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st,
-                stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, H,
-                lat4, rope_smem, q_all, qr_all, p_all, ready, empty, turn, zeroed,
-                S, R, D, PAGE, CAUSAL, P_DIV, LSE_NATURAL, STAGES, CHAINS, ABLATE, PINGPONG, 0)),
-                            (_pingpong_rows, (Q, lat_desc, rope_desc, SCALE, bt_row, O_PART, LSE_PART, sm_scale_log2, b64, split, length, p_lo,
-                n_run, stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st,
-                stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, H,
-                lat4, rope_smem, q_all, qr_all, p_all, ready, empty, turn, zeroed,
-                S, R, D, PAGE, CAUSAL, P_DIV, LSE_NATURAL, STAGES, CHAINS, ABLATE, PINGPONG, 1))], [4], [WORKER_REGS])
+        # both partitions run the same page loop (each its own inlined copy; `noinline` fails in Triton 3.6's
+        # debug-info pass and was inlined anyway)
+        gl.warp_specialize([
+            (_pingpong_rows, (Q, lat_desc, rope_desc, SCALE, bt_row, O_PART, LSE_PART, sm_scale_log2, b64, split,
+                              length, p_lo, n_run, stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows,
+                              stride_sp, stride_st, stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
+                              H, lat4, rope_smem, q_all.slice(0, 32, dim=0), qr_all.slice(0, 32, dim=0),
+                              p_all.slice(0, 32, dim=0), ready, empty, turn, zeroed, 0,
+                              S, R, D, PAGE, CAUSAL, P_DIV, LSE_NATURAL, STAGES, CHAINS, ABLATE, PINGPONG,
+                              RELEASE_FENCE)),
+            (_pingpong_rows, (Q, lat_desc, rope_desc, SCALE, bt_row, O_PART, LSE_PART, sm_scale_log2, b64, split,
+                              length, p_lo, n_run, stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows,
+                              stride_sp, stride_st, stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
+                              H, lat4, rope_smem, q_all.slice(32, 32, dim=0), qr_all.slice(32, 32, dim=0),
+                              p_all.slice(32, 32, dim=0), ready, empty, turn, zeroed, 1,
+                              S, R, D, PAGE, CAUSAL, P_DIV, LSE_NATURAL, STAGES, CHAINS, ABLATE, PINGPONG,
+                              RELEASE_FENCE)),
+        ], [4], [WORKER_REGS])
