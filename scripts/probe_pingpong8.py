@@ -20,6 +20,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="32x64x8192,128x128x4096,64x128x8192,1x128x32768,4x64x8192,64x32x4096")
     ap.add_argument("--knobs", default="PINGPONG=0,STAGES=2,STAGES=4,WORKER_REGS=256,CHAINS=1")
     ap.add_argument("--ablate-shape", default="32x64x8192", help="shape of the ablation table ('' for none)")
+    ap.add_argument("--ablate", default="0,2,4,8,1,6,14,16", help="ABLATE bits of the ablation table")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--out", default="results/bench/h200_pingpong/probe.json")
     args = ap.parse_args()
@@ -85,8 +86,8 @@ def main() -> int:
         B, H, L = (int(x) for x in args.ablate_shape.split("x"))
         cache = cache_for(B, L)
         q = torch.randn(B, H, r + d, device="cuda").to(torch.bfloat16)
-        for ab in (0, 2, 4, 8, 1, 6, 14, 16):
-            for name in ("narrow8", "pingpong8", "pingpong8 PINGPONG=0", "pingpong8 RELEASE_FENCE=0"):
+        for ab in (int(a) for a in args.ablate.split(",")):
+            for name in ["narrow8", "pingpong8"] + [f"pingpong8 {kv}" for kv in args.knobs.split(",") if kv]:
                 if name == "narrow8":
                     plan = mla_decode_plan(q, cache, tau, tile="gluon", fp8_mma=True)
                 else:
@@ -112,8 +113,6 @@ def main() -> int:
         for kv in args.knobs.split(","):
             k, v = kv.split("=")
             plans[f"pingpong8 {kv}"] = pp_plan(q, cache, **{k: int(v)})
-        for ns in (1, 2) if B >= 32 else (4, 8) if B >= 4 else (64, 128, 264):
-            plans[f"pingpong8 splits={ns}"] = pp_plan(q, cache, num_splits=ns)
         base = plans["narrow8"].run()[0]
         for name, plan in plans.items():
             try:

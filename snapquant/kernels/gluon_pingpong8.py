@@ -99,6 +99,8 @@ if HAVE_GLUON:
         for it in range(n_run):
             slot = it % STAGES
             base = (p_lo + it) * PAGE
+            # the page to refill this slot with, loaded now: its latency is off the refill's path
+            page_refill = gl.load(bt_row + it + STAGES, mask=it + STAGES < n_run, other=0).to(gl.int64)
             page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
             s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
                              mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
@@ -178,7 +180,6 @@ if HAVE_GLUON:
             if wg == 1:
                 refill = (it + STAGES < n_run) & (not NO_TMA)
                 mbarrier.wait(empty.index(slot), (it // STAGES) & 1, pred=refill)
-                page_refill = gl.load(bt_row + it + STAGES, mask=it + STAGES < n_run, other=0).to(gl.int64)
                 _issue_slot(lat_desc, rope_desc, lat4, rope_smem, ready, slot, page_refill, lat_page_rows,
                             rope_page_rows, refill, NBOX, BOXW, PAGE)
 
