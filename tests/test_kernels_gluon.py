@@ -372,6 +372,38 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, block_
         assert (lse.cpu() - lz).abs().max().item() < lse_tol
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("block_m", [32, 64])
+@pytest.mark.parametrize("B,H,S,L,splits", [(5, 64, 1, 700, None), (3, 20, 2, 130, 1), (2, 128, 1, 1000, 3)])
+def test_native8_fast_softmax_gives_the_same_bits(block_m, B, H, S, L, splits, r=512, d=64):
+    """The native kernels' FAST path (no position test on pages every row sees whole, the e4m3 conversion's
+    own saturation instead of a clamp, q / sigma by a reciprocal with Markstein's correction) is the same
+    arithmetic: identical output and LSE bits to FAST=False, with NaN codes past the lengths, partial row
+    tiles, causal s_q = 2 and explicit splits."""
+    torch.manual_seed(B * 1000 + H + L)
+    cfg = PRESETS["snapmla"]
+    lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
+    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
+    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
+    cache.lengths.copy_(lengths.cuda())
+    for b, n in enumerate(lengths.tolist()):
+        if n % 64:
+            cache.latent[cache.block_table[b, (n - 1) // 64], n % 64:].view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+    q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
+    results = []
+    for fast in (False, True):
+        plan = mla_decode_plan(q, cache, 1 / math.sqrt(192), cfg, num_splits=splits, tile="gluon", fp8_mma=True,
+                               block_m=block_m)
+        plan.launches[0].kwargs["FAST"] = fast
+        out, lse = plan.run()
+        results.append((out.clone(), lse.clone()))
+    (out0, lse0), (out1, lse1) = results
+    assert torch.isfinite(out1).all()
+    assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
+
+
 # ------------------------------------------- the register-operand kernel's box views (gluon_regs.py)
 @pytest.mark.parametrize("boxes,warp_bits", [(4, 3), (2, 2)])
 def test_slot_view_reads_v_transposed_as_pv8_rows(boxes, warp_bits):

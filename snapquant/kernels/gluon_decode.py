@@ -152,11 +152,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S: gl.constexpr,
                         R: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, QK_FP8: gl.constexpr, q_l: gl.constexpr,
-                        Q8: gl.constexpr = True, QK_PERM: gl.constexpr = False):
+                        Q8: gl.constexpr = True, QK_PERM: gl.constexpr = False, Q_RCP: gl.constexpr = False):
         """Stores q^ = e4m3(q / sigma) (as fp16, or e4m3 for a native fp8 QK) and q~r = bf16(q_r / sigma)
         of the program's BN query rows into shared memory; returns sigma = amax(q) / 448 per row.
         Q8=False (the bf16 layout): bf16(q) and bf16(q_r), sigma = 1. QK_PERM: q^'s channels in
-        `gluon_regs`' QK order (column k holds channel qk_channel(k))."""
+        `gluon_regs`' QK order (column k holds channel qk_channel(k)). Q_RCP: q / sigma as q times 1 / sigma
+        with one fma correction (Markstein: the correctly rounded quotient, as div_rn, in 3 instructions)."""
         rows_q = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, q_l))
         rq_ok = rows_q < S * H
         q_row = Q + b64 * stride_qb + (rows_q // H) * stride_qs + (rows_q % H) * stride_qh
@@ -170,13 +171,21 @@ if HAVE_GLUON:
             amax = gl.max(gl.abs(q), 1)
             sigma = gl.div_rn(amax, gl.full_like(amax, E4M3_MAX))
             sigma = gl.where(amax == 0, 1.0, gl.maximum(sigma, SCALE_FLOOR))
-            qn = gl.div_rn(q, gl.expand_dims(sigma, 1) + gl.zeros_like(q))
+            if Q_RCP:
+                qn = _div_markstein(q, gl.expand_dims(sigma, 1) + gl.zeros_like(q),
+                                    gl.expand_dims(gl.div_rn(gl.full_like(sigma, 1.0), sigma), 1) + gl.zeros_like(q))
+            else:
+                qn = gl.div_rn(q, gl.expand_dims(sigma, 1) + gl.zeros_like(q))
             qn = gl.minimum(gl.maximum(qn, -E4M3_MAX), E4M3_MAX)
             if QK_FP8:
                 q_smem.store(qn.to(gl.float8e4nv))
             else:
                 q_smem.store(qn.to(gl.float8e4nv).to(gl.float16))
-            qr = gl.div_rn(qr, gl.expand_dims(sigma, 1) + gl.zeros_like(qr))
+            if Q_RCP:
+                qr = _div_markstein(qr, gl.expand_dims(sigma, 1) + gl.zeros_like(qr),
+                                    gl.expand_dims(gl.div_rn(gl.full_like(sigma, 1.0), sigma), 1) + gl.zeros_like(qr))
+            else:
+                qr = gl.div_rn(qr, gl.expand_dims(sigma, 1) + gl.zeros_like(qr))
             qr_smem.store(gl.minimum(gl.maximum(qr, -BF16_MAX), BF16_MAX).to(gl.bfloat16))
         else:
             sigma = gl.full([BN], 1.0, gl.float32, gl.SliceLayout(1, q_l))
@@ -214,6 +223,13 @@ if HAVE_GLUON:
         return limit, coef, m_i, l_i, pi_i, pi_max
 
     @gluon.jit
+    def _div_markstein(a, b, r_inv):
+        """a / b correctly rounded (as div_rn) from r_inv = div_rn(1, b): a * r_inv, then one fma correction
+        (Markstein's theorem; finite, non-underflowing quotients)."""
+        y = a * r_inv
+        return gl.fma(gl.fma(-y, b, a), r_inv, y)
+
+    @gluon.jit
     def _online_softmax(x, m_i, AX: gl.constexpr):
         """One page of the log2-domain online softmax, tokens along AX (`decode_kernels._online_softmax`):
         (m_new, e, alpha); rows with nothing visible yet keep m = -inf (their e and alpha are 0)."""
@@ -223,13 +239,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, P_DIV: gl.constexpr,
-                AX: gl.constexpr = 0):
+                AX: gl.constexpr = 0, MASK: gl.constexpr = True, CLAMP: gl.constexpr = True):
         """One page of the online softmax and of fp8_scale_fused P, tokens along axis AX (the arithmetic
         of `decode_kernels._online_softmax` and `_page_weights`): raw = <q^, c^> + <q~r, r~> per
-        (token, row) -> (P^ as e4m3, accumulator rescale beta, m, l, pi, pi_max)."""
+        (token, row) -> (P^ as e4m3, accumulator rescale beta, m, l, pi, pi_max). MASK=False: the caller
+        knows every row sees every token of the page (no position test). CLAMP=False: the e4m3
+        conversion's own saturation (cvt.satfinite) bounds f / pi, the same codes for finite values."""
         RA: gl.constexpr = 1 - AX  # the rows' axis
         x = (gl.expand_dims(s_cur, RA) * raw) * gl.expand_dims(coef, AX)
-        x = gl.where(gl.expand_dims(pos, RA) < gl.expand_dims(limit, AX), x, float("-inf"))
+        if MASK:
+            x = gl.where(gl.expand_dims(pos, RA) < gl.expand_dims(limit, AX), x, float("-inf"))
         m_new, e, alpha = _online_softmax(x, m_i, AX)
         # pi = max f / 448 (floored), P^ = e4m3(f / pi), f = e times the token scale
         f = e * gl.expand_dims(s_cur, RA)
@@ -242,10 +261,13 @@ if HAVE_GLUON:
             y = gl.div_rn(f, pi_b)
         else:
             r_inv = gl.expand_dims(gl.div_rn(gl.full_like(pi_new, 1.0), pi_new), AX) + zero_s
-            y = f * r_inv
             if P_DIV == 2:  # Markstein: one fma correction gives the correctly rounded quotient
-                y = gl.fma(gl.fma(-y, pi_b, f), r_inv, y)
-        p8 = gl.minimum(gl.maximum(y, -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
+                y = _div_markstein(f, pi_b, r_inv)
+            else:
+                y = f * r_inv
+        if CLAMP:
+            y = gl.minimum(gl.maximum(y, -E4M3_MAX), E4M3_MAX)
+        p8 = y.to(gl.float8e4nv)
         rescale = gl.div_rn(alpha * pi_i, pi_new)
         l_i = rescale * l_i + gl.div_rn(gl.sum(e, AX), pi_new)
         return p8, rescale, m_new, l_i, pi_new, pi_max

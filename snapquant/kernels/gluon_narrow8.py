@@ -57,6 +57,7 @@ if HAVE_GLUON:
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
         STAGES: gl.constexpr = 2, CHAINS: gl.constexpr = 2, ABLATE: gl.constexpr = 0,
+        FAST: gl.constexpr = False,
     ):
         gl.static_assert(num_warps == 4)
         gl.static_assert(R == 512)
@@ -91,8 +92,9 @@ if HAVE_GLUON:
             NO_TMA)
 
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, True,
-                                q_l)
+                                q_l, True, False, FAST)
         limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
+        lim_min = gl.min(gl.where(limit > 0, limit, 1 << 30), 0)  # the fewest tokens a row sees (FAST)
         acc_a = gl.zeros([HALF, BN], gl.float32, o_l)  # O^T of boxes 0-1, rows in pv8_channel(m, 2) order
         acc_b = gl.zeros([HALF, BN], gl.float32, o_l)  # boxes 2-3
         zero_s = gl.zeros([PAGE, BN], gl.float32, s_l)
@@ -138,9 +140,12 @@ if HAVE_GLUON:
             if ABLATE & 8:
                 p8 = raw.to(gl.float8e4nv)
                 rescale = gl.full([BN], 1.0, gl.float32, srow_l)
+            elif FAST and base + PAGE <= lim_min:  # every row sees the whole page: no position test
+                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
+                                                              pi_max, zero_sm, P_DIV, 0, False, False)
             else:
                 p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
-                                                              pi_max, zero_sm, P_DIV, 0)
+                                                              pi_max, zero_sm, P_DIV, 0, True, not FAST)
             s_cur = s_next
             p_smem.store(gl.permute(p8, [1, 0]))  # P^ [rows, tokens]: the K-major B operand P^T
             fence_async_shared()

@@ -215,6 +215,7 @@ if HAVE_GLUON:
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
         STAGES: gl.constexpr = 2, CHAINS: gl.constexpr = 2, ABLATE: gl.constexpr = 0,
+        FAST: gl.constexpr = False,
     ):
         """Native FP8 MMAs with PV swapped: O^T [R, 64 rows] += V^T P^T, V^T read from the TMA slot into
         registers (no transposed tile), P^ [rows, tokens] from shared memory as the K-major B operand."""
@@ -253,8 +254,9 @@ if HAVE_GLUON:
             NO_TMA)
 
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, True,
-                                q_l)
+                                q_l, True, False, FAST)
         limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BM, CAUSAL, srow_l)
+        lim_min = gl.min(gl.where(limit > 0, limit, 1 << 30), 0)  # the fewest tokens a row sees (FAST)
         acc = gl.zeros([R, BM], gl.float32, o_l)  # O^T, rows in pv8_channel order
         zero_s = gl.zeros([BM, PAGE], gl.float32, s_l)
         zero_s8 = gl.zeros([BM, PAGE], gl.float32, s8_l)
@@ -306,9 +308,12 @@ if HAVE_GLUON:
             if ABLATE & 8:
                 p8 = raw.to(gl.float8e4nv)
                 rescale = gl.full([BM], 1.0, gl.float32, srow_l)
+            elif FAST and base + PAGE <= lim_min:  # every row sees the whole page: no position test
+                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
+                                                              pi_max, zero_sm, P_DIV, 1, False, False)
             else:
                 p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
-                                                              pi_max, zero_sm, P_DIV, 1)
+                                                              pi_max, zero_sm, P_DIV, 1, True, not FAST)
             s_cur = s_next
             p_smem.store(p8)  # P^ [rows, tokens]: tokens contiguous, the K-major B operand P^T
             fence_async_shared()

@@ -1,0 +1,97 @@
+"""Time the native FP8 kernels' constexpr variants at several shapes, beside BF16 and the exact kernel.
+
+H200 only (Gluon). `scripts/probe_gluon_decode.py` ablates one shape in depth; this one sweeps shapes
+for a few variants of `gluon_narrow8` (block_m 32) and `gluon_wide8` (block_m 64), e.g.
+"narrow8 FAST=1" or "narrow8 FAST=1 P_DIV=1", and split counts ("narrow8 splits=96"). Each variant's
+output is compared with the same kernel's launcher default (identical bits, or the relative L2
+distance). Writes JSON to --out atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+SHAPES = "32x64x8192,128x128x4096,64x128x8192,1x128x32768,4x64x8192,64x32x4096"
+VARIANTS = "narrow8,narrow8 FAST=0,narrow8 FAST=1,narrow8 FAST=1 P_DIV=1,wide8,wide8 FAST=0"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=SHAPES, help="BxHxL,...")
+    ap.add_argument("--variants", default=VARIANTS, help="comma-separated: kernel [KNOB=int ...] [splits=N]")
+    ap.add_argument("--out", default="results/bench/h200_native8/probe.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("needs a Hopper GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    from snapquant import PRESETS
+    from snapquant.bench.runner import environment
+    from snapquant.kernels import PagedMLACache
+    from snapquant.kernels.mla_decode import mla_decode_plan
+
+    seed, r, d, tau = 0, 512, 64, 0.07
+    torch.manual_seed(seed)
+    rows: list[dict] = []
+    for shape in args.shapes.split(","):
+        B, H, L = (int(x) for x in shape.split("x"))
+        cache = PagedMLACache.empty(B, L, r, d, PRESETS["snapmla"], device="cuda")
+        codes = torch.randint(0, 0x7F, cache.latent.shape, device="cuda", dtype=torch.uint8)  # 0x7f: NaN
+        codes |= torch.randint(0, 2, cache.latent.shape, device="cuda", dtype=torch.uint8) << 7
+        cache.latent.view(torch.uint8).copy_(codes)
+        cache.scale.uniform_(0.001, 0.01)
+        cache.rope.copy_(torch.randn(cache.rope.shape, device="cuda").to(cache.rope.dtype))
+        cache.lengths.fill_(L)
+        bf = PagedMLACache.empty(B, L, r, d, PRESETS["bf16"], device="cuda")
+        bf.latent.copy_(torch.randn_like(bf.latent, dtype=torch.float32).to(bf.latent.dtype))
+        bf.rope.copy_(cache.rope)
+        bf.lengths.fill_(L)
+        q = torch.randn(B, H, r + d, device="cuda").to(torch.bfloat16)
+        plans = {"bf16": (mla_decode_plan(q, bf, tau), None), "exact": (mla_decode_plan(q, cache, tau), None)}
+        for v in args.variants.split(","):
+            kernel, *knobs = v.split()
+            kw = {k: int(x) for k, x in (kv.split("=") for kv in knobs)}
+            bm = {"narrow8": 32, "wide8": 64}[kernel]
+            splits = kw.pop("splits", None)
+            plan = mla_decode_plan(q, cache, tau, tile="gluon", fp8_mma=True, block_m=bm, num_splits=splits)
+            plan.launches[0].kwargs.update(kw)
+            plans[v] = (plan, kernel)
+        outs: dict[str, torch.Tensor] = {}
+        for name, (plan, kernel) in plans.items():
+            try:
+                out = plan.run()[0].clone()
+                us = triton.testing.do_bench_cudagraph(plan.run, rep=200) * 1e3
+            except Exception as e:  # report, keep probing
+                rows.append({"shape": shape, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                print(f"{shape:14s} {name:28s} ERROR {str(e)[:160]}", flush=True)
+                continue
+            row = {"shape": shape, "variant": name, "us": round(us, 1), "splits": plan.knobs.get("num_splits"),
+                   "kwargs": {k: v for k, v in plan.launches[0].kwargs.items() if isinstance(v, (int, bool))}}
+            if kernel is not None:
+                if kernel not in outs:
+                    outs[kernel] = out  # the first variant of a kernel is its launcher default
+                ref = outs[kernel]
+                row["identical_to_default"] = bool(torch.equal(out, ref))
+                row["rel_l2_vs_default"] = float((out - ref).norm() / ref.norm())
+            rows.append(row)
+            print(f"{shape:14s} {name:28s} {us:8.1f} us  splits {row['splits']}"
+                  + (f"  identical {row['identical_to_default']} rel-L2 {row['rel_l2_vs_default']:.1e}"
+                     if kernel else ""), flush=True)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"command": " ".join(sys.argv), "seed": seed,
+                               "environment": environment(torch.device("cuda")), "rows": rows}, indent=1))
+    tmp.replace(out_path)
+    print(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
