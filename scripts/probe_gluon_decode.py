@@ -122,8 +122,8 @@ def main() -> int:
                           fmt)
         # native FP8 MMAs (fp8_mma=True): gluon_narrow8 (32 rows, two programs per SM, the default) and
         # gluon_wide8 (64 rows): ablations, constexpr knobs one at a time, split counts
-        for bm, knobs8 in ((32, (("CHAINS", (1, 2)), ("STAGES", (2, 3)))),
-                           (64, (("CHAINS", (1, 2)), ("STAGES", (2, 3))))):
+        for bm, knobs8 in ((32, (("CHAINS", (1, 2)), ("STAGES", (2, 3)), ("FAST", (False, True)))),
+                           (64, (("CHAINS", (1, 2)), ("STAGES", (2, 3)), ("FAST", (False, True))))):
             name8 = {32: "narrow8", 64: "wide8"}[bm]
             plan8 = mla_decode_plan(q, caches["snapmla"], tau, tile="gluon", fp8_mma=True, block_m=bm)
             base8 = dict(plan8.launches[0].kwargs)

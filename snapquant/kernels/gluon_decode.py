@@ -223,6 +223,12 @@ if HAVE_GLUON:
         return limit, coef, m_i, l_i, pi_i, pi_max
 
     @gluon.jit
+    def _mul_rn(a, b):
+        """a * b rounded on its own: PTX never contracts mul.rn into an fma with a following add."""
+        return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
     def _div_markstein(a, b, r_inv):
         """a / b correctly rounded (as div_rn) from r_inv = div_rn(1, b): a * r_inv, then one fma correction
         (Markstein's theorem; finite, non-underflowing quotients)."""
@@ -246,9 +252,11 @@ if HAVE_GLUON:
         knows every row sees every token of the page (no position test). CLAMP=False: the e4m3
         conversion's own saturation (cvt.satfinite) bounds f / pi, the same codes for finite values."""
         RA: gl.constexpr = 1 - AX  # the rows' axis
-        x = (gl.expand_dims(s_cur, RA) * raw) * gl.expand_dims(coef, AX)
         if MASK:
+            x = (gl.expand_dims(s_cur, RA) * raw) * gl.expand_dims(coef, AX)
             x = gl.where(gl.expand_dims(pos, RA) < gl.expand_dims(limit, AX), x, float("-inf"))
+        else:  # mul.rn: not contracted with the softmax's x - m into an fma (the masked path's bits)
+            x = _mul_rn(gl.expand_dims(s_cur, RA) * raw, gl.expand_dims(coef, AX) + zero_s)
         m_new, e, alpha = _online_softmax(x, m_i, AX)
         # pi = max f / 448 (floored), P^ = e4m3(f / pi), f = e times the token scale
         f = e * gl.expand_dims(s_cur, RA)

@@ -18,8 +18,8 @@ L=8K (docs/perf-notes.md 20). Here one warpgroup runs 32 rows, and both products
 Per program ~110 KB of shared memory (two 40 KB slots, the e4m3 query, P^, the softmax's conversion)
 and 128 threads: two programs share an SM and run each other's MMAs under their softmax. Each page is
 read by both row halves of a 64-row head group (the second read mostly from L2). Numerics as
-`gluon_wide8` (FP8 accumulation inside the MMA; opt-in `fp8_mma=True`). ABLATE bits as in
-`gluon_wide8`, for `scripts/probe_gluon_decode.py`'s timing only.
+`gluon_wide8` (FP8 accumulation inside the MMA; opt-in `fp8_mma=True`). FAST as in `gluon_wide8`.
+ABLATE bits as in `gluon_wide8`, for `scripts/probe_gluon_decode.py`'s timing only.
 """
 
 from __future__ import annotations
