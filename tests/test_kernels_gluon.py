@@ -381,10 +381,12 @@ def test_native8_fast_softmax_gives_the_same_bits(block_m, B, H, S, L, splits, r
     """The native kernels' FAST path (no position test on pages every row sees whole, the e4m3 conversion's
     own saturation instead of a clamp, q / sigma by a reciprocal with Markstein's correction) is the same
     arithmetic: identical output and LSE bits to FAST=False, with NaN codes past the lengths, partial row
-    tiles, causal s_q = 2 and explicit splits."""
+    tiles, causal s_q = 2 (with rows that see no token) and explicit splits."""
     torch.manual_seed(B * 1000 + H + L)
     cfg = PRESETS["snapmla"]
     lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
+    if S == 2:  # a request of one token: its first query token's rows see nothing (out 0, lse -inf)
+        lengths[-1] = 1
     cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
     cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
     cache.lengths.copy_(lengths.cuda())

@@ -94,7 +94,8 @@ if HAVE_GLUON:
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, True,
                                 q_l, True, False, FAST)
         limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
-        lim_min = gl.min(gl.where(limit > 0, limit, 1 << 30), 0)  # the fewest tokens a row sees (FAST)
+        # the fewest tokens a row of the tile sees (FAST), rows past S * H aside; a row may see none
+        lim_min = gl.min(gl.where(row0 + gl.arange(0, BN, layout=srow_l) < S * H, limit, 1 << 30), 0)
         acc_a = gl.zeros([HALF, BN], gl.float32, o_l)  # O^T of boxes 0-1, rows in pv8_channel(m, 2) order
         acc_b = gl.zeros([HALF, BN], gl.float32, o_l)  # boxes 2-3
         zero_s = gl.zeros([PAGE, BN], gl.float32, s_l)

@@ -262,7 +262,8 @@ if HAVE_GLUON:
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, True,
                                 q_l, True, False, FAST)
         limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BM, CAUSAL, srow_l)
-        lim_min = gl.min(gl.where(limit > 0, limit, 1 << 30), 0)  # the fewest tokens a row sees (FAST)
+        # the fewest tokens a row of the tile sees (FAST), rows past S * H aside; a row may see none
+        lim_min = gl.min(gl.where(row0 + gl.arange(0, BM, layout=srow_l) < S * H, limit, 1 << 30), 0)
         acc = gl.zeros([R, BM], gl.float32, o_l)  # O^T, rows in pv8_channel order
         zero_s = gl.zeros([BM, PAGE], gl.float32, s_l)
         zero_s8 = gl.zeros([BM, PAGE], gl.float32, s8_l)
