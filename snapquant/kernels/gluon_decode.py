@@ -172,8 +172,8 @@ if HAVE_GLUON:
             sigma = gl.div_rn(amax, gl.full_like(amax, E4M3_MAX))
             sigma = gl.where(amax == 0, 1.0, gl.maximum(sigma, SCALE_FLOOR))
             if Q_RCP:
-                qn = _div_markstein(q, gl.expand_dims(sigma, 1) + gl.zeros_like(q),
-                                    gl.expand_dims(gl.div_rn(gl.full_like(sigma, 1.0), sigma), 1) + gl.zeros_like(q))
+                s_inv = gl.expand_dims(gl.div_rn(gl.full_like(sigma, 1.0), sigma), 1)
+                qn = _div_markstein(q, gl.expand_dims(sigma, 1) + gl.zeros_like(q), s_inv + gl.zeros_like(q))
             else:
                 qn = gl.div_rn(q, gl.expand_dims(sigma, 1) + gl.zeros_like(q))
             qn = gl.minimum(gl.maximum(qn, -E4M3_MAX), E4M3_MAX)
@@ -182,8 +182,7 @@ if HAVE_GLUON:
             else:
                 q_smem.store(qn.to(gl.float8e4nv).to(gl.float16))
             if Q_RCP:
-                qr = _div_markstein(qr, gl.expand_dims(sigma, 1) + gl.zeros_like(qr),
-                                    gl.expand_dims(gl.div_rn(gl.full_like(sigma, 1.0), sigma), 1) + gl.zeros_like(qr))
+                qr = _div_markstein(qr, gl.expand_dims(sigma, 1) + gl.zeros_like(qr), s_inv + gl.zeros_like(qr))
             else:
                 qr = gl.div_rn(qr, gl.expand_dims(sigma, 1) + gl.zeros_like(qr))
             qr_smem.store(gl.minimum(gl.maximum(qr, -BF16_MAX), BF16_MAX).to(gl.bfloat16))
