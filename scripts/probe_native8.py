@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 SHAPES = "32x64x8192,128x128x4096,64x128x8192,1x128x32768,4x64x8192,64x32x4096"
+KERNELS = {"narrow8": 32, "wide8": 64}  # the native FP8 kernels by block_m
 VARIANTS = "narrow8,narrow8 FAST=0,narrow8 FAST=1,narrow8 FAST=1 P_DIV=1,wide8,wide8 FAST=0"
 
 
@@ -26,6 +27,15 @@ def main() -> int:
     ap.add_argument("--variants", default=VARIANTS, help="comma-separated: kernel [KNOB=int ...] [splits=N]")
     ap.add_argument("--out", default="results/bench/h200_native8/probe.json")
     args = ap.parse_args()
+    variants = []  # (label, kernel, knobs), checked before anything runs
+    for v in args.variants.split(","):
+        kernel, *knobs = v.split() or [""]
+        if kernel not in KERNELS:
+            ap.error(f"--variants: unknown kernel {kernel!r} in {v!r}; one of {sorted(KERNELS)}")
+        try:
+            variants.append((v, kernel, {k: int(x) for k, x in (kv.split("=") for kv in knobs)}))
+        except ValueError:
+            ap.error(f"--variants: knobs are KNOB=int, got {v!r}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("needs a Hopper GPU", file=sys.stderr)
         return 2
@@ -54,10 +64,8 @@ def main() -> int:
         bf.lengths.fill_(L)
         q = torch.randn(B, H, r + d, device="cuda").to(torch.bfloat16)
         plans = {"bf16": (mla_decode_plan(q, bf, tau), None), "exact": (mla_decode_plan(q, cache, tau), None)}
-        for v in args.variants.split(","):
-            kernel, *knobs = v.split()
-            kw = {k: int(x) for k, x in (kv.split("=") for kv in knobs)}
-            bm = {"narrow8": 32, "wide8": 64}[kernel]
+        for v, kernel, kw in variants:
+            bm, kw = KERNELS[kernel], dict(kw)
             splits = kw.pop("splits", None)
             plan = mla_decode_plan(q, cache, tau, tile="gluon", fp8_mma=True, block_m=bm, num_splits=splits)
             plan.launches[0].kwargs.update(kw)

@@ -280,6 +280,25 @@ if HAVE_GLUON:
         return p8, rescale, m_new, l_i, pi_new, pi_max
 
     @gluon.jit
+    def _fewest_visible(limit, row0, n_rows, BN: gl.constexpr, srow_l: gl.constexpr):
+        """The fewest cache positions a real row of the tile sees (rows past n_rows aside; a row may see
+        none): pages below it need no position test in `_page_p_native`."""
+        return gl.min(gl.where(row0 + gl.arange(0, BN, layout=srow_l) < n_rows, limit, 1 << 30), 0)
+
+    @gluon.jit
+    def _page_p_native(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, whole, P_DIV: gl.constexpr,
+                       AX: gl.constexpr, FAST: gl.constexpr):
+        """`_page_p` for the native FP8 kernels. FAST: the same bits in fewer instructions, no position test
+        when `whole` (every row sees the whole page) and the e4m3 conversion's saturation for the clamp."""
+        if FAST and whole:
+            p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s,
+                                                          P_DIV, AX, False, False)
+        else:
+            p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s,
+                                                          P_DIV, AX, True, not FAST)
+        return p8, rescale, m_i, l_i, pi_i, pi_max
+
+    @gluon.jit
     def _start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,
                     STAGES: gl.constexpr, AHEAD: gl.constexpr, NBOX: gl.constexpr, BOXW: gl.constexpr,
                     BOX0: gl.constexpr):

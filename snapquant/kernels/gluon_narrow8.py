@@ -37,7 +37,14 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .gluon_decode import _page_p, _query_operands, _row_state, _split_run, cta_barrier
+    from .gluon_decode import (
+        _fewest_visible,
+        _page_p_native,
+        _query_operands,
+        _row_state,
+        _split_run,
+        cta_barrier,
+    )
     from .gluon_wide8 import _issue_slot, _native8_smem, _page_start, _store_vt, _vt_operand
 
     # a pair of boxes (256 channels, 16 KB) read as V^T [256 m, 64 tokens] for 4 warps along M
@@ -94,8 +101,7 @@ if HAVE_GLUON:
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, True,
                                 q_l, True, False, FAST)
         limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
-        # the fewest tokens a row of the tile sees (FAST), rows past S * H aside; a row may see none
-        lim_min = gl.min(gl.where(row0 + gl.arange(0, BN, layout=srow_l) < S * H, limit, 1 << 30), 0)
+        lim_min = _fewest_visible(limit, row0, S * H, BN, srow_l)  # (FAST)
         acc_a = gl.zeros([HALF, BN], gl.float32, o_l)  # O^T of boxes 0-1, rows in pv8_channel(m, 2) order
         acc_b = gl.zeros([HALF, BN], gl.float32, o_l)  # boxes 2-3
         zero_s = gl.zeros([PAGE, BN], gl.float32, s_l)
@@ -141,12 +147,10 @@ if HAVE_GLUON:
             if ABLATE & 8:
                 p8 = raw.to(gl.float8e4nv)
                 rescale = gl.full([BN], 1.0, gl.float32, srow_l)
-            elif FAST and base + PAGE <= lim_min:  # every row sees the whole page: no position test
-                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
-                                                              pi_max, zero_sm, P_DIV, 0, False, False)
             else:
-                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
-                                                              pi_max, zero_sm, P_DIV, 0, True, not FAST)
+                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p_native(raw, s_cur, coef, base + offs_t, limit, m_i, l_i,
+                                                                     pi_i, pi_max, zero_sm, base + PAGE <= lim_min,
+                                                                     P_DIV, 0, FAST)
             s_cur = s_next
             p_smem.store(gl.permute(p8, [1, 0]))  # P^ [rows, tokens]: the K-major B operand P^T
             fence_async_shared()

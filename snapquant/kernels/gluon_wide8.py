@@ -56,7 +56,8 @@ if HAVE_GLUON:
     from .gluon_decode import (
         LN2,
         NEW_REINTERPRET,
-        _page_p,
+        _fewest_visible,
+        _page_p_native,
         _query_operands,
         _row_state,
         _split_run,
@@ -262,8 +263,7 @@ if HAVE_GLUON:
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, True,
                                 q_l, True, False, FAST)
         limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BM, CAUSAL, srow_l)
-        # the fewest tokens a row of the tile sees (FAST), rows past S * H aside; a row may see none
-        lim_min = gl.min(gl.where(row0 + gl.arange(0, BM, layout=srow_l) < S * H, limit, 1 << 30), 0)
+        lim_min = _fewest_visible(limit, row0, S * H, BM, srow_l)  # (FAST)
         acc = gl.zeros([R, BM], gl.float32, o_l)  # O^T, rows in pv8_channel order
         zero_s = gl.zeros([BM, PAGE], gl.float32, s_l)
         zero_s8 = gl.zeros([BM, PAGE], gl.float32, s8_l)
@@ -315,12 +315,10 @@ if HAVE_GLUON:
             if ABLATE & 8:
                 p8 = raw.to(gl.float8e4nv)
                 rescale = gl.full([BM], 1.0, gl.float32, srow_l)
-            elif FAST and base + PAGE <= lim_min:  # every row sees the whole page: no position test
-                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
-                                                              pi_max, zero_sm, P_DIV, 1, False, False)
             else:
-                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
-                                                              pi_max, zero_sm, P_DIV, 1, True, not FAST)
+                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p_native(raw, s_cur, coef, base + offs_t, limit, m_i, l_i,
+                                                                     pi_i, pi_max, zero_sm, base + PAGE <= lim_min,
+                                                                     P_DIV, 1, FAST)
             s_cur = s_next
             p_smem.store(p8)  # P^ [rows, tokens]: tokens contiguous, the K-major B operand P^T
             fence_async_shared()
