@@ -4,12 +4,14 @@ H200 only (Gluon). `scripts/probe_gluon_decode.py` ablates one shape in depth; t
 for a few variants of `gluon_narrow8` (block_m 32) and `gluon_wide8` (block_m 64), e.g.
 "narrow8 FAST=1" or "narrow8 FAST=1 P_DIV=1", and split counts ("narrow8 splits=96"). Each variant's
 output is compared with the same kernel's launcher default (identical bits, or the relative L2
-distance). Writes JSON to --out atomically.
+distance). Times the whole call (page loop + combine) and the page loop alone (stage 1). Writes JSON
+to --out atomically.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -19,6 +21,14 @@ import torch
 SHAPES = "32x64x8192,128x128x4096,64x128x8192,1x128x32768,4x64x8192,64x32x4096"
 KERNELS = {"narrow8": 32, "wide8": 64}  # the native FP8 kernels by block_m
 VARIANTS = "narrow8,narrow8 FAST=0,narrow8 FAST=1,narrow8 FAST=1 P_DIV=1,wide8,wide8 FAST=0"
+
+
+def _run_first(plan) -> None:
+    """Stage 1 alone: the plan's page loop without the combine."""
+    from snapquant.kernels._launch import for_device
+
+    ln = plan.launches[0]
+    for_device(ln.kernel, plan.device)[ln.grid](*ln.args, **ln.kwargs)
 
 
 def main() -> int:
@@ -75,11 +85,13 @@ def main() -> int:
             try:
                 out = plan.run()[0].clone()
                 us = triton.testing.do_bench_cudagraph(plan.run, rep=200) * 1e3
+                stage1 = triton.testing.do_bench_cudagraph(functools.partial(_run_first, plan), rep=100) * 1e3
             except Exception as e:  # report, keep probing
                 rows.append({"shape": shape, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 print(f"{shape:14s} {name:28s} ERROR {str(e)[:160]}", flush=True)
                 continue
-            row = {"shape": shape, "variant": name, "us": round(us, 1), "splits": plan.knobs.get("num_splits"),
+            row = {"shape": shape, "variant": name, "us": round(us, 1), "stage1_us": round(stage1, 1),
+                   "splits": plan.knobs.get("num_splits"),
                    "kwargs": {k: v for k, v in plan.launches[0].kwargs.items() if isinstance(v, (int, bool))}}
             if kernel is not None:
                 if kernel not in outs:
@@ -88,7 +100,7 @@ def main() -> int:
                 row["identical_to_default"] = bool(torch.equal(out, ref))
                 row["rel_l2_vs_default"] = float((out - ref).norm() / ref.norm())
             rows.append(row)
-            print(f"{shape:14s} {name:28s} {us:8.1f} us  splits {row['splits']}"
+            print(f"{shape:14s} {name:40s} {us:8.1f} us  stage 1 {stage1:8.1f}  splits {row['splits']}"
                   + (f"  identical {row['identical_to_default']} rel-L2 {row['rel_l2_vs_default']:.1e}"
                      if kernel else ""), flush=True)
     out_path = Path(args.out)

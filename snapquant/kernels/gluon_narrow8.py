@@ -56,6 +56,22 @@ if HAVE_GLUON:
     VT_STORE4 = gl.constexpr(gl.DistributedLinearLayout(*vt_store_bases(2, 32), block_bases=[], shape=[256, 32]))
 
     @gluon.jit
+    def _clock(like):
+        return gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r,r", [like], dtype=gl.int32, is_pure=False,
+                                         pack=1)
+
+    @gluon.jit
+    def _stagger(CYCLES: gl.constexpr, FROM: gl.constexpr):
+        """Spin CYCLES clock cycles in programs whose linear id is >= FROM (FROM = -1: odd ids): the
+        programs that land second on an SM start their page loop out of phase with the first."""
+        pid = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+        late = (pid % 2 == 1) if FROM < 0 else (pid >= FROM)
+        if late:
+            t0 = _clock(pid)
+            while _clock(pid) - t0 < CYCLES:
+                pass
+
+    @gluon.jit
     def _mla_decode_gluon_narrow8(
         Q, lat_desc, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
         stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
@@ -64,7 +80,8 @@ if HAVE_GLUON:
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
         STAGES: gl.constexpr = 2, CHAINS: gl.constexpr = 2, ABLATE: gl.constexpr = 0,
-        FAST: gl.constexpr = False,
+        FAST: gl.constexpr = False, AHEAD: gl.constexpr = False, STAGGER: gl.constexpr = 0,
+        STAGGER_FROM: gl.constexpr = 0,
     ):
         gl.static_assert(num_warps == 4)
         gl.static_assert(R == 512)
@@ -113,9 +130,13 @@ if HAVE_GLUON:
 
         s_cur = gl.load(SCALE + gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64) * stride_sp
                         + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length, other=0.0)
+        after = gl.load(bt_row + 1, mask=n_run > 1, other=0).to(gl.int64)  # (AHEAD) the next page's index
+        if STAGGER > 0:  # (probe) programs from STAGGER_FROM on start STAGGER clock cycles late
+            _stagger(STAGGER, STAGGER_FROM)
         for it in range(n_run):
-            slot, base, page_refill, s_next = _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length, offs_t,
-                                                          stride_sp, stride_st, STAGES, NBOX, PAGE, NO_TMA, cvt_l)
+            slot, base, page_refill, s_next, after = _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length,
+                                                                 offs_t, stride_sp, stride_st, STAGES, NBOX, PAGE,
+                                                                 NO_TMA, cvt_l, after, AHEAD)
             page_smem = lat4.index(slot)
 
             # scores^T [PAGE, BN]: the boxes as they landed (A) times q^T (B), CHAINS fp32 chains, + RoPE

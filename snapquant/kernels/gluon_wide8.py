@@ -130,14 +130,24 @@ if HAVE_GLUON:
     @gluon.jit
     def _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length, offs_t, stride_sp, stride_st,
                     STAGES: gl.constexpr, NBOX: gl.constexpr, PAGE: gl.constexpr, NO_TMA: gl.constexpr,
-                    cvt_l: gl.constexpr):
+                    cvt_l: gl.constexpr, after=0, AHEAD: gl.constexpr = False):
         """Page `it` of the run: waits for its slot, zeroes a request's last page's tail codes there (before
         any product reads them), and returns (slot, first token, the page to refill the slot with, the next
-        page's token scales)."""
+        page's token scales, `after` for the next call). AHEAD: `after` is the next page's index, loaded by
+        the previous call, so the scales' address does not wait on a block-table load; the page after that
+        is loaded here for the next call (with two slots it is also the refill)."""
         slot = it % STAGES
         base = (p_lo + it) * PAGE
-        page_refill = gl.load(bt_row + it + STAGES, mask=it + STAGES < n_run, other=0).to(gl.int64)
-        page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
+        if AHEAD:
+            page_after = after
+            after = gl.load(bt_row + it + 2, mask=it + 2 < n_run, other=0).to(gl.int64)
+            if STAGES == 2:
+                page_refill = after
+            else:
+                page_refill = gl.load(bt_row + it + STAGES, mask=it + STAGES < n_run, other=0).to(gl.int64)
+        else:
+            page_refill = gl.load(bt_row + it + STAGES, mask=it + STAGES < n_run, other=0).to(gl.int64)
+            page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
         s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
                          mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
         mbarrier.wait(bars.index(slot), (it // STAGES) & 1, pred=not NO_TMA)
@@ -145,7 +155,7 @@ if HAVE_GLUON:
             _zero_tail_slot(lat4, slot, base, length, NBOX, PAGE, cvt_l)
             fence_async_shared()  # the QK MMAs read the slot through the async proxy
             cta_barrier()
-        return slot, base, page_refill, s_next
+        return slot, base, page_refill, s_next, after
 
     @gluon.jit
     def _transpose4x4(v8):
@@ -222,7 +232,7 @@ if HAVE_GLUON:
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
         STAGES: gl.constexpr = 2, CHAINS: gl.constexpr = 2, ABLATE: gl.constexpr = 0,
-        FAST: gl.constexpr = False,
+        FAST: gl.constexpr = False, AHEAD: gl.constexpr = False,
     ):
         """Native FP8 MMAs with PV swapped: O^T [R, 64 rows] += V^T P^T, V^T read from the TMA slot into
         registers (no transposed tile), P^ [rows, tokens] from shared memory as the K-major B operand."""
@@ -274,9 +284,11 @@ if HAVE_GLUON:
 
         s_cur = gl.load(SCALE + gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64) * stride_sp
                         + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length, other=0.0)
+        after = gl.load(bt_row + 1, mask=n_run > 1, other=0).to(gl.int64)  # (AHEAD) the next page's index
         for it in range(n_run):
-            slot, base, page_refill, s_next = _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length, offs_t,
-                                                          stride_sp, stride_st, STAGES, NBOX, PAGE, NO_TMA, cvt_l)
+            slot, base, page_refill, s_next, after = _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length,
+                                                                 offs_t, stride_sp, stride_st, STAGES, NBOX, PAGE,
+                                                                 NO_TMA, cvt_l, after, AHEAD)
             page_smem = lat4.index(slot)
 
             # scores [BM, PAGE]: NoPE (e4m3 x e4m3, CHAINS fp32 chains) + RoPE (bf16), issued asynchronously
