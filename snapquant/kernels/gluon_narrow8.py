@@ -56,20 +56,11 @@ if HAVE_GLUON:
     VT_STORE4 = gl.constexpr(gl.DistributedLinearLayout(*vt_store_bases(2, 32), block_bases=[], shape=[256, 32]))
 
     @gluon.jit
-    def _clock(like):
-        return gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r,r", [like], dtype=gl.int32, is_pure=False,
-                                         pack=1)
-
-    @gluon.jit
-    def _stagger(CYCLES: gl.constexpr, FROM: gl.constexpr):
-        """Spin CYCLES clock cycles in programs whose linear id is >= FROM (FROM = -1: odd ids): the
-        programs that land second on an SM start their page loop out of phase with the first."""
-        pid = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
-        late = (pid % 2 == 1) if FROM < 0 else (pid >= FROM)
-        if late:
-            t0 = _clock(pid)
-            while _clock(pid) - t0 < CYCLES:
-                pass
+    def _stamp(ptr, like):
+        """(TRACE) this SM's clock at this point of the program, stored at `ptr` (int32 bits as fp32).
+        Not pure: LLVM keeps it in order with the barriers, MMA waits and stores around it."""
+        t = gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
+        gl.store(ptr, t.to(gl.float32, bitcast=True))
 
     @gluon.jit
     def _mla_decode_gluon_narrow8(
@@ -80,8 +71,7 @@ if HAVE_GLUON:
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
         STAGES: gl.constexpr = 2, CHAINS: gl.constexpr = 2, ABLATE: gl.constexpr = 0,
-        FAST: gl.constexpr = False, AHEAD: gl.constexpr = False, STAGGER: gl.constexpr = 0,
-        STAGGER_FROM: gl.constexpr = 0,
+        FAST: gl.constexpr = False, AHEAD: gl.constexpr = False, TRACE: gl.constexpr = False,
     ):
         gl.static_assert(num_warps == 4)
         gl.static_assert(R == 512)
@@ -131,13 +121,26 @@ if HAVE_GLUON:
         s_cur = gl.load(SCALE + gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64) * stride_sp
                         + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length, other=0.0)
         after = gl.load(bt_row + 1, mask=n_run > 1, other=0).to(gl.int64)  # (AHEAD) the next page's index
-        if STAGGER > 0:  # (probe) programs from STAGGER_FROM on start STAGGER clock cycles late
-            _stagger(STAGGER, STAGGER_FROM)
+        # TRACE (scripts/trace_native8.py only, which passes an O_PART with room past the B partials): per
+        # program a row of TRACE_W floats after them, [smid, start, then per page six clock stamps: top, slot
+        # ready, QK done, P^ stored, PV done, slot refilled]
+        TRACE_W: gl.constexpr = 512
+        pid = gl.program_id(0) + gl.num_programs(0) * (b + gl.num_programs(1) * split)
+        tr = O_PART + gl.num_programs(1).to(gl.int64) * stride_ob + pid.to(gl.int64) * TRACE_W
+        if TRACE:
+            smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [b], dtype=gl.int32, is_pure=False, pack=1)
+            gl.store(tr, smid.to(gl.float32, bitcast=True))
+            _stamp(tr + 1, b)
         for it in range(n_run):
+            tp = tr + 2 + 6 * gl.minimum(it, (TRACE_W - 8) // 6)
+            if TRACE:
+                _stamp(tp, it)
             slot, base, page_refill, s_next, after = _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length,
                                                                  offs_t, stride_sp, stride_st, STAGES, NBOX, PAGE,
                                                                  NO_TMA, cvt_l, after, AHEAD)
             page_smem = lat4.index(slot)
+            if TRACE:
+                _stamp(tp + 1, it)
 
             # scores^T [PAGE, BN]: the boxes as they landed (A) times q^T (B), CHAINS fp32 chains, + RoPE
             if ABLATE & 2:  # (timing probes only, scripts/probe_gluon_decode.py: wrong results)
@@ -159,6 +162,8 @@ if HAVE_GLUON:
                         k1 = warpgroup_mma(page_smem.slice(k * PAGE, PAGE, dim=0),
                                            q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)), k1, is_async=True)
                     k0, k1, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, rd))
+                    if TRACE:
+                        _stamp(tp + 2, it)
                     qk = gl.convert_layout(k0 + k1, s_l) + rd  # the same registers (no data movement)
                 else:
                     k0, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, rd))
@@ -176,6 +181,8 @@ if HAVE_GLUON:
             p_smem.store(gl.permute(p8, [1, 0]))  # P^ [rows, tokens]: the K-major B operand P^T
             fence_async_shared()
             cta_barrier()
+            if TRACE:
+                _stamp(tp + 3, it)
             beta = gl.expand_dims(gl.convert_layout(rescale, orow_l), 0)
             if ABLATE & 4:
                 acc_a = acc_a * beta
@@ -190,9 +197,13 @@ if HAVE_GLUON:
                 acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
                 acc_b = warpgroup_mma(vt_b, pt, acc_b * beta, is_async=True)
                 acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
+                if TRACE:
+                    _stamp(tp + 4, it)
             cta_barrier()  # every warp has read the slot (QK, V^T) and P^: refill the slot
             _issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, slot, page_refill, lat_page_rows, rope_page_rows,
                         (it + STAGES < n_run) & (not NO_TMA), NBOX, BOXW, PAGE)
+            if TRACE:
+                _stamp(tp + 5, it)
 
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))

@@ -549,7 +549,9 @@ def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, caus
     fp16 MMAs, fp8 snapmla or bf16, two slots) or, with native FP8 MMAs (fp8_mma=True, `stages` slots),
     `gluon_narrow8` (block_m 32) or `gluon_wide8` (64), both with FAST=True (their softmax in fewer
     instructions, the same arithmetic; H200 B=32 H=64 L=8K 124.7 -> 117.7 us and 140.2 -> 125.9,
-    results/bench/h200_native8)."""
+    results/bench/h200_native8). `gluon_narrow8` with AHEAD=True (block-table indices a page early:
+    118.1 -> 116.8 us there, 404.4 -> 400.6 at B=128 H=128 L=4K; `gluon_wide8` measured none faster,
+    results/bench/h200_trace/probe1.json)."""
     B, S = q.shape[:2]
     fp8 = ops.layout == "snapmla"
     args = _gluon_args(q, ops, o_part, lse_part, sm_scale_log2, num_splits, fp8)
@@ -559,7 +561,7 @@ def _gluon_wide_launch(q, ops, o_part, lse_part, sm_scale_log2, num_splits, caus
         from .gluon_narrow8 import _mla_decode_gluon_narrow8
 
         return KernelLaunch("decode_gluon_narrow8", _mla_decode_gluon_narrow8, (m_blocks, B, num_splits), args,
-                            dict(CHAINS=2, STAGES=stages, FAST=True, **dict(common, num_warps=4)))
+                            dict(CHAINS=2, STAGES=stages, FAST=True, AHEAD=True, **dict(common, num_warps=4)))
     if mma8:
         from .gluon_wide8 import _mla_decode_gluon_wide8
 
