@@ -3,7 +3,7 @@
 H200 only (Gluon). `scripts/probe_gluon_decode.py` ablates one shape in depth; this one sweeps shapes
 for a few variants of `gluon_narrow8` (block_m 32) and `gluon_wide8` (block_m 64), e.g.
 "narrow8 FAST=1" or "narrow8 FAST=1 P_DIV=1", split counts ("narrow8 splits=96") and launch options
-("narrow8w maxnreg=128"); "narrow8w" (`gluon_narrow8w`, 8 warps) runs in gluon_narrow8's plan. Each variant's
+("narrow8 maxnreg=255"). Each variant's
 output is compared with the same kernel's launcher default (identical bits, or the relative L2
 distance). Times the whole call (page loop + combine) and the page loop alone (stage 1). Writes JSON
 to --out atomically.
@@ -20,19 +20,8 @@ from pathlib import Path
 import torch
 
 SHAPES = "32x64x8192,128x128x4096,64x128x8192,1x128x32768,4x64x8192,64x32x4096"
-KERNELS = {"narrow8": 32, "wide8": 64, "narrow8w": 32}  # the native FP8 kernels by block_m
-# a kernel the launcher does not pick: run in the plan of the one named, with these launch options,
-# and compared with that one's default output
-STAND_INS = {"narrow8w": ("narrow8", {"num_warps": 8})}
+KERNELS = {"narrow8": 32, "wide8": 64}  # the native FP8 kernels by block_m
 VARIANTS = "narrow8,narrow8 FAST=0,narrow8 FAST=1,narrow8 FAST=1 P_DIV=1,wide8,wide8 FAST=0"
-
-
-def _stand_in(kernel: str):
-    if kernel == "narrow8w":
-        from snapquant.kernels.gluon_narrow8w import _mla_decode_gluon_narrow8w
-
-        return _mla_decode_gluon_narrow8w
-    raise KeyError(kernel)
 
 
 def _run_first(plan) -> None:
@@ -90,9 +79,6 @@ def main() -> int:
             bm, kw = KERNELS[kernel], dict(kw)
             splits = kw.pop("splits", None)
             plan = mla_decode_plan(q, cache, tau, tile="gluon", fp8_mma=True, block_m=bm, num_splits=splits)
-            if kernel in STAND_INS:
-                plan.launches[0].kernel = _stand_in(kernel)
-                plan.launches[0].kwargs.update(STAND_INS[kernel][1])
             plan.launches[0].kwargs.update(kw)
             plans[v] = (plan, kernel)
         outs: dict[str, torch.Tensor] = {}
@@ -109,10 +95,9 @@ def main() -> int:
                    "splits": plan.knobs.get("num_splits"),
                    "kwargs": {k: v for k, v in plan.launches[0].kwargs.items() if isinstance(v, (int, bool))}}
             if kernel is not None:
-                ref_kernel = STAND_INS.get(kernel, (kernel,))[0]
-                if ref_kernel not in outs:
-                    outs[ref_kernel] = out  # the first variant of a kernel is its launcher default
-                ref = outs[ref_kernel]
+                if kernel not in outs:
+                    outs[kernel] = out  # the first variant of a kernel is its launcher default
+                ref = outs[kernel]
                 row["identical_to_default"] = bool(torch.equal(out, ref))
                 row["rel_l2_vs_default"] = float((out - ref).norm() / ref.norm())
             rows.append(row)

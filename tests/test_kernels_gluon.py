@@ -408,50 +408,6 @@ def test_native8_speed_knobs_give_the_same_bits(knob, block_m, B, H, S, L, split
     assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
 
 
-@needs_gluon
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="needs a Hopper GPU")
-@pytest.mark.parametrize("maxnreg", [None, 128])
-@pytest.mark.parametrize("B,H,S,L,splits", [(5, 64, 1, 700, None), (3, 20, 2, 130, 1), (2, 128, 1, 1000, 3)])
-def test_narrow8_on_eight_warps_matches_narrow8(maxnreg, B, H, S, L, splits, r=512, d=64):
-    """`gluon_narrow8w` (32 rows on 8 warps) runs `gluon_narrow8`'s arithmetic: the same MMAs along K and
-    the same softmax, only its sums over a page's tokens in another order (8 tokens per thread, not 16).
-    Against narrow8 on the same inputs (NaN codes past the lengths, partial row tiles, s_q = 2 with rows
-    that see no token, explicit splits): relative L2 <= 1e-5, the same rows empty."""
-    from snapquant.kernels.gluon_narrow8w import _mla_decode_gluon_narrow8w
-
-    torch.manual_seed(B * 1000 + H + L)
-    cfg = PRESETS["snapmla"]
-    lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
-    if S == 2:
-        lengths[-1] = 1
-    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
-    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
-    cache.lengths.copy_(lengths.cuda())
-    for b, n in enumerate(lengths.tolist()):
-        if n % 64:
-            cache.latent[cache.block_table[b, (n - 1) // 64], n % 64:].view(torch.uint8).fill_(0x7F)  # e4m3 NaN
-    q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
-    results = []
-    for wide in (False, True):
-        plan = mla_decode_plan(q, cache, 1 / math.sqrt(192), cfg, num_splits=splits, tile="gluon", fp8_mma=True,
-                               block_m=32)
-        if wide:
-            plan.launches[0].kernel = _mla_decode_gluon_narrow8w
-            plan.launches[0].kwargs["num_warps"] = 8
-            if maxnreg:
-                plan.launches[0].kwargs["maxnreg"] = maxnreg
-        out, lse = plan.run()
-        results.append((out.clone(), lse.clone()))
-    (out0, lse0), (out1, lse1) = results
-    assert torch.isfinite(out1).all()
-    assert torch.equal(torch.isinf(lse0), torch.isinf(lse1))
-    assert ((out1 - out0).norm() / out0.norm()).item() <= 1e-5
-    fin = torch.isfinite(lse0)
-    assert (lse1[fin] - lse0[fin]).abs().max().item() <= 1e-5
-
-
 # ------------------------------------------- the register-operand kernel's box views (gluon_regs.py)
 @pytest.mark.parametrize("boxes,warp_bits", [(4, 3), (2, 2)])
 def test_slot_view_reads_v_transposed_as_pv8_rows(boxes, warp_bits):
