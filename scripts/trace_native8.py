@@ -5,7 +5,8 @@ every page (top of the loop, slot ready, QK done, P^ stored, PV done, slot refil
 the partial outputs. This script runs one traced call per shape (after a warm-up call) and reports, in
 clock cycles:
 
-  * the median length of each phase per page (first page aside), and of a whole page;
+  * the median, mean and 90th percentile length of each phase per page (first page aside), and of a
+    whole page (a mean far above the median: stalls on a few pages);
   * the prologue (program start to the first page) and the programs' spans;
   * for programs that share an SM, how much of one program's softmax runs while the other is in each
     phase (the question perf-notes 21-24 left open: do the two programs' softmaxes coincide?).
@@ -58,6 +59,8 @@ def analyse(programs: list[dict]) -> dict:
                 per_phase[name].append(s[k + 1] - s[k])
             per_phase["page"].append(s[0] - st[6 * p - 6])
     med = {k: statistics.median(v) for k, v in per_phase.items() if v}
+    mean = {k: round(statistics.fmean(v)) for k, v in per_phase.items() if v}
+    p90 = {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in per_phase.items() if v}
     # co-resident programs: same SM, overlapping spans; sample program A's softmax at 64-cycle steps
     by_sm: dict[int, list[dict]] = {}
     for pr in programs:
@@ -79,6 +82,8 @@ def analyse(programs: list[dict]) -> dict:
     total = sum(counts.values()) or 1
     return {
         "median_cycles": med,
+        "mean_cycles": mean,
+        "p90_cycles": p90,
         "prologue_cycles_median": statistics.median(prologue) if prologue else None,
         "span_cycles_median": statistics.median(span) if span else None,
         "programs": len(programs),

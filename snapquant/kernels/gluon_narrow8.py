@@ -197,8 +197,8 @@ if HAVE_GLUON:
                 acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
                 acc_b = warpgroup_mma(vt_b, pt, acc_b * beta, is_async=True)
                 acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
-                if TRACE:
-                    _stamp(tp + 4, it)
+            if TRACE:
+                _stamp(tp + 4, it)
             cta_barrier()  # every warp has read the slot (QK, V^T) and P^: refill the slot
             _issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, slot, page_refill, lat_page_rows, rope_page_rows,
                         (it + STAGES < n_run) & (not NO_TMA), NBOX, BOXW, PAGE)
