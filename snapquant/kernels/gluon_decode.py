@@ -120,6 +120,7 @@ if HAVE_GLUON:
     # globals read inside Gluon functions must be constexpr
     LN2 = gl.constexpr(math.log(2.0))
     E4M3_MAX = gl.constexpr(448.0)
+    E4M3_RCP = gl.constexpr(0.0022321429569274187)  # RN_f32(1 / 448), exact in fp32
     BF16_MAX = gl.constexpr(3.3895313892515355e38)  # largest finite bf16
     SCALE_FLOOR = gl.constexpr(2.0**-86)  # snapquant.quant.scales.SCALE_FLOOR
     PI_REL_FLOOR = gl.constexpr(2.0**-40)  # decode_kernels: P scale floors
@@ -244,12 +245,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, P_DIV: gl.constexpr,
-                AX: gl.constexpr = 0, MASK: gl.constexpr = True, CLAMP: gl.constexpr = True):
+                AX: gl.constexpr = 0, MASK: gl.constexpr = True, CLAMP: gl.constexpr = True,
+                PI_RCP: gl.constexpr = False):
         """One page of the online softmax and of fp8_scale_fused P, tokens along axis AX (the arithmetic
         of `decode_kernels._online_softmax` and `_page_weights`): raw = <q^, c^> + <q~r, r~> per
         (token, row) -> (P^ as e4m3, accumulator rescale beta, m, l, pi, pi_max). MASK=False: the caller
         knows every row sees every token of the page (no position test). CLAMP=False: the e4m3
-        conversion's own saturation (cvt.satfinite) bounds f / pi, the same codes for finite values."""
+        conversion's own saturation (cvt.satfinite) bounds f / pi, the same codes for finite values.
+        PI_RCP: max f / 448 as a multiply by RN(1 / 448) with Markstein's correction, the correctly
+        rounded quotient (pi is floored at >= 2^-100, far above where that could differ)."""
         RA: gl.constexpr = 1 - AX  # the rows' axis
         if MASK:
             x = (gl.expand_dims(s_cur, RA) * raw) * gl.expand_dims(coef, AX)
@@ -261,7 +265,12 @@ if HAVE_GLUON:
         f = e * gl.expand_dims(s_cur, RA)
         f_max = gl.max(f, AX)
         pi_floor = gl.maximum(pi_max * alpha * PI_REL_FLOOR, PI_ABS_FLOOR)
-        pi_new = gl.where(f_max > 0, gl.maximum(gl.div_rn(f_max, gl.full_like(f_max, E4M3_MAX)), pi_floor), pi_i)
+        seen = f_max > 0
+        if PI_RCP:  # Markstein: exact for normal quotients, and below 2^-100 the floor wins either way
+            q448 = _div_markstein(f_max, gl.full_like(f_max, E4M3_MAX), gl.full_like(f_max, E4M3_RCP))
+        else:
+            q448 = gl.div_rn(f_max, gl.full_like(f_max, E4M3_MAX))
+        pi_new = gl.where(seen, gl.maximum(q448, pi_floor), pi_i)
         pi_max = gl.maximum(pi_max * alpha, pi_new)
         pi_b = gl.expand_dims(pi_new, AX) + zero_s
         if P_DIV == 0:
@@ -289,13 +298,14 @@ if HAVE_GLUON:
     def _page_p_native(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, whole, P_DIV: gl.constexpr,
                        AX: gl.constexpr, FAST: gl.constexpr):
         """`_page_p` for the native FP8 kernels. FAST: the same bits in fewer instructions, no position test
-        when `whole` (every row sees the whole page) and the e4m3 conversion's saturation for the clamp."""
+        when `whole` (every row sees the whole page), the e4m3 conversion's saturation for the clamp, and
+        max f / 448 by a reciprocal with Markstein's correction."""
         if FAST and whole:
             p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s,
-                                                          P_DIV, AX, False, False)
+                                                          P_DIV, AX, False, False, FAST)
         else:
             p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s,
-                                                          P_DIV, AX, True, not FAST)
+                                                          P_DIV, AX, True, not FAST, FAST)
         return p8, rescale, m_i, l_i, pi_i, pi_max
 
     @gluon.jit

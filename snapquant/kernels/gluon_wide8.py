@@ -148,8 +148,10 @@ if HAVE_GLUON:
         else:
             page_refill = gl.load(bt_row + it + STAGES, mask=it + STAGES < n_run, other=0).to(gl.int64)
             page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
-        s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
-                         mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
+        # one mask for the whole page (16-byte loads: a per-token mask made them 16 scalar loads per
+        # thread), then the scales past the request's length -> 0 (they may be anything; P = 0 x s)
+        s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st, mask=it + 1 < n_run, other=0.0)
+        s_next = gl.where(base + PAGE + offs_t < length, s_next, 0.0)
         mbarrier.wait(bars.index(slot), (it // STAGES) & 1, pred=not NO_TMA)
         if base + PAGE > length:
             _zero_tail_slot(lat4, slot, base, length, NBOX, PAGE, cvt_l)
