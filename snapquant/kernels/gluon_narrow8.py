@@ -72,7 +72,6 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
         STAGES: gl.constexpr = 2, CHAINS: gl.constexpr = 2, ABLATE: gl.constexpr = 0,
         FAST: gl.constexpr = False, AHEAD: gl.constexpr = False, TRACE: gl.constexpr = False,
-        VEC_SCALES: gl.constexpr = False,
     ):
         gl.static_assert(num_warps == 4)
         gl.static_assert(R == 512)
@@ -138,7 +137,7 @@ if HAVE_GLUON:
                 _stamp(tp, it)
             slot, base, page_refill, s_next, after = _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length,
                                                                  offs_t, stride_sp, stride_st, STAGES, NBOX, PAGE,
-                                                                 NO_TMA, cvt_l, after, AHEAD, VEC_SCALES)
+                                                                 NO_TMA, cvt_l, after, AHEAD)
             page_smem = lat4.index(slot)
             if TRACE:
                 _stamp(tp + 1, it)

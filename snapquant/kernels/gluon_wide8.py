@@ -130,7 +130,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length, offs_t, stride_sp, stride_st,
                     STAGES: gl.constexpr, NBOX: gl.constexpr, PAGE: gl.constexpr, NO_TMA: gl.constexpr,
-                    cvt_l: gl.constexpr, after=0, AHEAD: gl.constexpr = False, VEC_SCALES: gl.constexpr = False):
+                    cvt_l: gl.constexpr, after=0, AHEAD: gl.constexpr = False):
         """Page `it` of the run: waits for its slot, zeroes a request's last page's tail codes there (before
         any product reads them), and returns (slot, first token, the page to refill the slot with, the next
         page's token scales, `after` for the next call). AHEAD: `after` is the next page's index, loaded by
@@ -148,13 +148,8 @@ if HAVE_GLUON:
         else:
             page_refill = gl.load(bt_row + it + STAGES, mask=it + STAGES < n_run, other=0).to(gl.int64)
             page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
-        if VEC_SCALES:  # one mask for the page (16-byte loads, not 16 scalar ones per thread), then the
-            # scales past the request's length -> 0 (they may be anything, and P = 0 times s)
-            s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st, mask=it + 1 < n_run, other=0.0)
-            s_next = gl.where(base + PAGE + offs_t < length, s_next, 0.0)
-        else:
-            s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
-                             mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
+        s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
+                         mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
         mbarrier.wait(bars.index(slot), (it // STAGES) & 1, pred=not NO_TMA)
         if base + PAGE > length:
             _zero_tail_slot(lat4, slot, base, length, NBOX, PAGE, cvt_l)
@@ -237,7 +232,7 @@ if HAVE_GLUON:
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
         STAGES: gl.constexpr = 2, CHAINS: gl.constexpr = 2, ABLATE: gl.constexpr = 0,
-        FAST: gl.constexpr = False, AHEAD: gl.constexpr = False, VEC_SCALES: gl.constexpr = False,
+        FAST: gl.constexpr = False, AHEAD: gl.constexpr = False,
     ):
         """Native FP8 MMAs with PV swapped: O^T [R, 64 rows] += V^T P^T, V^T read from the TMA slot into
         registers (no transposed tile), P^ [rows, tokens] from shared memory as the K-major B operand."""
@@ -293,7 +288,7 @@ if HAVE_GLUON:
         for it in range(n_run):
             slot, base, page_refill, s_next, after = _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length,
                                                                  offs_t, stride_sp, stride_st, STAGES, NBOX, PAGE,
-                                                                 NO_TMA, cvt_l, after, AHEAD, VEC_SCALES)
+                                                                 NO_TMA, cvt_l, after, AHEAD)
             page_smem = lat4.index(slot)
 
             # scores [BM, PAGE]: NoPE (e4m3 x e4m3, CHAINS fp32 chains) + RoPE (bf16), issued asynchronously
