@@ -41,28 +41,15 @@ def main() -> int:
         return 2
     import triton
 
-    from snapquant import PRESETS
+    from snapquant.bench.probe_inputs import random_bf16_cache, random_snapmla_cache
     from snapquant.bench.runner import environment
-    from snapquant.kernels import PagedMLACache
     from snapquant.kernels.mla_decode import mla_decode_plan
 
     B, H, L = (int(x) for x in args.shape.split("x"))
     seed = 0
     torch.manual_seed(seed)
     r, d = 512, 64
-    caches = {}
-    for name in ("snapmla", "bf16"):
-        cache = PagedMLACache.empty(B, L, r, d, PRESETS[name], device="cuda")
-        if name == "snapmla":  # random finite e4m3 codes (0x7f / 0xff are NaN)
-            codes = torch.randint(0, 0x7F, cache.latent.shape, device="cuda", dtype=torch.uint8)
-            codes |= torch.randint(0, 2, cache.latent.shape, device="cuda", dtype=torch.uint8) << 7
-            cache.latent.view(torch.uint8).copy_(codes)
-            cache.scale.uniform_(0.001, 0.01)
-        else:
-            cache.latent.copy_(torch.randn_like(cache.latent, dtype=torch.float32).to(cache.latent.dtype))
-        cache.rope.copy_(torch.randn(cache.rope.shape, device="cuda").to(cache.rope.dtype))
-        cache.lengths.fill_(L)
-        caches[name] = cache
+    caches = {"snapmla": random_snapmla_cache(B, L, r, d), "bf16": random_bf16_cache(B, L, r, d)}
     q = torch.randn(B, H, r + d, device="cuda").to(torch.bfloat16)
     tau = 0.07
     fmt_bytes = {"snapmla": r + 2 * d + 4, "bf16": 2 * (r + d)}

@@ -3,9 +3,8 @@
 H200 only (Gluon). `scripts/probe_gluon_decode.py` ablates one shape in depth; this one sweeps shapes
 for a few variants of `gluon_narrow8` (block_m 32) and `gluon_wide8` (block_m 64), e.g.
 "narrow8 FAST=1" or "narrow8 FAST=1 P_DIV=1", split counts ("narrow8 splits=96") and launch options
-("narrow8 maxnreg=255"). Each variant's
-output is compared with the same kernel's launcher default (identical bits, or the relative L2
-distance). Times the whole call (page loop + combine) and the page loop alone (stage 1). Writes JSON
+("narrow8 maxnreg=255"). Each variant's output is compared with the same kernel's launcher default
+(identical bits, or the relative L2 distance). Times the whole call (page loop + combine) and the page loop alone (stage 1). Writes JSON
 to --out atomically.
 """
 
@@ -52,9 +51,8 @@ def main() -> int:
         return 2
     import triton
 
-    from snapquant import PRESETS
+    from snapquant.bench.probe_inputs import random_bf16_cache, random_snapmla_cache
     from snapquant.bench.runner import environment
-    from snapquant.kernels import PagedMLACache
     from snapquant.kernels.mla_decode import mla_decode_plan
 
     seed, r, d, tau = 0, 512, 64, 0.07
@@ -62,17 +60,8 @@ def main() -> int:
     rows: list[dict] = []
     for shape in args.shapes.split(","):
         B, H, L = (int(x) for x in shape.split("x"))
-        cache = PagedMLACache.empty(B, L, r, d, PRESETS["snapmla"], device="cuda")
-        codes = torch.randint(0, 0x7F, cache.latent.shape, device="cuda", dtype=torch.uint8)  # 0x7f: NaN
-        codes |= torch.randint(0, 2, cache.latent.shape, device="cuda", dtype=torch.uint8) << 7
-        cache.latent.view(torch.uint8).copy_(codes)
-        cache.scale.uniform_(0.001, 0.01)
-        cache.rope.copy_(torch.randn(cache.rope.shape, device="cuda").to(cache.rope.dtype))
-        cache.lengths.fill_(L)
-        bf = PagedMLACache.empty(B, L, r, d, PRESETS["bf16"], device="cuda")
-        bf.latent.copy_(torch.randn_like(bf.latent, dtype=torch.float32).to(bf.latent.dtype))
-        bf.rope.copy_(cache.rope)
-        bf.lengths.fill_(L)
+        cache = random_snapmla_cache(B, L, r, d)
+        bf = random_bf16_cache(B, L, r, d, rope=cache.rope)
         q = torch.randn(B, H, r + d, device="cuda").to(torch.bfloat16)
         plans = {"bf16": (mla_decode_plan(q, bf, tau), None), "exact": (mla_decode_plan(q, cache, tau), None)}
         for v, kernel, kw in variants:

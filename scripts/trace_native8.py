@@ -106,9 +106,8 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("needs a Hopper GPU", file=sys.stderr)
         return 2
-    from snapquant import PRESETS
+    from snapquant.bench.probe_inputs import random_snapmla_cache
     from snapquant.bench.runner import environment
-    from snapquant.kernels import PagedMLACache
     from snapquant.kernels.mla_decode import mla_decode_plan
 
     seed, r, d, tau = 0, 512, 64, 0.07
@@ -116,12 +115,7 @@ def main() -> int:
     results = []
     for shape in args.shapes.split(","):
         B, H, L = (int(x) for x in shape.split("x"))
-        cache = PagedMLACache.empty(B, L, r, d, PRESETS["snapmla"], device="cuda")
-        cache.latent.view(torch.uint8).copy_(torch.randint(0, 0x7F, cache.latent.shape, device="cuda",
-                                                           dtype=torch.uint8))
-        cache.scale.uniform_(0.001, 0.01)
-        cache.rope.copy_(torch.randn(cache.rope.shape, device="cuda").to(cache.rope.dtype))
-        cache.lengths.fill_(L)
+        cache = random_snapmla_cache(B, L, r, d)
         q = torch.randn(B, H, r + d, device="cuda").to(torch.bfloat16)
         plan = mla_decode_plan(q, cache, tau, tile="gluon", fp8_mma=True, block_m=32)
         first = plan.launches[0]

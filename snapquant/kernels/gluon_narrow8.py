@@ -125,15 +125,15 @@ if HAVE_GLUON:
         # program a row of TRACE_W floats after them, [smid, start, then per page six clock stamps: top, slot
         # ready, QK done, P^ stored, PV done, slot refilled]
         TRACE_W: gl.constexpr = 512
-        pid = gl.program_id(0) + gl.num_programs(0) * (b + gl.num_programs(1) * split)
-        tr = O_PART + gl.num_programs(1).to(gl.int64) * stride_ob + pid.to(gl.int64) * TRACE_W
         if TRACE:
+            pid = gl.program_id(0) + gl.num_programs(0) * (b + gl.num_programs(1) * split)
+            tr = O_PART + gl.num_programs(1).to(gl.int64) * stride_ob + pid.to(gl.int64) * TRACE_W
             smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [b], dtype=gl.int32, is_pure=False, pack=1)
             gl.store(tr, smid.to(gl.float32, bitcast=True))
             _stamp(tr + 1, b)
         for it in range(n_run):
-            tp = tr + 2 + 6 * gl.minimum(it, (TRACE_W - 8) // 6)
             if TRACE:
+                tp = tr + 2 + 6 * gl.minimum(it, (TRACE_W - 8) // 6)
                 _stamp(tp, it)
             slot, base, page_refill, s_next, after = _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length,
                                                                  offs_t, stride_sp, stride_st, STAGES, NBOX, PAGE,
