@@ -35,15 +35,15 @@ import argparse
 import csv
 import io
 import json
-import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from snapquant.atomic import atomic_save_figure, atomic_write_json, atomic_write_text
 
 R, D = 512, 64  # kv_lora_rank, qk_rope_head_dim (DeepSeek-V2-Lite)
 
@@ -200,18 +200,6 @@ def fit_max_context(points: list[tuple[int, float]], budget_bytes: float) -> int
     return max(0, int((budget_bytes - (p0 - slope * l0)) / slope) // 64 * 64)
 
 
-def write_atomic(path: Path, payload: dict) -> None:
-    _atomic_text(path, json.dumps(payload, indent=2))
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 CSV_COLUMNS = ("context", "variant", "mode", "ms_per_step", "tokens_per_s", "kernel_ms_per_step",
                "step_over_kernels", "speedup_vs_stock", "speedup_vs_patched_bf16", "logits_rel_vs_eager",
                "cache_bytes", "bytes_per_token_layer", "peak_gib", "max_context_in_budget")
@@ -222,7 +210,7 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)
-    _atomic_text(path, buf.getvalue())
+    atomic_write_text(path, buf.getvalue())
 
 
 def plot(path: Path, rows: list[dict], env: dict) -> None:
@@ -258,10 +246,7 @@ def plot(path: Path, rows: list[dict], env: dict) -> None:
     ax2.set_title(f"fits {env['budget_gib']} GiB at batch {env['batch']} (linear fit of peaks)")
     fig.tight_layout()
     for suffix in (".png", ".pdf"):
-        out = path.with_suffix(suffix)
-        tmp = out.with_name(out.stem + ".tmp" + suffix)
-        fig.savefig(tmp, dpi=150)
-        os.replace(tmp, out)
+        atomic_save_figure(fig, path.with_suffix(suffix), dpi=150)
     plt.close(fig)
 
 
@@ -391,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         budget = args.budget_gib * 2**30
         for r in rows:
             r["max_context_in_budget"] = fit_max_context(peaks.get(r["variant"], []), budget)
-        write_atomic(out_path, {"env": env, "rows": rows})  # after every context: partial results survive
+        atomic_write_json(out_path, {"env": env, "rows": rows}, indent=2)  # after every context: partial results survive
         write_csv(out_path.with_suffix(".csv"), rows)
 
     if cuda:

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from snapquant.atomic import atomic_write_text
+
 R, D = 512, 64  # DeepSeek kv_lora_rank, qk_rope_head_dim
 OUT_TOL, LSE_TOL, ORACLE_RATIO = 1e-3, 1e-3, 1.05
 
@@ -477,7 +479,6 @@ def finish(args, env: dict, rows: list[dict], t_start: float) -> int:
 
 def write_outputs(out: Path, env: dict, rows: list[dict], summary: dict) -> None:
     """JSON / CSV / markdown, each written to a temporary name and renamed (atomic)."""
-    out.mkdir(parents=True, exist_ok=True)
     keys = ["part", "case", "ok", "rel_l2", "lse_abs", "cos_dist", "err_vs_fp64", "ref_err_vs_fp64", "us",
             "GB/s", "TFLOP/s", "seconds", "detail"]
 
@@ -485,9 +486,7 @@ def write_outputs(out: Path, env: dict, rows: list[dict], summary: dict) -> None
         return f"{v:.3g}" if isinstance(v, float) else ("" if v is None else str(v))
 
     def write(name: str, text: str) -> None:
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out / name)
+        atomic_write_text(out / name, text)
 
     write("kernels_check.json", json.dumps({"environment": env, "summary": summary, "rows": rows}, indent=1))
     import io

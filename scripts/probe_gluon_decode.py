@@ -16,11 +16,12 @@ and the default SnapMLA kernel, over a cache far larger than L2. Hopper GPU only
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
+
+from snapquant.atomic import atomic_write_json
 
 ABLATIONS = {0: "full page loop", 1: "no conversion", 2: "no QK/RoPE MMA", 4: "no PV MMA", 8: "no softmax/P",
              16: "no TMA (compute only)", 2 | 4: "no MMAs", 1 | 2 | 4 | 8: "TMA only", 1 | 8: "no conversion, no softmax",
@@ -136,12 +137,9 @@ def main() -> int:
                     q, caches["snapmla"], tau, tile="gluon", fp8_mma=True, block_m=bm, num_splits=ns), "snapmla",
                     error=True)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
     env = environment(torch.device("cuda"))
-    tmp.write_text(json.dumps({"shape": args.shape, "seed": seed, "command": " ".join(sys.argv), "environment": env,
-                               "rows": rows}, indent=1))
-    tmp.replace(out)
+    atomic_write_json(out, {"shape": args.shape, "seed": seed, "command": " ".join(sys.argv), "environment": env,
+                            "rows": rows})
     print(f"wrote {out}")
     return 0
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 from pathlib import Path
 
 import torch
+
+from snapquant.atomic import atomic_write_json
 
 SHAPES = "32x64x8192,128x128x4096,64x128x8192,1x128x32768,4x64x8192,64x32x4096"
 KERNELS = {"narrow8": 32, "wide8": 64}  # the native FP8 kernels by block_m
@@ -94,11 +95,8 @@ def main() -> int:
                   + (f"  identical {row['identical_to_default']} rel-L2 {row['rel_l2_vs_default']:.1e}"
                      if kernel else ""), flush=True)
     out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"command": " ".join(sys.argv), "seed": seed,
-                               "environment": environment(torch.device("cuda")), "rows": rows}, indent=1))
-    tmp.replace(out_path)
+    atomic_write_json(out_path, {"command": " ".join(sys.argv), "seed": seed,
+                                 "environment": environment(torch.device("cuda")), "rows": rows})
     print(f"wrote {out_path}")
     return 0
 

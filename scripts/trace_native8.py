@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from snapquant.atomic import atomic_write_json
+
 PHASES = ("wait", "qk", "softmax_p", "pv", "refill")  # stamp k -> k + 1 within a page
 TRACE_W = 512  # floats per program (gluon_narrow8.TRACE_W)
 
@@ -152,11 +154,8 @@ def main() -> int:
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "kwargs"}), flush=True)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"command": " ".join(sys.argv), "seed": seed,
-                               "environment": environment(torch.device("cuda")), "results": results}, indent=1))
-    tmp.replace(out)
+    atomic_write_json(out, {"command": " ".join(sys.argv), "seed": seed,
+                            "environment": environment(torch.device("cuda")), "results": results})
     print(f"wrote {out}")
     return 0
 

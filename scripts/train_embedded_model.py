@@ -182,10 +182,10 @@ def _export(src: Path, dst: Path) -> list[str]:
     for old in dst.glob("*.safetensors"):
         if old.name not in {n for n, _ in payload}:
             old.unlink()
+    from snapquant.atomic import atomic_write_bytes
+
     for name, data in payload:
-        tmp = dst / f"tmp-{name}"
-        tmp.write_bytes(data)
-        os.replace(tmp, dst / name)
+        atomic_write_bytes(dst / name, data)
     return [n for n, _ in payload]
 
 
@@ -394,9 +394,9 @@ def _write_state(out: Path, step, tokens, args, last, scores, n_params, cmeta, t
              "corpus_summary": cmeta["summary"], "init_from": args.init_from,
              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else "cpu",
              "torch": torch.__version__, "transformers": __import__("transformers").__version__}
-    tmp = out / "training_state.json.tmp"
-    tmp.write_text(json.dumps(state, indent=2) + "\n")
-    tmp.replace(out / "training_state.json")
+    from snapquant.atomic import atomic_write_json
+
+    atomic_write_json(out / "training_state.json", state, indent=2)
 
 
 # ------------------------------------------------------------------------------------- the card
@@ -408,7 +408,9 @@ def write_card(model_dir: Path, cmeta: dict | None = None, lm_eval_scores: dict 
     cfg = json.loads((model_dir / "config.json").read_text())
     if lm_eval_scores is not None:
         state["lm_eval_scores"] = lm_eval_scores
-        (model_dir / "training_state.json").write_text(json.dumps(state, indent=2) + "\n")
+        from snapquant.atomic import atomic_write_json
+
+        atomic_write_json(model_dir / "training_state.json", state, indent=2)
     weights = sorted(model_dir.glob("*.safetensors"))
     wbytes = sum(f.stat().st_size for f in weights)
     dims = ["hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",

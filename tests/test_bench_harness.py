@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from snapquant.atomic import atomic_write_text
 from snapquant.bench import harness, results
 from snapquant.bench.harness import Budget, RunSpec, run
 from snapquant.bench.runner import main
@@ -154,7 +155,7 @@ def test_csv_round_trip_markdown_and_atomic_writes(tmp_path):
             {**_row("128x16x4096", "snapmla", float("nan"), status="error"), "error": "RuntimeError: x, y"}]
     results.add_ratios(rows)
     path = tmp_path / "d.csv"
-    results.atomic_write(path, results.to_csv(rows))
+    atomic_write_text(path, results.to_csv(rows))
     back = results.read_csv(path)
     assert back[0]["us"] == 224.0 and back[0]["variant"] == "bf16" and back[1]["us"] is None
     assert back[1]["error"] == "RuntimeError: x, y"

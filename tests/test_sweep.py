@@ -150,13 +150,13 @@ def test_store_atomic_roundtrip_and_invalid_files(tmp_path):
         st.write({"cell_id": "z"})
 
 
-# store.py is stdlib-only: load it by path so the writer starts in milliseconds (no torch import)
+# the atomic writer is stdlib-only: load it by path so the writer starts in milliseconds (no torch import)
 _WRITER = textwrap.dedent("""
     import importlib.util, sys
-    spec = importlib.util.spec_from_file_location("store", sys.argv[2])
-    store = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(store)
-    atomic_write_json = store.atomic_write_json
+    spec = importlib.util.spec_from_file_location("atomic", sys.argv[2])
+    atomic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(atomic)
+    atomic_write_json = atomic.atomic_write_json
     payload = {"schema": "x", "blob": ["y" * 1000] * 4000}
     i = 0
     while True:
@@ -167,14 +167,14 @@ _WRITER = textwrap.dedent("""
 
 
 def test_kill_9_during_writes_never_leaves_a_corrupt_file(tmp_path):
-    from snapquant.sweep import store as store_mod
+    from snapquant import atomic as atomic_mod
 
     target = tmp_path / "r.json"
     atomic_write_json(target, {"i": -1})
     rng = random.Random(0)
     for _ in range(6):
         atomic_write_json(target, {"i": -1})
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(target), store_mod.__file__])
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(target), atomic_mod.__file__])
         deadline = time.time() + 60
         while json.loads(target.read_text())["i"] < 1 and time.time() < deadline:  # writes are under way
             time.sleep(0.01)

@@ -17,28 +17,20 @@ import matplotlib
 matplotlib.use("Agg")  # headless: CI and clusters have no display
 import matplotlib.pyplot as plt
 
+from ..atomic import atomic_save_figure, atomic_write_csv
 from .tables import SweepTable
 
 
 def save_figure(fig, out_dir: str | Path, stem: str, points: list[dict] | None = None) -> list[Path]:
-    """Write `stem`.png and `stem`.pdf (temp name, then rename), plus `stem`.csv of the plotted numbers."""
-    import os
-
+    """Write `stem`.png and `stem`.pdf (atomically), plus `stem`.csv of the plotted numbers."""
     import pandas as pd
 
-    from ..sweep.store import atomic_write_text
-
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     paths = []
     if points is not None:
-        paths.append(atomic_write_text(out / f"{stem}.csv", pd.DataFrame(points).to_csv(index=False)))
+        paths.append(atomic_write_csv(out / f"{stem}.csv", pd.DataFrame(points)))
     for ext in ("png", "pdf"):
-        final = out / f"{stem}.{ext}"
-        tmp = out / f".tmp-{stem}.{ext}"
-        fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight")
-        os.replace(tmp, final)
-        paths.append(final)
+        paths.append(atomic_save_figure(fig, out / f"{stem}.{ext}", format=ext, dpi=150, bbox_inches="tight"))
     plt.close(fig)
     return paths
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import pandas as pd
 
-from ..sweep.store import atomic_write_text, from_json_number
+from ..atomic import atomic_write_csv, atomic_write_text
+from ..sweep.store import from_json_number
 from .results import baseline_of
 from .significance import PairedTest, pair_samples, paired_test
 
@@ -101,8 +102,8 @@ class SweepTable:
         files = {
             "markdown": atomic_write_text(out / f"{stem}.md", self.to_markdown()),
             "latex": atomic_write_text(out / f"{stem}.tex", self.to_latex()),
-            "csv": atomic_write_text(out / f"{stem}.csv", self.long.to_csv(index=False)),
-            "cells_csv": atomic_write_text(out / f"{stem}_cells.csv", self.cells.to_csv(index=False)),
+            "csv": atomic_write_csv(out / f"{stem}.csv", self.long),
+            "cells_csv": atomic_write_csv(out / f"{stem}_cells.csv", self.cells),
         }
         return files
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..atomic import atomic_save_figure
 from .results import TARGETS, best, find
 
 SERIES = (  # label, how to pick the row on a shape
@@ -87,10 +88,6 @@ def plot_decode(rows: list[dict[str, Any]], png: Path, pdf: Path | None = None, 
     for path in (png, pdf):
         if path is None:
             continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.stem + ".tmp" + path.suffix)  # savefig picks the format by suffix
-        fig.savefig(tmp, dpi=150)
-        tmp.replace(path)
-        written.append(path)
+        written.append(atomic_save_figure(fig, path, dpi=150))
     plt.close(fig)
     return written

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..atomic import atomic_write_json
 
 COLUMNS = [
     "op", "shape", "label", "B", "H", "S", "L_max", "tokens", "variant", "family", "layout", "mode", "impl",
@@ -127,20 +126,6 @@ def _target_value(rows: list[dict[str, Any]], t: Target, pick: str) -> tuple[flo
 
 
 # ------------------------------------------------------------------------------------------ files
-def atomic_write(path: Path, data: str | bytes) -> None:
-    """Write to a temporary file in the same directory, then rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def to_csv(rows: list[dict[str, Any]]) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
@@ -175,7 +160,7 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    atomic_write(path, json.dumps(obj, indent=1, default=str))
+    atomic_write_json(path, obj, indent=1, default=str)
 
 
 def _fmt(v: Any, digits: int = 3) -> str:

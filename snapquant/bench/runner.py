@@ -131,13 +131,14 @@ class Log:
 def write_outputs(rows: list[dict[str, Any]], env: dict[str, Any], p: dict[str, Path], *, final: bool,
                   log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """CSV + markdown (always), figure (final only); returns the target evaluation."""
+    from ..atomic import atomic_write_text
     from .plot import plot_decode
-    from .results import add_ratios, atomic_write, evaluate_targets, to_csv, to_markdown
+    from .results import add_ratios, evaluate_targets, to_csv, to_markdown
 
     add_ratios(rows)
     targets = evaluate_targets(rows)
-    atomic_write(p["csv"], to_csv(rows))
-    atomic_write(p["md"], to_markdown(rows, env, targets))
+    atomic_write_text(p["csv"], to_csv(rows))
+    atomic_write_text(p["md"], to_markdown(rows, env, targets))
     if final:
         try:
             plot_decode(rows, p["png"], p["pdf"], title=f"MLA decode on {env.get('gpu') or env.get('device')}: "
@@ -233,8 +234,8 @@ def run_compile_stats(shapes: list, variants: list, out: Path, tag: str, arch: i
     import csv
     import io
 
+    from ..atomic import atomic_write_text
     from .compile_stats import decode_compile_stats
-    from .results import atomic_write
 
     rows = []
     for s in shapes:
@@ -254,7 +255,7 @@ def run_compile_stats(shapes: list, variants: list, out: Path, tag: str, arch: i
     w.writeheader()
     w.writerows(rows)
     path = out / f"compile_stats_{tag}.csv"
-    atomic_write(path, buf.getvalue())
+    atomic_write_text(path, buf.getvalue())
     print(f"wrote {path}")
     return 0 if not any("error" in row for row in rows) else 1
 

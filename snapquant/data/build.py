@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_write_bytes, atomic_write_json
 from ..errors import ConfigError
 from .corpus import (
     iter_source_files,
@@ -26,12 +27,6 @@ from .corpus import (
 from .tokenizer import EOS_TOKEN, build_bpe, save_hf_tokenizer
 
 TOKEN_DTYPE = np.uint16  # vocab sizes up to 65535
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
 
 
 def file_sha256(path: Path | str) -> str:
@@ -99,10 +94,10 @@ def build_corpus(out_dir: Path | str, vocab_size: int = 8192, max_train_tokens: 
         ids = ids[: int(cum[kept - 1])]
         for i in train_idx[kept:]:
             manifest[i] = replace(manifest[i], split="excluded:token_budget")
-    _atomic_write_bytes(out / "train.bin", ids.tobytes())
+    atomic_write_bytes(out / "train.bin", ids.tobytes())
 
     val_ids = encode_documents(tok, [r["text"] for r in heldout], eos_id)
-    _atomic_write_bytes(out / "val.bin", val_ids.tobytes())
+    atomic_write_bytes(out / "val.bin", val_ids.tobytes())
     manifest_sha = write_manifest(manifest, out / "manifest.jsonl")
     train_bytes = sum(manifest[i].bytes for i in train_idx[:kept])
     meta = {
@@ -124,7 +119,7 @@ def build_corpus(out_dir: Path | str, vocab_size: int = 8192, max_train_tokens: 
         "summary": manifest_summary(manifest),
         "heldout_files": len(heldout),
     }
-    _atomic_write_bytes(out / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+    atomic_write_json(out / "meta.json", meta, indent=2)
     log(f"train.bin: {ids.size / 1e6:.2f}M tokens, {train_bytes / ids.size:.2f} bytes/token "
         f"({time.time() - t0:.0f}s)")
     return meta

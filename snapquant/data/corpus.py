@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..atomic import atomic_open, atomic_write_text
 from ..errors import ConfigError
 
 # Packages whose .py files join the stdlib in the training text, pinned to the versions the shipped
@@ -203,13 +204,9 @@ def select_heldout(files: Iterable[SourceFile], target_bytes: int = 300_000, min
 def build_heldout(path: Path | str = HELDOUT_FILE, target_bytes: int = 300_000) -> list[dict]:
     """Write the held-out jsonl (one-time; the result is committed and shipped in the package)."""
     rows = select_heldout(iter_source_files(include_packages=False), target_bytes=target_bytes)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
+    with atomic_open(path, "w") as fh:
         for row in rows:
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tmp.replace(path)
     return rows
 
 
@@ -247,12 +244,8 @@ def split_corpus(files: Iterable[SourceFile], heldout_hashes: set[str]
 
 def write_manifest(entries: Iterable[ManifestEntry], path: Path | str) -> str:
     """Write manifest jsonl atomically; return its sha256."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     lines = "".join(json.dumps(asdict(e)) + "\n" for e in entries)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(lines, encoding="utf-8")
-    tmp.replace(path)
+    atomic_write_text(path, lines)
     return hashlib.sha256(lines.encode("utf-8")).hexdigest()
 
 

@@ -6,9 +6,8 @@ Layout of a results directory:
     <out>/cells/<cell_id>.json  one finished cell (present = done; never partially written)
     <out>/submitit/             job scripts and logs when cells run through submitit
 
-Atomicity: write to a uniquely named temp file in the same directory, flush + fsync it, then
-`os.replace` it over the target (atomic on POSIX within one file system) and fsync the directory
-so the rename itself survives a crash. A kill -9 at any moment leaves either the old state or the
+Atomicity: every file goes through `snapquant.atomic` (temp file in the same directory, fsync,
+`os.replace`, fsync of the directory). A kill -9 at any moment leaves either the old state or the
 complete new file, plus at worst a stray `.tmp-*` file that `clean_temp` removes on the next start.
 Jobs on several hosts write different cell files into one shared directory, so merging is just
 reading the directory.
@@ -18,53 +17,22 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..atomic import TMP_PREFIX, atomic_write_text
+from ..atomic import atomic_write_json as _atomic_write_json
+
+__all__ = ["CELL_SCHEMA", "TMP_PREFIX", "ResultStore", "atomic_write_json", "atomic_write_text", "from_json_number",
+           "is_valid_cell", "missing_keys", "to_jsonable"]
+
 CELL_SCHEMA = "snapquant.sweep.cell/1"
-TMP_PREFIX = ".tmp-"
-
-
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write `text` to `path` so that readers only ever see the old or the complete new content."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-    return path
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> Path:
     # allow_nan=False: NaN/inf are not JSON; `to_jsonable` maps them to None/strings first.
-    return atomic_write_text(path, json.dumps(to_jsonable(obj), indent=1, allow_nan=False) + "\n")
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
+    return _atomic_write_json(path, to_jsonable(obj), indent=1, allow_nan=False)
 
 
 def to_jsonable(x: Any) -> Any:
@@ -169,3 +137,4 @@ def missing_keys(d: Any) -> list[str]:
 
 def is_valid_cell(d: Any) -> bool:
     return isinstance(d, dict) and d.get("schema") == CELL_SCHEMA and not missing_keys(d)
+
