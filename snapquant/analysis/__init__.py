@@ -8,12 +8,12 @@
 Plot modules import matplotlib; import them explicitly.
 """
 
-from .results import baseline_of, load_results
+from .results import CorruptResultWarning, baseline_of, load_results
 from .sensitivity import SensitivityReport, channel_statistics, sensitivity_report
 from .significance import PairedTest, mcnemar_exact, paired_bootstrap, paired_test
 from .tables import SweepTable, build_table
 
 __all__ = [
-    "PairedTest", "SensitivityReport", "SweepTable", "baseline_of", "build_table", "channel_statistics",
+    "CorruptResultWarning", "PairedTest", "SensitivityReport", "SweepTable", "baseline_of", "build_table", "channel_statistics",
     "load_results", "mcnemar_exact", "paired_bootstrap", "paired_test", "sensitivity_report",
 ]

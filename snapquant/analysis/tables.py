@@ -11,6 +11,7 @@ output does not depend on the optional `tabulate` / `jinja2` packages.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from ..atomic import atomic_write_csv, atomic_write_text
+from ..errors import ConfigError
 from ..sweep.store import from_json_number
 from .results import baseline_of
 from .significance import PairedTest, pair_samples, paired_test
@@ -120,7 +122,11 @@ def build_table(
     """Tidy frames of a sweep's results with deltas and paired tests against the baseline cell.
 
     `metrics` overrides the primary metric per task (default: what the cell records as primary).
+    Raises ConfigError for an `alpha` outside (0, 1) and for a task or metric in `metrics` that
+    no cell records, naming the valid ones.
     """
+    check_alpha(alpha)
+    check_metrics(results, metrics or {})
     base = baseline_of(results, baseline)
     rows, cell_rows = [], []
     for r in results:
@@ -145,6 +151,38 @@ def build_table(
         cells["is_baseline"] = cells["cell_id"] == base["cell_id"]
     cells = cells.reset_index(drop=True)
     return SweepTable(long, cells, base["label"] if base else None, alpha)
+
+
+def check_alpha(alpha: float) -> None:
+    """A significance level is a probability strictly between 0 and 1."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+        raise ConfigError(f"alpha={alpha!r} is not a significance level: expected 0 < alpha < 1 (e.g. 0.05)")
+
+
+def recorded_metrics(results: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Task -> the metrics any cell records for it, in first-seen order."""
+    out: dict[str, dict[str, None]] = {}
+    for r in results:
+        for task, tres in r.get("tasks", {}).items():
+            out.setdefault(task, {}).update(dict.fromkeys(tres.get("metrics", {})))
+    return {t: list(ms) for t, ms in out.items()}
+
+
+def check_metrics(results: list[dict[str, Any]], metrics: dict[str, str]) -> None:
+    """Every TASK=METRIC choice names a task of these results and a metric recorded for it."""
+    known = recorded_metrics(results)
+    for task, metric in metrics.items():
+        if task not in known:
+            raise ConfigError(f"metric {task}={metric}: no task {task!r} in these results{_close(task, known)}; "
+                              f"tasks: {', '.join(known) or '(none)'}")
+        if metric not in known[task]:
+            raise ConfigError(f"metric {task}={metric}: {task} records no metric {metric!r}"
+                              f"{_close(metric, known[task])}; its metrics: {', '.join(known[task]) or '(none)'}")
+
+
+def _close(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _compare(r: dict, base: dict | None, task: str, metric: str, aggregation: str | None, value: float,

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from ._app import app
+from .table import SKIP_CORRUPT_HELP
 
 
 @app.command("plot")
@@ -16,15 +17,16 @@ def plot(
     metric: list[str] = typer.Option(None, "--metric", help="TASK=METRIC: the metric plotted for a task."),
     out: Path = typer.Option(None, help="Output directory (default: <first results dir>/plots)."),
     all_runs: bool = typer.Option(False, help="Include cells from earlier sweep settings."),
+    skip_corrupt: bool = typer.Option(False, "--skip-corrupt", help=SKIP_CORRUPT_HELP),
 ) -> None:
     """Figures of a sweep: accuracy vs bytes/token per task, and deltas vs baseline with paired CIs."""
-    from ..analysis import build_table, load_results
+    from ..analysis import build_table
     from ..analysis.plots import plot_all
     from ..errors import ConfigError
-    from .table import _parse_metrics
+    from .table import _load, _parse_metrics
 
     try:
-        res = load_results(*results, all_runs=all_runs)
+        res = _load(results, all_runs, skip_corrupt)
         tab = build_table(res, baseline, metrics=_parse_metrics(metric))
         dest = out or ((results[0] if results[0].is_dir() else results[0].parent) / "plots")
         paths = plot_all(tab, dest)

@@ -8,24 +8,27 @@ import typer
 
 from ._app import app
 
+SKIP_CORRUPT_HELP = "Leave out unreadable cell result files (each named in a warning) instead of stopping."
+
 
 @app.command("table")
 def table(
     results: list[Path] = typer.Argument(..., help="Results directory (with cells/), directories of cell JSONs, or files."),
     baseline: str = typer.Option(None, help="Label of the baseline row (default: the sweep's baseline, bf16)."),
-    alpha: float = typer.Option(0.05, help="Significance level of the paired tests."),
+    alpha: float = typer.Option(0.05, help="Significance level of the paired tests, 0 < alpha < 1."),
     metric: list[str] = typer.Option(None, "--metric", help="TASK=METRIC: the metric shown for a task."),
     out: Path = typer.Option(None, help="Directory for table.md/.tex/.csv (default: the first results dir)."),
     all_runs: bool = typer.Option(False, help="Include cells from earlier sweep settings (other eval keys)."),
+    skip_corrupt: bool = typer.Option(False, "--skip-corrupt", help=SKIP_CORRUPT_HELP),
     latex: bool = typer.Option(False, help="Print LaTeX instead of Markdown."),
 ) -> None:
     """Rows = cells, columns = tasks: value ± stderr, delta vs baseline (* = paired test p < alpha), bytes/token."""
-    from ..analysis import build_table, load_results
+    from ..analysis import build_table
     from ..errors import ConfigError
 
     try:
         metrics = _parse_metrics(metric)
-        res = load_results(*results, all_runs=all_runs)
+        res = _load(results, all_runs, skip_corrupt)
         tab = build_table(res, baseline, alpha=alpha, metrics=metrics)
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
@@ -44,5 +47,26 @@ def _parse_metrics(items: list[str] | None) -> dict[str, str]:
         task, sep, m = it.partition("=")
         if not sep or not task or not m:
             raise ConfigError(f"--metric {it!r}: expected TASK=METRIC")
+        if task in out and out[task] != m:
+            raise ConfigError(f"--metric given twice for task {task!r} ({out[task]}, {m}): one metric per task")
         out[task] = m
     return out
+
+
+def _load(results: list[Path], all_runs: bool, skip_corrupt: bool) -> list[dict]:
+    """`load_results`, with each left-out corrupt file shown as a warning on stderr."""
+    import warnings
+
+    from ..analysis.results import CorruptResultWarning, load_results
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CorruptResultWarning)
+        try:
+            return load_results(*results, all_runs=all_runs, skip_corrupt=skip_corrupt)
+        finally:
+            skipped = [w for w in caught if issubclass(w.category, CorruptResultWarning)]
+            for w in skipped:
+                typer.secho(f"warning: {w.message}", err=True, fg="yellow", bold=True)
+            if skipped:
+                typer.secho(f"warning: {len(skipped)} cell result file(s) left out (--skip-corrupt): "
+                            "fewer rows than the sweep has cells", err=True, fg="yellow", bold=True)

@@ -24,8 +24,8 @@ from typing import Any
 from ..atomic import TMP_PREFIX, atomic_write_text
 from ..atomic import atomic_write_json as _atomic_write_json
 
-__all__ = ["CELL_SCHEMA", "TMP_PREFIX", "ResultStore", "atomic_write_json", "atomic_write_text", "from_json_number",
-           "is_valid_cell", "missing_keys", "to_jsonable"]
+__all__ = ["CELL_SCHEMA", "TMP_PREFIX", "ResultStore", "atomic_write_json", "atomic_write_text", "cell_problem",
+           "from_json_number", "is_valid_cell", "missing_keys", "to_jsonable"]
 
 CELL_SCHEMA = "snapquant.sweep.cell/1"
 
@@ -138,3 +138,17 @@ def missing_keys(d: Any) -> list[str]:
 def is_valid_cell(d: Any) -> bool:
     return isinstance(d, dict) and d.get("schema") == CELL_SCHEMA and not missing_keys(d)
 
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def cell_problem(d: Any) -> str | None:
+    """Why parsed JSON `d` is not a cell result, in words (None when it is one)."""
+    if not isinstance(d, dict):
+        return f"the JSON is {_JSON_TYPES.get(type(d), type(d).__name__)}, not an object"
+    if d.get("schema") != CELL_SCHEMA:
+        return f"schema {d.get('schema')!r}, not {CELL_SCHEMA!r}"
+    if missing_keys(d):
+        return f"missing keys: {', '.join(missing_keys(d))}"
+    return None

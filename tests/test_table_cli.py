@@ -1,0 +1,204 @@
+"""`snapquant table` / `snapquant plot` on bad input: one line, rc 2, nothing written; corrupt cells named."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from snapquant import ConfigError
+from snapquant.analysis import build_table, load_results
+from snapquant.analysis.results import CorruptResultWarning
+from snapquant.cli import app
+from snapquant.sweep import SweepSpec, run_sweep
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_sweep_fakes import FakeEvaluator
+
+REPO = Path(__file__).resolve().parents[1]
+SENTINEL = "an earlier table: must survive a rejected command\n"
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("res") / "out"
+    spec = SweepSpec.from_dict({
+        "name": "t", "model": "embedded", "fidelity": False, "output_dir": str(out),
+        "tasks": [{"name": "fake_a", "limit": 40}, {"name": "fake_b", "limit": 30}],
+        "presets": ["bf16", "snapmla", "per_tensor_fp8"]})
+    run_sweep(spec, FakeEvaluator(), show_progress=False)
+    return out
+
+
+@pytest.fixture
+def results(sweep_dir, tmp_path) -> Path:
+    """A private copy of the sweep's results, with an earlier table.md in it."""
+    d = tmp_path / "res"
+    shutil.copytree(sweep_dir, d)
+    (d / "table.md").write_text(SENTINEL)
+    return d
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _one_line_error(r) -> str:
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    return lines[0]
+
+
+def _untouched(d: Path, before: set[str]) -> None:
+    assert (d / "table.md").read_text() == SENTINEL
+    assert {p.name for p in d.iterdir()} == before  # no table.tex/.csv, no plots/
+
+
+# ---------------------------------------------------------------------- options
+@pytest.mark.parametrize("command", ["table", "plot"])
+@pytest.mark.parametrize("choice, named, valid", [
+    ("fake_a=bogus", "'bogus'", "its metrics: acc"),
+    ("fake_a=ac", "'ac'", "did you mean 'acc'?"),
+    ("bogus_task=acc", "'bogus_task'", "tasks: fake_a, fake_b"),
+    ("fake_c=acc", "'fake_c'", "tasks: fake_a, fake_b"),
+])
+def test_unknown_task_or_metric_is_one_line_and_writes_nothing(results, command, choice, named, valid):
+    before = {p.name for p in results.iterdir()}
+    line = _one_line_error(_invoke(command, results, "--metric", choice))
+    assert named in line and valid in line and choice in line
+    _untouched(results, before)
+
+
+def test_repeated_metric_for_one_task_is_an_error(results):
+    before = {p.name for p in results.iterdir()}
+    line = _one_line_error(_invoke("table", results, "--metric", "fake_a=acc", "--metric", "fake_a=acc_norm"))
+    assert "fake_a" in line and "twice" in line
+    _untouched(results, before)
+
+
+@pytest.mark.parametrize("alpha", ["7", "-1", "0", "1", "nan", "inf"])
+def test_alpha_outside_zero_one_is_one_line_and_writes_nothing(results, alpha):
+    before = {p.name for p in results.iterdir()}
+    line = _one_line_error(_invoke("table", results, "--alpha", alpha))
+    assert "alpha=" in line and "0 < alpha < 1" in line
+    _untouched(results, before)
+
+
+def test_valid_metric_and_alpha_still_make_the_table(results):
+    r = _invoke("table", results, "--metric", "fake_a=acc", "--alpha", "0.01")
+    assert r.exit_code == 0, r.output
+    assert "p < 0.01" in (results / "table.md").read_text()
+
+
+def test_library_checks_match_the_cli(sweep_dir):
+    res = load_results(sweep_dir)
+    with pytest.raises(ConfigError, match=r"no task 'nope'.*tasks: fake_a, fake_b"):
+        build_table(res, metrics={"nope": "acc"})
+    with pytest.raises(ConfigError, match=r"fake_b records no metric 'f1'; its metrics: acc"):
+        build_table(res, metrics={"fake_b": "f1"})
+    with pytest.raises(ConfigError, match="0 < alpha < 1"):
+        build_table(res, alpha=1.5)
+
+
+# ---------------------------------------------------------------------- corrupt cells
+def _truncate_one_cell(results: Path) -> Path:
+    victim = sorted((results / "cells").glob("*.json"))[1]
+    text = victim.read_text()
+    victim.write_text(text[: len(text) // 2])  # what a full disk or a copy cut short leaves
+    return victim
+
+
+@pytest.mark.parametrize("command", ["table", "plot"])
+def test_truncated_cell_is_an_error_naming_the_file(results, command):
+    victim = _truncate_one_cell(results)
+    before = {p.name for p in results.iterdir()}
+    line = _one_line_error(_invoke(command, results))
+    assert str(victim) in line and "not valid JSON" in line and "--skip-corrupt" in line
+    _untouched(results, before)
+
+
+@pytest.mark.parametrize("command", ["table", "plot"])
+def test_skip_corrupt_leaves_the_cell_out_with_a_warning_naming_it(results, command):
+    victim = _truncate_one_cell(results)
+    r = _invoke(command, results, "--skip-corrupt")
+    assert r.exit_code == 0, r.output
+    assert f"warning: left out corrupt cell result {victim}" in r.stderr
+    assert "1 cell result file(s) left out" in r.stderr
+    if command == "table":
+        rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ") and "---" not in ln]
+        assert len(rows) == 1 + 2  # header + the two readable cells of three
+
+
+def test_cell_with_missing_keys_or_a_foreign_cell_id_is_corrupt(results):
+    cells = sorted((results / "cells").glob("*.json"))
+    d = json.loads(cells[0].read_text())
+    del d["tasks"]
+    cells[0].write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=re.escape(f"{cells[0].name}: missing keys: tasks")):
+        load_results(results)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = load_results(results, skip_corrupt=True)
+    assert len(res) == 2 and [w.category for w in caught] == [CorruptResultWarning]
+    d = json.loads(cells[1].read_text())
+    cells[0].write_text(json.dumps(d))  # a copy of another cell under the wrong name
+    with pytest.raises(ConfigError, match="does not match the file name"):
+        load_results(results)
+
+
+def test_corrupt_file_of_earlier_sweep_settings_is_not_in_the_table_anyway(results):
+    (results / "cells" / "0123456789ab.json").write_text('{"schema": "snapquant.sweep.cell/1", "cel')
+    assert len(load_results(results)) == 3  # not a cell of the current manifest: not a missing row
+    with pytest.raises(ConfigError, match=r"0123456789ab\.json"):
+        load_results(results, all_runs=True)
+
+
+# ---------------------------------------------------------------------- inputs that are not results
+def test_single_truncated_json_names_the_file(results, tmp_path):
+    cell = sorted((results / "cells").glob("*.json"))[0]
+    bad = tmp_path / "cell.json"
+    bad.write_text(cell.read_text()[:100])
+    line = _one_line_error(_invoke("table", bad, "--out", tmp_path / "o"))
+    assert str(bad) in line and "not valid JSON" in line and "expected" in line
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "empty.json").write_text("")
+    line = _one_line_error(_invoke("table", tmp_path / "empty.json"))
+    assert "empty.json: empty file" in line
+
+
+def test_folder_of_unrelated_json_names_the_folder_or_the_file(tmp_path):
+    d = tmp_path / "other"
+    d.mkdir()
+    (d / "a.json").write_text(json.dumps({"results": {"arc": 0.5}}))
+    (d / "b.json").write_text(json.dumps([1, 2, 3]))
+    line = _one_line_error(_invoke("table", d))
+    assert str(d) in line and "none of its 2 JSON file(s)" in line and "snapquant.sweep.cell/1" in line
+    (d / "c.json").write_text('{"a": 1}\n{"a": 2}\n')  # JSON lines under a .json name
+    line = _one_line_error(_invoke("table", d))
+    assert str(d / "c.json") in line and "not valid JSON" in line
+    assert not (d / "table.md").exists()
+
+
+def test_yaml_config_names_the_file_and_what_to_do(tmp_path):
+    cfg = REPO / "configs" / "quickstart.yaml"
+    line = _one_line_error(_invoke("table", cfg, "--out", tmp_path / "o"))
+    assert str(cfg) in line and "YAML" in line and "snapquant sweep" in line
+    line = _one_line_error(_invoke("plot", cfg, "--out", tmp_path / "o"))
+    assert str(cfg) in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_single_non_cell_json_is_an_error_even_when_skipping(tmp_path):
+    f = tmp_path / "x.json"
+    f.write_text(json.dumps([1]))
+    line = _one_line_error(_invoke("table", f, "--skip-corrupt"))
+    assert "x.json is not a snapquant sweep cell result (the JSON is an array, not an object)" in line
