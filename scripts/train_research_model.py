@@ -145,9 +145,8 @@ def _env() -> dict:
 
 def _load_model(path: Path, device, dtype: str = "bfloat16"):
     import torch
-    from transformers import AutoModelForCausalLM
-
     from train_embedded_model import _eager_experts
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype), attn_implementation="sdpa",
                                                  local_files_only=True)
@@ -194,10 +193,10 @@ def stage_data(run: Run) -> None:
 
 def _build_model(arch: dict, seed: int):
     import torch
+    from train_embedded_model import _eager_experts
     from transformers import DeepseekV3ForCausalLM
 
     from snapquant.embedded import embedded_config
-    from train_embedded_model import _eager_experts
 
     torch.manual_seed(seed)
     config = embedded_config(arch)
@@ -235,11 +234,11 @@ def _export_model(run: Run, model, info: dict) -> None:
 def stage_train(run: Run) -> None:
     import torch
     import torch.nn.functional as F
+    from train_embedded_model import _lr_at, _router_bias_hooks
 
     from snapquant.data.build import load_corpus
     from snapquant.data.mixture import KIND_SYNTH, MixtureSpec
     from snapquant.data.stream import row_stream
-    from train_embedded_model import _lr_at, _router_bias_hooks
 
     a = run.args
     dev = run.device()
@@ -257,7 +256,7 @@ def stage_train(run: Run) -> None:
         torch.backends.cudnn.allow_tf32 = True
     arch = _arch(a)
     seq_len = a.seq_len or (256 if a.smoke else 8192)
-    train_tokens, _, cmeta = load_corpus(run.corpus)
+    train_tokens, _, _cmeta = load_corpus(run.corpus)
     model = _build_model(arch, a.seed).to(dev).train()
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -626,7 +625,7 @@ def stage_analyses(run: Run) -> None:
     model = _load_model(run.model_dir, dev, "float32" if dev.type == "cpu" else "bfloat16")
     tok = _tokenizer(run)
     toks = np.concatenate([_val_tokens(run, "machine"), _val_tokens(run, "code")])
-    N, T, P = (2, 96, 64) if a.smoke else (16, 2048, 1536)
+    N, T, P = (2, 80, 64) if a.smoke else (16, 1280, 1024)
     ids = _rows_from(toks, N, T)
     ref_lp = _ref_logprobs(model, ids)
     results = run.read_json("analyses.json") or {"parts": {}}
@@ -782,7 +781,9 @@ def _tasks_under_fp8(run: Run, model, tok, a, mcnemar_exact) -> dict:
 
     ev = run.read_json("eval.json") or {}
     tasks = (ev.get("models", {}).get("research", {}) or {}).get("tasks", {})
-    chosen = {k: v for k, v in tasks.items() if 0.4 <= v["score"] <= 0.9}
+    # At most two tasks (the call's time), preferring long contexts.
+    chosen = dict(sorted(((k, v) for k, v in tasks.items() if 0.4 <= v["score"] <= 0.9),
+                         key=lambda kv: -int(kv[0].rsplit("_", 1)[1]))[:2])
     note = "tasks whose BF16 score lies in [0.4, 0.9]"
     if not chosen and tasks:
         k = min(tasks, key=lambda k: abs(tasks[k]["score"] - 0.65))
@@ -797,6 +798,8 @@ def _tasks_under_fp8(run: Run, model, tok, a, mcnemar_exact) -> dict:
                 out["truncated"] = True
                 return out
             cfg = resolve_config(preset)
+            if cfg.nope_granularity == "per_token_block":
+                cfg = cfg.replace(block_size=min(cfg.block_size, model.config.kv_lora_rank))
             with patched(model, cfg, backend="auto"):
                 hits = task_hits(model, tok, tok_path, task, int(length), base["n"], a.eval_batch)
             t = mcnemar_exact(base["hits"], hits)

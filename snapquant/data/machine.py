@@ -130,7 +130,7 @@ def _init_worker(heldout_texts: list[str]) -> None:
 
 
 def _scan_file(path: str) -> tuple[str, str | None, int, Overlap | None]:
-    text, reason = read_text(path)
+    text, _reason = read_text(path)
     if text is None:
         return path, None, 0, None
     ov = _INDEX.overlap_shingles(shingles(text)) if _INDEX is not None else Overlap(-1, 0.0, 0.0)
@@ -174,7 +174,7 @@ def build_machine_corpus(out_dir: Path | str, tokenizer_dir: Path | str, *, root
     heldout_rows: list[dict] = []
     heldout_hashes = {r["sha256"] for r in shipped}
     for c in sample:
-        text, reason = read_text(c.path)
+        text, _reason = read_text(c.path)
         if text is None:
             continue
         h = content_sha256(text)
