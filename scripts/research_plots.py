@@ -30,9 +30,10 @@ def plot_study(out: Path, models: list[str]) -> None:
             ax[1, j].plot(d.layer, d.kurtosis_max, marker="o", label=f"{name}")
             ax[0, j].set_title(f"{'latent (after norm)' if part == 'nope' else 'RoPE key'}: absmax / RMS")
             ax[1, j].set_title(f"{'latent' if part == 'nope' else 'RoPE key'}: max channel excess kurtosis")
-    for a in ax.flat:
+    for i, a in enumerate(ax.flat):
         a.set_xlabel("layer")
-        a.set_yscale("log")
+        # Excess kurtosis can be negative (lighter tails than a Gaussian): symlog keeps those points.
+        a.set_yscale("log" if i < 2 else "symlog", **({} if i < 2 else {"linthresh": 1.0}))
         a.legend()
     _save(fig, out, "study_cache_outliers")
 

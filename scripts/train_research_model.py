@@ -748,7 +748,7 @@ def _long_context(run: Run, model, toks, dev, a) -> dict:
     from snapquant.presets import resolve_config
 
     if a.smoke:
-        N, T, steps, depths = 2, 160, 16, (32, 128)
+        N, T, steps, depths = 2, 112, 8, (32, 96)
     else:
         N, T, steps, depths = 6, 8192 + 64, 64, (512, 2048, 4096, 8128)
     ids = _rows_from(toks, N, T)
