@@ -66,7 +66,7 @@ def plot_analyses(out: Path) -> None:
             y = range(len(d))
             ax.errorbar(d.value, y, xerr=[d.value - d.ci_low, d.ci_high - d.value], fmt="o", capsize=3)
             ax.set_yticks(list(y), [f"{c} [{b}]" for c, b in zip(d.config, d.backend, strict=True)], fontsize=7)
-            ax.set_xscale("symlog", linthresh=1e-5)
+            ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
             ax.set_title(f"{part}: decode KL vs unpatched BF16 (mean, 95% cluster-bootstrap CI)", fontsize=9)
         axes[-1, 0].set_xlabel("KL (nats / position)")
         _save(fig, out, "analyses_kl")

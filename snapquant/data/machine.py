@@ -13,7 +13,7 @@ roots and `/usr/lib/python3*`). Steps:
    hash, and dropped when it is a near duplicate of a held-out file (`decontam`, word 5-gram Jaccard
    >= 0.5 or containment >= 0.8): the held-out set stays fixed and training loses its copies;
 4. the kept files, shuffled with the seed, are tokenized with the given tokenizer up to
-   `max_train_tokens` (the rest recorded as `excluded:token_budget`).
+   `max_train_tokens` in whole chunks of files (the rest recorded as `excluded:token_budget`).
 
 Output (`out_dir`): train.bin / val.bin (uint16, `load_corpus`-compatible, val = the shipped held-out
 code), val_machine.bin (the sampled held-out files), manifest.jsonl.gz (every file: path, origin,
@@ -257,8 +257,9 @@ def build_machine_corpus(out_dir: Path | str, tokenizer_dir: Path | str, *, root
         used = s + len(idx)
     for i in order[used:]:
         manifest[i]["split"] = "excluded:token_budget"
+    # The budget is applied at chunk granularity (whole files, at most one chunk over), so the
+    # manifest's train files are exactly the files in train.bin.
     train = np.concatenate(parts) if parts else np.zeros(0, dtype=TOKEN_DTYPE)
-    train = train[:max_train_tokens]
     _atomic_write_bytes(out / "train.bin", train.tobytes())
     _atomic_write_bytes(out / "val.bin", encode_documents(tok, [r["text"] for r in shipped], eos_id).tobytes())
     val_m = encode_documents(tok, [r["text"] for r in heldout_rows], eos_id)
