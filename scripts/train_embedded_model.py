@@ -95,23 +95,9 @@ class _Log:
 
 
 def _row_stream(corpus: str, tokenizer_path: str, spec, seed: int):
-    import numpy as np
-    import torch
+    from snapquant.data.stream import row_stream
 
-    from snapquant.data.build import load_corpus
-    from snapquant.data.mixture import RowBuilder
-    from snapquant.data.tokenizer import load_fast_tokenizer
-
-    class RowStream(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            info = torch.utils.data.get_worker_info()
-            stream = info.id if info is not None else 0
-            train, _, meta = load_corpus(corpus)
-            builder = RowBuilder(train, load_fast_tokenizer(tokenizer_path), meta["eos_id"], spec, seed, stream)
-            for row, kind in builder.rows():
-                yield torch.from_numpy(row.astype(np.int64)), kind
-
-    return RowStream()
+    return row_stream(corpus, tokenizer_path, spec, seed)
 
 
 def _router_bias_hooks(model):

@@ -1,0 +1,142 @@
+"""The research model's card (README.md of its results folder), rendered from the result files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _j(path: Path):
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _f(x, nd=4):
+    return "n/a" if x is None else (f"{x:.{nd}g}" if isinstance(x, float) else str(x))
+
+
+def _ci(v, lo, hi):
+    return f"{_f(v)} [{_f(lo)}, {_f(hi)}]"
+
+
+def render_card(out: Path, published) -> str:
+    out = Path(out)
+    data, train, ev = _j(out / "data_manifest_summary.json"), _j(out / "training_info.json"), _j(out / "eval.json")
+    study, an = _j(out / "study.json"), _j(out / "analyses.json")
+    L = ["# Research model: MLA at DeepSeek-V2-Lite attention dimensions", "",
+         "Written by `scripts/train_research_model.py` from the result files in this folder; rerun it to "
+         "reproduce (seeded; see `research_log.jsonl` for the configuration, versions and hardware).", ""]
+    if train:
+        arch = train["arch"]
+        L += ["## Model", "", "| field | value |", "|---|---|",
+              *[f"| {k} | {arch.get(k)} |" for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                      "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                      "qk_rope_head_dim", "v_head_dim", "intermediate_size",
+                                                      "first_k_dense_replace", "n_routed_experts",
+                                                      "num_experts_per_tok", "moe_intermediate_size", "vocab_size")],
+              f"| parameters | {train['params']:,} |", "",
+              "## Training", "",
+              f"- {train['step']} of {train.get('total_steps')} planned steps, {train['batch_size']} rows x "
+              f"{train['seq_len']} tokens, {train['tokens'] / 1e6:.1f}M tokens in {train['train_seconds']:.0f} s "
+              f"(measured {train.get('measured_tok_s')} tokens/s before planning); AdamW lr {train['lr']}, "
+              f"warmup {train['warmup']}, cosine to 10%, seed {train['seed']}, synthetic share "
+              f"{train['synthetic_fraction']}.",
+              f"- Last logged losses: {json.dumps(train['losses'][-1]) if train['losses'] else 'n/a'}", ""]
+    if data:
+        d = data
+        L += ["## Data", "",
+              f"- Every .py/.md/.rst/.txt file under {len(d['roots'])} roots of the training machine (Python "
+              f"{d['python']}): {d['manifest_files']} files listed; {d['train_files']} trained on "
+              f"({d['train_bytes'] / 1e6:.1f} MB, {d['train_tokens'] / 1e6:.1f}M tokens, "
+              f"{d['bytes_per_token']} bytes/token). Manifest sha256 `{d['manifest_sha256'][:16]}...`.",
+              f"- Held-out: {d['heldout']['shipped_files']} shipped code files (the embedded model's) + "
+              f"{d['heldout']['sampled_files']} files sampled by path hash ({d['heldout']['sampled_bytes'] / 1e6:.2f} MB).",
+              f"- Decontamination: word {d['decontamination']['ngram']}-gram Jaccard >= "
+              f"{d['decontamination']['jaccard_threshold']} or containment >= "
+              f"{d['decontamination']['containment_threshold']} against any held-out file drops the training "
+              f"file: {d['decontamination']['train_dropped']} dropped; largest remaining overlap Jaccard "
+              f"{_f(d['decontamination']['max_jaccard_kept'])}, containment "
+              f"{_f(d['decontamination']['max_containment_kept'])}.", "",
+              "| split | files | MB |", "|---|---|---|",
+              *[f"| {k} | {v['files']} | {v['bytes'] / 1e6:.2f} |" for k, v in d["summary"]["splits"].items()],
+              "", "| extension (train) | files | MB |", "|---|---|---|",
+              *[f"| {k} | {v['files']} | {v['bytes'] / 1e6:.2f} |" for k, v in d["summary"]["extensions"].items()], ""]
+    if ev:
+        L += ["## Held-out perplexity and tasks (BF16)", "",
+              "| model | text | window | nats/token [95% CI] | ppl | windows |", "|---|---|---|---|---|---|"]
+        for m, r in ev["models"].items():
+            for k, h in r["heldout"].items():
+                ci = h.get("nll_ci", [None, None])
+                L.append(f"| {m} | {k} | {h['window']} | {_ci(h['nll'], *ci)} | {_f(h['ppl'])} | {h['windows']} |")
+        L += ["", "| model | task | exact match | n |", "|---|---|---|---|"]
+        for m, r in ev["models"].items():
+            for k, t in r["tasks"].items():
+                L.append(f"| {m} | {k} | {t['score']:.3f} | {t['n']} |")
+        L.append("")
+    if study:
+        L += ["## Activation study", "",
+              f"Teacher-forced on {study['text']['sequences']} x {study['text']['tokens_per_sequence']} held-out tokens "
+              "(per-channel tables: `study_channels_*.csv`; figures `study_*.png`). Outliers: |x| > 6 x the part's RMS.", "",
+              "| model | layer | part | absmax | absmax/RMS | max/median channel absmax | kurtosis median / max | outlier share |",
+              "|---|---|---|---|---|---|---|---|"]
+        for m, s in study["models"].items():
+            for r in s["cache"]:
+                L.append(f"| {m} | {r['layer']} | {r['part']} | {_f(r['absmax'])} | {_f(r['absmax_over_rms'])} | "
+                         f"{_f(r['channel_absmax_max_over_median'])} | {_f(r['kurtosis_median'])} / {_f(r['kurtosis_max'])} | "
+                         f"{_f(r['outlier_share'])} |")
+        L += ["", "| model | layer | max abs h | median abs h | ratio | top carrier classes |", "|---|---|---|---|---|---|"]
+        for m, s in study["models"].items():
+            for r in s["massive"]:
+                L.append(f"| {m} | {r['layer']} | {_f(r['max_abs'])} | {_f(r['median_abs'])} | {_f(r['max_over_median'])} | |")
+            L.append(f"| {m} | all | | | | {json.dumps(s['top_carrier_classes'])} |")
+        L += ["", "| model | layer | mass on position 0 | mass on top key | mass on EOS | entropy / uniform |",
+              "|---|---|---|---|---|---|"]
+        for m, s in study["models"].items():
+            for r in s["sinks_by_layer"]:
+                L.append(f"| {m} | {r['layer']} | {_f(r['mass_first'])} | {_f(r['mass_top_key'])} | {_f(r['mass_eos'])} | "
+                         f"{_f(r['relative_entropy'])} |")
+        L += ["", "Published reference points:", "", *[f"- {src}: {txt}." for src, txt in published], ""]
+    if an:
+        t = an["text"]
+        L += ["## FP8 analyses (decode, teacher-forced, vs the unpatched BF16 model)", "",
+              f"{t['sequences']} held-out sequences of {t['tokens_per_sequence']} tokens, BF16 prefill of {t['prompt_len']}, "
+              f"then {t['decode_positions_per_sequence']} decode steps each. Intervals: 95% cluster bootstrap over "
+              "sequences; comparisons: mean per-sequence difference, BCa bootstrap CI, sign-flip permutation p.", ""]
+        ag = an["parts"].get("agreement")
+        if ag:
+            L += ["### Triton vs reference backend", "", json.dumps(ag), ""]
+        for part in ("rope_vs_nope", "granularity", "pv_pipeline"):
+            pr = an["parts"].get(part)
+            if not pr:
+                continue
+            L += [f"### {part}", "", "| config | backend | KL mean [CI] | KL p99 [CI] | flip rate [CI] | n seq / pos |",
+                  "|---|---|---|---|---|---|"]
+            by = {}
+            for r in pr["summary"]:
+                by.setdefault((r["config"], r["backend"]), {})[r["statistic"]] = r
+            for (c, b), st in by.items():
+                km, kp, fr = st["kl_mean"], st["kl_p99"], st["flip_rate"]
+                L.append(f"| {c} | {b} | {_ci(km['value'], km['ci_low'], km['ci_high'])} | "
+                         f"{_ci(kp['value'], kp['ci_low'], kp['ci_high'])} | {_ci(fr['value'], fr['ci_low'], fr['ci_high'])} | "
+                         f"{km['n_sequences']} / {km['n_positions']} |")
+            L += ["", "| b - a | metric | delta [CI] | p | n seq |", "|---|---|---|---|---|"]
+            for c in pr["comparisons"]:
+                L.append(f"| {c['b']} - {c['a']} | {c['metric']} | {_ci(c['delta'], c['ci_low'], c['ci_high'])} | "
+                         f"{_f(c['p_value'], 3)} | {c['n_sequences']} |")
+            L.append("")
+        lc = an["parts"].get("long_context")
+        if lc and lc.get("rows"):
+            L += ["### Long context (decode windows at increasing depth)", "",
+                  "| config | depth | statistic | value [CI] | n seq / pos |", "|---|---|---|---|---|"]
+            for r in lc["rows"]:
+                L.append(f"| {r['config']} | {r['depth']} | {r['statistic']} | {_ci(r['value'], r['ci_low'], r['ci_high'])} | "
+                         f"{r['n_sequences']} / {r['n_positions']} |")
+            L.append("")
+        tk = an["parts"].get("tasks")
+        if tk:
+            L += ["### Tasks under FP8 (exact McNemar vs unpatched BF16)", "", tk["note"], "",
+                  "| task | config | score | BF16 | delta | p | discordant | n |", "|---|---|---|---|---|---|---|---|"]
+            for r in tk["rows"]:
+                L.append(f"| {r['task']} | {r['config']} | {r['score']:.3f} | {r['bf16_unpatched']:.3f} | "
+                         f"{r['delta']:+.3f} | {_f(r['p_value'], 3)} | {r['discordant']} | {r['n']} |")
+            L.append("")
+    return "\n".join(L) + "\n"
