@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The research model on one H200 in three back-to-back device calls (< 9 minutes each):
-#   bash scripts/device_research.sh 1   # data (machine corpus) + measure + train (first part)
-#   bash scripts/device_research.sh 2   # train (rest of the planned steps) + eval + activation study
-#   bash scripts/device_research.sh 3   # FP8 analyses with intervals + Triton/reference agreement
+# The research model on one H200 in two back-to-back device calls (< 9 minutes each):
+#   bash scripts/device_research.sh 1   # data (machine corpus) + measure + train
+#   bash scripts/device_research.sh 2   # eval + activation study + FP8 analyses with intervals
+#   bash scripts/device_research.sh 3   # (optional) resume whatever analyses call 2 had no time for
 # State (corpus, checkpoint, bf16 model) lives in runs/research_model/ on the machine's disk
 # between calls; each call leaves in $OUT: its log and research_results.tar.gz (the results
 # folder so far: model card, JSON/CSV, figures) -- unpack with
@@ -19,11 +19,11 @@ pack() { tar -czf "$OUT/research_results.tar.gz" -C "$RES" . 2>/dev/null; cp -f 
 trap pack EXIT
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu_call$CALL.txt"
 case "$CALL" in
-  # ~490 s: data (scan + decontaminate + tokenize), 20 s speed measurement, train; 240 s more training planned for call 2.
-  1) timeout 500 python $S data train --state $STATE --out $RES --budget-s 490 --train-later-s 240 2>&1 | tee "$OUT/call1.log" ;;
-  # ~490 s: train the remaining steps (stops 200 s before the end whatever happens), eval, study.
-  2) timeout 500 python $S train eval study --state $STATE --out $RES --budget-s 490 --after-train-s 200 2>&1 | tee "$OUT/call2.log" ;;
-  # ~490 s: analyses (each part saved as it finishes; a rerun resumes), card and figures.
+  # ~490 s: data (scan + decontaminate + tokenize), 20 s speed measurement, train the planned steps.
+  1) timeout 500 python $S data train --state $STATE --out $RES --budget-s 490 --train-later-s 0 2>&1 | tee "$OUT/call1.log" ;;
+  # ~490 s: eval, study, analyses (each part saved as it finishes; what has no time left is logged as skipped).
+  2) timeout 500 python $S eval study analyses --state $STATE --out $RES --budget-s 490 2>&1 | tee "$OUT/call2.log" ;;
+  # ~490 s: resume the analyses (a rerun continues where call 2 stopped), card and figures.
   3) timeout 500 python $S analyses --state $STATE --out $RES --budget-s 490 2>&1 | tee "$OUT/call3.log" ;;
   *) echo "unknown call $CALL (1, 2 or 3)"; exit 2 ;;
 esac
