@@ -37,7 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .build import TOKEN_DTYPE, _atomic_write_bytes, encode_documents, file_sha256
+from ..atomic import atomic_write_bytes
+from .build import TOKEN_DTYPE, encode_documents, file_sha256
 from .corpus import content_sha256, load_heldout, normalize_source
 from .decontam import NearDuplicateIndex, Overlap, overlap_summary, shingles
 
@@ -260,15 +261,15 @@ def build_machine_corpus(out_dir: Path | str, tokenizer_dir: Path | str, *, root
     # The budget is applied at chunk granularity (whole files, at most one chunk over), so the
     # manifest's train files are exactly the files in train.bin.
     train = np.concatenate(parts) if parts else np.zeros(0, dtype=TOKEN_DTYPE)
-    _atomic_write_bytes(out / "train.bin", train.tobytes())
-    _atomic_write_bytes(out / "val.bin", encode_documents(tok, [r["text"] for r in shipped], eos_id).tobytes())
+    atomic_write_bytes(out / "train.bin", train.tobytes())
+    atomic_write_bytes(out / "val.bin", encode_documents(tok, [r["text"] for r in shipped], eos_id).tobytes())
     val_m = encode_documents(tok, [r["text"] for r in heldout_rows], eos_id)
-    _atomic_write_bytes(out / "val_machine.bin", val_m.tobytes())
+    atomic_write_bytes(out / "val_machine.bin", val_m.tobytes())
     with gzip.open(out / "heldout_machine.jsonl.gz", "wt", encoding="utf-8") as fh:
         for r in heldout_rows:
             fh.write(json.dumps(r) + "\n")
     lines = "".join(json.dumps(m) + "\n" for m in manifest).encode()
-    _atomic_write_bytes(out / "manifest.jsonl.gz", gzip.compress(lines, mtime=0))
+    atomic_write_bytes(out / "manifest.jsonl.gz", gzip.compress(lines, mtime=0))
     summary = machine_summary(manifest)
     train_bytes = sum(manifest[i]["bytes"] for i in order[:used])
     meta = {
@@ -288,7 +289,7 @@ def build_machine_corpus(out_dir: Path | str, tokenizer_dir: Path | str, *, root
         "decontamination": decon, "summary": summary, "seconds": round(time.time() - t0, 1),
         "python": sys.version.split()[0],
     }
-    _atomic_write_bytes(out / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+    atomic_write_bytes(out / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
     log(f"train.bin {train.size / 1e6:.1f}M tokens from {used} files ({time.time() - t0:.0f}s)")
     return meta
 
