@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""MLA decode benchmark (issue 7): our FP8 decode in every query/PV mode and kernel variant, our BF16
-kernel and plain PyTorch, side by side on the issue's shapes, plus quantize-and-append.
+"""MLA decode benchmark: our FP8 decode in every query/PV mode and kernel variant, our BF16
+kernel and plain PyTorch, side by side on the benchmark shapes, plus quantize-and-append.
 
     python scripts/bench_decode.py --out results/bench          # full run on the H200 (~6-7 min)
     python scripts/bench_decode.py --quick --out results/bench  # smoke run (~2-3 min)

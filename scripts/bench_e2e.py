@@ -15,7 +15,7 @@ Triton kernel on CUDA where snapquant.kernels supports the config, else the PyTo
 
     python scripts/bench_e2e.py --threads 1                 # CPU: 2 layers, batch 1, L = 1K, 4K, 16K
     python scripts/bench_e2e.py --device cuda --layers 8 --batch 32 --contexts 8192,32768 \\
-        --backend triton --graphs --out results/bench/e2e_h200.json      # issue 7's end-to-end run
+        --backend triton --graphs --out results/bench/e2e_h200.json      # the H200 run in results/
 
 Per context and variant (stock, then each preset patched) it records the median step time (eager:
 synchronised wall time; CUDA: events), decode tokens/s (batch / step time), the cache bytes and the

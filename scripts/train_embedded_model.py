@@ -448,7 +448,7 @@ def write_card(model_dir: Path, cmeta: dict | None = None, lm_eval_scores: dict 
                   f"first {limit} documents of each task (code ppl: the {limit} smallest held-out files).", "",
                   "| task | metric | value |", "|---|---|---|",
                   *[f"| {t} | {m} | {v:.4f} |" for t, ms in lm_scores.items() for m, v in ms.items()]]
-    lines += ["", "Quality bar (issue 4): key-value retrieval exact match >= 0.90 at 1K and 2K, >= 0.70 at 4K.", ""]
+    lines += ["", "Quality bar: key-value retrieval exact match >= 0.90 at 1K and 2K, >= 0.70 at 4K.", ""]
     path = model_dir / "README.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path

@@ -28,14 +28,14 @@ __all__ = [
 ]
 
 
-# Model patching (issue 3). Imported on first use: it pulls in transformers, which `import snapquant`
+# Model patching. Imported on first use: it pulls in transformers, which `import snapquant`
 # alone should not pay for.
 _LAZY = {
     "patch": "patching", "unpatch": "patching", "patched": "patching", "is_patched": "patching",
     "patched_config": "patching",
     "LatentCache": "cache", "LatentLayer": "cache",
-    "load_embedded": "embedded", "EMBEDDED_PATH": "embedded",  # the shipped trained model (issue 4)
-    "DecodeGraph": "graphs", "no_host_sync": "graphs",  # CUDA-graph decode steps (issue 7)
+    "load_embedded": "embedded", "EMBEDDED_PATH": "embedded",  # the shipped trained model
+    "DecodeGraph": "graphs", "no_host_sync": "graphs",  # CUDA-graph decode steps
 }
 __all__ += list(_LAZY)
 

@@ -5,14 +5,14 @@ Against the unpatched model's distributions on the same tokens (teacher forcing)
 - top-1 agreement: share of positions whose argmax token is unchanged;
 - perplexity of the true next tokens under both, and the delta (quant - ref, and relative).
 
-Two modes, because they exercise different paths (numerics.md, "Why per-token matters"):
+Two modes, because they exercise different paths (docs/numerics.md, "Why per-token matters"):
 - `prefill`: one forward over the whole sequence with `prefill: quantized`, so every position
   attends to the quantized latent. For causal-consistent configs (per-token scales) this equals
   step-by-step decode exactly; for per-tensor / per-channel dynamic scales it does not.
 - `decode`: prefill the first `prompt_len` tokens as the config says (BF16 by default, as served),
   then feed the remaining tokens one at a time through the patched model with its quantized cache;
   only the decode-step positions are scored. This is what generation sees.
-Both run the patched model through `snapquant.patched` (the patch API of issue 3).
+Both run the patched model through `snapquant.patched`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ to its own quantized latent. Families whose forward caches the expanded per-head
 before transformers ~5.2x: expand_kv before cache.update) are handled at expand_kv instead.
 
 Masks: the model config itself is never changed, so HF keeps building the causal / padding masks for
-its own attention implementation (the unregistered-mask trap of hf-lmeval.md cannot drop them). The
+its own attention implementation (the unregistered-mask trap of docs/transformers-notes.md cannot drop them). The
 wrapper reads padding from that mask's diagonal; padding tokens are never stored, so the standard
 padding + causal case needs only per-request lengths. Any other visibility (DSA top-k selections,
 packed sequences, custom 4D masks) is detected by comparison and runs the gather path of

@@ -10,8 +10,8 @@ import torch
 from snapquant import PRESETS
 from snapquant.bench import accounting as acc
 from snapquant.bench.shapes import (
+    BENCH_SHAPES,
     HEADLINE,
-    ISSUE_SHAPES,
     mixed_shape,
     ordered_shapes,
     parse_shapes,
@@ -23,7 +23,7 @@ from snapquant.kernels import PagedMLACache, supports
 
 
 def test_decode_counts_at_the_headline_shape():
-    """B=128, H=16, L=4096 (kernels.md): 2 * 16 * 524288 * 1088 FLOPs; 1152 / 644 B per token."""
+    """B=128, H=16, L=4096 (docs/performance.md): 2 * 16 * 524288 * 1088 FLOPs; 1152 / 644 B per token."""
     tokens = 128 * 4096
     assert acc.decode_flops(16, tokens) == 2 * 16 * tokens * 1088 == 18_253_611_008
     assert acc.cache_bytes(PRESETS["bf16"], tokens) == tokens * 1152 == 603_979_776
@@ -58,11 +58,11 @@ def test_append_bytes_rate_and_roofline():
         acc.cache_bytes(PRESETS["bf16"], -1)
 
 
-def test_issue_shapes_and_the_mixed_batch():
-    got = {(s.batch, s.heads, s.max_len) for s in ISSUE_SHAPES if s.uniform}
+def test_bench_shapes_and_the_mixed_batch():
+    got = {(s.batch, s.heads, s.max_len) for s in BENCH_SHAPES if s.uniform}
     assert got == {(128, 16, 4096), (32, 16, 16384), (8, 16, 32768), (32, 64, 8192), (4, 64, 8192),
                    (128, 128, 4096), (64, 128, 8192), (1, 128, 32768)}
-    mixed = [s for s in ISSUE_SHAPES if not s.uniform]
+    mixed = [s for s in BENCH_SHAPES if not s.uniform]
     assert len(mixed) == 1 and mixed[0] == mixed_shape()  # deterministic
     m = mixed[0]
     assert len(m.lengths) == m.batch == 64 and min(m.lengths) == 128 and max(m.lengths) == 32768

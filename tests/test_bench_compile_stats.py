@@ -23,7 +23,7 @@ def test_sm90_compile_of_a_decode_plan():
     if st.get("regs") is None:
         pytest.skip("cuobjdump not bundled with this triton: no register / SASS report")
     assert 0 < st["regs"] <= 255 and st["loop_total"] > st["loop_mma"] > 0
-    # ptxas keeps its wgmma asynchronous (our BF16 kernel at H >= 64 it serializes: docs/perf-notes.md)
+    # ptxas keeps its wgmma asynchronous (our BF16 kernel at H >= 64 it serializes: docs/history/perf-notes.md, section 10)
     assert st["wgmma_waits"] < st["wgmma"] // 4 and st["ptxas_advice"] in ("", None)
 
 

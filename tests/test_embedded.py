@@ -1,4 +1,4 @@
-"""The embedded model: architecture within the issue's bounds, offline loading, shipped artefacts."""
+"""The embedded model: architecture within its size bounds, offline loading, shipped artefacts."""
 
 import json
 import shutil
@@ -19,7 +19,7 @@ from snapquant.embedded import (
 from snapquant.errors import ConfigError
 
 
-def test_architecture_meets_the_issue_bounds():
+def test_architecture_meets_the_size_bounds():
     cfg = embedded_config()
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg)

@@ -74,7 +74,8 @@ def test_identity_config_has_zero_fidelity_loss(model, ids):
 
 @pytest.mark.parametrize("name", ["snapmla", "per_tensor_fp8_dynamic"])
 def test_quantized_prefill_equals_decode_exactly_when_causal_consistent(model, ids, name):
-    """numerics.md: with per-token scales a teacher-forced quantized prefill IS step-by-step decode."""
+    """docs/numerics.md, "Why per-token matters": with per-token scales a teacher-forced quantized prefill IS
+    step-by-step decode."""
     from snapquant.patching import patched
 
     cfg = PRESETS[name].replace(prefill="quantized")

@@ -143,7 +143,7 @@ def test_append_validation():
 @pytest.mark.parametrize("name", ["snapmla", "snapmla_pow2", "ds_v32", "bf16"])
 @pytest.mark.parametrize("tpp", [2, 8])
 def test_tokens_per_program_is_bit_exact(name, tpp):
-    """The block-of-tokens kernel (issue 7's append variant) stores exactly what quantize_kv computes,
+    """The block-of-tokens kernel (the benchmark's append variant) stores exactly what quantize_kv computes,
     at scattered slots, skipping negative slots, with a token count that is not a multiple of the
     block; nothing else in the pool changes."""
     config = CONFIGS[name]

@@ -8,7 +8,7 @@ pages). Tolerances, and why:
   to rel-L2 1e-3, and LSE to 1e-4 absolute. Observed: ~2e-7 typical, 1.2e-4 worst (one flip).
 - several splits: each split has its own running max, so every bf16 P element is rounded from a
   differently scaled value (fp8 P is scale-invariant). Output rel-L2 <= 1e-3 (observed <= 3.3e-4),
-  LSE <= 1e-4 (observed 4e-6); numerics.md's cross-implementation tolerances are 5e-2 and 2e-2.
+  LSE <= 1e-4 (observed 4e-6); public FP8 kernel ports test with 5e-2 and 2e-2 (docs/numerics.md).
 - against the float64 oracle the kernel's error must stay within 5% of the reference's own
   (observed <= 1.2%): split-KV must not add error of its own.
 Unused page slots are filled with NaN, so a read outside the valid tokens fails the test.
@@ -62,7 +62,8 @@ def poison_unused(cache: PagedMLACache) -> None:
 def make_case(config, lengths, H, S=1, r=64, d=16, q_dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
     B, T = len(lengths), max(max(lengths), 1)
-    # Per-token magnitudes spread over 2 decades, RoPE with a wider range (numerics.md: outliers);
+    # Per-token magnitudes spread over 2 decades, RoPE with a wider range (docs/numerics.md, "Test and
+    # benchmark inputs");
     # logits span ~20 (see test_extreme_score_range for the far end).
     mag = torch.logspace(-1, 1, T)[torch.randperm(T, generator=g)][:, None]
     latent = torch.randn(B, T, r, generator=g) * mag
@@ -211,7 +212,7 @@ def test_extreme_score_range_stays_finite():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Kernel variants (issue 7): the balanced schedule, reciprocal P scaling, the swapped tile. Each must
+# Kernel variants: the balanced schedule, reciprocal P scaling, the swapped tile. Each must
 # meet the same contract against the reference as the default path.
 VARIANT_CASES = [
     ("snapmla", {"schedule": "balanced", "num_splits": 3}),

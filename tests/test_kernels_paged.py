@@ -74,7 +74,7 @@ def test_round_trip_through_pages(name):
 
 
 def test_bytes_per_token_of_the_page_pool():
-    """644 / 656 / 1152 bytes per token at DeepSeek widths, as numerics.md states."""
+    """644 / 656 / 1152 bytes per token at DeepSeek widths, as docs/numerics.md ("Bytes per token") states."""
     for name, per_token in (("snapmla", 644), ("ds_v32", 656), ("bf16", 1152)):
         cache = PagedMLACache.empty(1, 64, 512, 64, PRESETS[name])
         assert cache.nbytes == 64 * per_token

@@ -47,8 +47,9 @@ def np_round_bf16(x32: np.ndarray) -> np.ndarray:
 
 
 def np_snapmla(latent: np.ndarray, rope: np.ndarray):
-    """numerics.md, literally: s = amax/448 (fp32; 1 if amax = 0; floored at 2^-86 so that tokens of
-    subnormals give finite quotients and pre-scaled RoPE stays in bf16 range), code = e4m3(x/s),
+    """docs/numerics.md ("Scales", "Pre-scaled RoPE"), literally: s = amax/448 (fp32; 1 if amax = 0;
+    floored at 2^-86 so that tokens of subnormals give finite quotients and pre-scaled RoPE stays in bf16
+    range), code = e4m3(x/s),
     rope~ = bf16(r/s)."""
     latent = latent.astype(np.float32)
     amax = np.abs(latent).max(axis=-1, keepdims=True) if latent.shape[-2] else np.zeros((*latent.shape[:-1], 1))

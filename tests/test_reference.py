@@ -93,7 +93,7 @@ def test_softmax_scale_is_used():
 
 
 def _literal_fused_decode(q_nope, q_rope, sigma, codes, s, rope_t, tau, L, block=64):
-    """numerics.md's SnapMLA decode for ONE head and ONE request, written out scalar-block by block
+    """docs/numerics.md's SnapMLA decode for ONE head and ONE request, written out scalar-block by block
     with explicit Python state, independent of the vectorised reference."""
     m_old, l_sum, pi_old = -math.inf, 0.0, 1.0
     acc = torch.zeros(codes.shape[-1])

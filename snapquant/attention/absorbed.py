@@ -1,4 +1,4 @@
-"""Absorbed MLA attention over a `LatentStore`, through a decode backend (numerics.md, "MLA in one paragraph").
+"""Absorbed MLA attention over a `LatentStore`, through a decode backend (docs/numerics.md, "MLA in one paragraph").
 
     q_abs[h] = [W_UK[h]^T q_nope[h] | q_rope[h]]        (fp32 products and sums of the stored weights;
                                                          the backend applies the config's query format)

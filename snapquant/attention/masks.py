@@ -4,7 +4,7 @@ HF builds one mask per forward (`create_causal_mask`) in the format of `config._
 a 4D bool mask (sdpa; True = attend), a 4D additive float mask (eager; 0 or the dtype's min), a 2D
 padding mask (flash attention), or None (plain causal, no padding: sdpa's `is_causal` shortcut).
 Patched attention never changes how the mask is built (the model config keeps its implementation,
-so the unregistered-mask trap of hf-lmeval.md cannot drop it); it only reads it here.
+so the unregistered-mask trap of docs/transformers-notes.md cannot drop it); it only reads it here.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ attention code. Rows are *ragged*: request b keeps exactly its `lengths[b]` vali
 `[0, lengths[b])`; padding tokens are never stored (as in a serving engine), so decode needs only
 per-request lengths.
 
-What is stored, per `KVQuantConfig` (numerics.md):
+What is stored, per `KVQuantConfig` (docs/numerics.md, "What the cache stores"):
 - per_token / per_token_block parts: codes + one scale row per token (the paper's 644 B/token layout).
 - identity configs (`config.is_identity`): the activations in the model's own dtype, unrounded, so a
   patched fp32 model reproduces the stock one; in a bf16 model this is exactly the 1152 B/token cache.

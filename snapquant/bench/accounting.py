@@ -1,11 +1,11 @@
 """FLOP and byte counts of MLA decode and of quantize-and-append, and roofline times.
 
 Decode of one query token per request (s_q = S in general), kv_lora_rank r, RoPE width d, H heads:
-    FLOPs  = 2 * H * S * sum_b L_b * (r + d + r)     (QK over r + d, PV over r; kernels.md "Counting")
+    FLOPs  = 2 * H * S * sum_b L_b * (r + d + r)     (QK over r + d, PV over r; docs/performance.md)
     bytes  = sum_b L_b * bytes_per_token(format)     (the format's own cache bytes: 1152 bf16, 644
                                                       snapmla, 656 ds_v32 at r = 512, d = 64)
     io     = B * S * H * ((r + d) * 2 + r * 4 + 4)   (bf16 query in, fp32 output and LSE out)
-The cache bytes are what the issue's "GB/s of the format's own bytes" divides by; io bytes are
+The cache bytes are what "GB/s of the format's own bytes" divides by; io bytes are
 reported next to them (at H = 128 they add 5-15 %). With S > 1 and a causal mask the FLOPs count
 every query row over every cached token (an upper bound by S - 1 tokens per row).
 
@@ -20,9 +20,10 @@ from ..quant import bytes_per_token
 
 R, D = 512, 64  # DeepSeek kv_lora_rank, qk_rope_head_dim
 
-# H200 ceilings (kernels.md): device-to-device copy ~4.2-4.3 TB/s, bf16 dense matmul ~790 TFLOP/s
-# measured; FP8 MMA ~2x bf16 by datasheet. Used only for "% of roofline" columns and the plot.
-H200_COPY_GBPS = 4250.0
+# H200 ceilings (docs/performance.md, "Ceilings"): read bandwidth 4.33 TB/s measured (this rounds it
+# down; a device copy reaches only 2.7 TB/s read + write), bf16 dense matmul ~790 TFLOP/s measured;
+# FP8 MMA ~2x bf16 by datasheet. Used only for "% of roofline" columns and the plot.
+H200_READ_GBPS = 4250.0
 H200_BF16_TFLOPS = 790.0
 
 
@@ -59,7 +60,7 @@ def rate(amount: float, us: float) -> float:
     return amount / (us * 1e-6) / 1e9
 
 
-def roofline_us(bytes_: float, flops: float, gbps: float = H200_COPY_GBPS,
+def roofline_us(bytes_: float, flops: float, gbps: float = H200_READ_GBPS,
                 tflops: float = H200_BF16_TFLOPS) -> float:
     """Lower bound on the time: the slower of streaming the bytes and doing the FLOPs."""
     _positive(gbps=gbps, tflops=tflops)

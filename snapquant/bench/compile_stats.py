@@ -21,7 +21,7 @@ target (sm_90 = Hopper by default) and reads back:
     loop_*              the SASS instruction mix of the page loop (the backward branch whose body
                         holds the most MMA instructions): total, MMA, conversions (F2FP/F2F/I2F...),
                         shared-memory loads/stores, global loads, MUFU (exp2, rcp), FP32 ALU
-These are predictions' raw material (notes in docs/perf-notes.md), not timings. Triton versions
+These are predictions' raw material (notes in docs/history/perf-notes.md), not timings. Triton versions
 differ (the H200 machine runs 3.6, CI 3.9): regenerate there with `--compile-stats` when it matters.
 """
 

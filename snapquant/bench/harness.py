@@ -1,4 +1,4 @@
-"""The decode benchmark harness of issue 7: every variant on every shape, side by side, in one process.
+"""The decode benchmark harness: every variant on every shape, side by side, in one process.
 
 For each shape the harness builds one random cache (bf16 pages; the FP8 layouts are filled from the
 same values by the quantize-and-append kernel), enough copies of it to rotate beyond L2, and the
@@ -101,7 +101,8 @@ def build_shape_data(shape: DecodeShape, layouts: set[str], device: torch.device
     bt, n_pages = _block_table(list(shape.lengths), device)
     n_tok = n_pages * PAGE
     # Latent ~ N(0, 1) per channel times a per-token magnitude in [0.1, 3.2] (log-uniform): a spread
-    # of token scales, as after kv_a_layernorm on real text; RoPE with a wider range (numerics.md).
+    # of token scales, as after kv_a_layernorm on real text; RoPE with a wider range (docs/numerics.md,
+    # "Test and benchmark inputs").
     mag = torch.exp(torch.empty(n_tok, 1, device=device).uniform_(math.log(0.1), math.log(3.2), generator=g))
     latent = (torch.randn(n_tok, r, device=device, generator=g) * mag).to(torch.bfloat16)
     rope = (torch.randn(n_tok, d, device=device, generator=g) * 4).to(torch.bfloat16)
@@ -172,7 +173,7 @@ def sdpa_expansion_bytes(B: int, S: int, H: int, L: int, r: int, d: int) -> int:
     """Bytes PyTorch's SDPA allocates for `torch_sdpa_decode`: with head dim r + d = 576 no fused kernel
     applies, and its math path repeats the one latent KV head for every query head, upcast to fp32
     (K [B, H, L, r + d] and V [B, H, L, r]); the H200 run's OOM messages asked for K alone 144 GiB at
-    B=128 H=128 L=4K, V alone 64 GiB at B=64 H=16 L=32K (results/bench/h200_gluon7_runB)."""
+    B=128 H=128 L=4K, V alone 64 GiB at B=64 H=16 L=32K."""
     return B * S * H * L * (2 * r + d) * 4
 
 

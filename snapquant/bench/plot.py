@@ -3,7 +3,7 @@
 Top: time per decode step of each shape for our BF16 kernel, plain PyTorch, SnapMLA (fp8 query and
 P) with default knobs and its fastest passing variant, and the fastest FP8-cache variant with bf16
 query and P. Bottom: the same variants as speedup over our BF16 kernel (default knobs), with the
-issue's target for the shapes that have one.
+performance target of the shapes that have one.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Benchmark rows -> ratios, the issue's targets, CSV / markdown / JSON files (written atomically).
+"""Benchmark rows -> ratios, the performance targets, CSV / markdown / JSON files (written atomically).
 
 Ratios are per shape against our BF16 kernel with default knobs (variant "bf16"):
-    fp8_over_bf16    = us(variant) / us(bf16)   (the issue's "FP8/BF16 ratio": < 1 is faster)
+    fp8_over_bf16    = us(variant) / us(bf16)   (the FP8/BF16 time ratio: < 1 is faster)
     speedup_vs_bf16  = us(bf16) / us(variant)
 Targets are judged twice: "default" compares the default-knob snapmla variant with the default BF16
 kernel; "best" the fastest snapmla-mode (fp8 query, fp8 P) variant whose numerical check passed
@@ -183,7 +183,7 @@ def to_markdown(rows: list[dict[str, Any]], env: dict[str, Any], targets: list[d
     lines += ["GB/s counts each format's own cache bytes (bf16 1152, snapmla 644, ds_v32 656 per token); "
               "ratio = us / us(our BF16 kernel, default knobs) on the same shape; check = relative L2 of the "
               "output against the variant named (same inputs).", ""]
-    lines += ["## Targets (issue 7)", "", "| target | pick | value | threshold | pass | variants |", "|---|---|---|---|---|---|"]
+    lines += ["## Targets", "", "| target | pick | value | threshold | pass | variants |", "|---|---|---|---|---|---|"]
     for t in targets:
         passed = "" if t["passed"] is None else ("yes" if t["passed"] else "**no**")
         lines.append(f"| {t['target']} ({t['shape']}) | {t['pick']} | {_fmt(t['value'])} | {_fmt(t['threshold'])} | "

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .shapes import ISSUE_SHAPES, parse_shapes
+from .shapes import BENCH_SHAPES, parse_shapes
 from .timing import TIMERS, make_timer
 from .variants import VARIANTS, select_variants
 
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--out", default="results/bench", help="output directory (default results/bench)")
     p.add_argument("--quick", action="store_true", help="4 headline shapes, 8 variants, shorter budget")
-    p.add_argument("--shapes", default=None, help="comma list of shape names or BxHxL (default: the issue's)")
+    p.add_argument("--shapes", default=None, help="comma list of shape names or BxHxL (default: every benchmark shape)")
     p.add_argument("--variants", default=None, help="comma list of variant names or globs (default: all)")
     p.add_argument("--priority", type=int, default=2, help="highest variant priority to run: 0 core, 1 variants, 2 sweeps")
     p.add_argument("--budget-s", type=float, default=None, help="time budget of the measurements in seconds")
@@ -162,7 +162,7 @@ def replot(csv_path: Path, out: Path, tag: str | None) -> dict[str, Path]:
 
 
 def print_targets(targets: list[dict[str, Any]], log: Callable[[str], None]) -> None:
-    log("\nTargets (issue 7):")
+    log("\nTargets:")
     for t in targets:
         v = "n/a" if t["value"] is None else f"{t['value']:.3g}"
         mark = "-" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None, *, timer: Any = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out)
     if args.list:
-        for s in ISSUE_SHAPES:
+        for s in BENCH_SHAPES:
             print(f"shape {s.name:14s} {s.label}")
         for v in VARIANTS:
             print(f"variant p{v.priority} {v.name:28s} {v.family:5s} {v.layout:8s} {v.mode} {v.knob_label}  {v.note}")

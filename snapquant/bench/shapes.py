@@ -1,4 +1,4 @@
-"""The decode shapes of issue 7 and their parsing.
+"""The decode benchmark's shapes and their parsing.
 
 Each shape is (B, H, L): B requests of L cached tokens, H query heads, one query token each
 (DeepSeek dims r = 512, d = 64). `mixed` is one batch of mixed lengths: 64 requests whose lengths
@@ -60,7 +60,7 @@ def mixed_shape(batch: int = 64, heads: int = 16, lo: int = 128, hi: int = 32768
     return DecodeShape(f"mixed{batch}x{heads}", batch, heads, tuple(lengths))
 
 
-ISSUE_SHAPES: tuple[DecodeShape, ...] = (
+BENCH_SHAPES: tuple[DecodeShape, ...] = (
     uniform_shape(128, 16, 4096),
     uniform_shape(32, 16, 16384),
     uniform_shape(8, 16, 32768),
@@ -71,23 +71,23 @@ ISSUE_SHAPES: tuple[DecodeShape, ...] = (
     uniform_shape(1, 128, 32768),
     mixed_shape(),
 )
-# Shapes with a target in the issue (and the mixed batch), in the order the harness visits them.
+# Shapes with a performance target (and the mixed batch), in the order the harness visits them.
 HEADLINE = ("128x16x4096", "32x64x8192", "128x128x4096", "1x128x32768", "64x128x8192", "mixed64x16")
 QUICK = ("128x16x4096", "32x64x8192", "128x128x4096", "1x128x32768")
 
 
-def ordered_shapes(shapes: tuple[DecodeShape, ...] = ISSUE_SHAPES) -> list[DecodeShape]:
+def ordered_shapes(shapes: tuple[DecodeShape, ...] = BENCH_SHAPES) -> list[DecodeShape]:
     """Headline shapes first (a budget cut loses the least important ones), then the rest."""
     rank = {n: i for i, n in enumerate(HEADLINE)}
     return sorted(shapes, key=lambda s: rank.get(s.name, len(rank)))
 
 
 def parse_shapes(spec: str | None, quick: bool = False) -> list[DecodeShape]:
-    """`None` -> every issue shape (headline first); `quick` -> QUICK; otherwise a comma list of
+    """`None` -> every benchmark shape (headline first); `quick` -> QUICK; otherwise a comma list of
     names ("128x16x4096", "mixed64x16") or new BxHxL triples."""
-    by_name = {s.name: s for s in ISSUE_SHAPES}
+    by_name = {s.name: s for s in BENCH_SHAPES}
     if not spec:
-        return ordered_shapes(tuple(s for s in ISSUE_SHAPES if not quick or s.name in QUICK))
+        return ordered_shapes(tuple(s for s in BENCH_SHAPES if not quick or s.name in QUICK))
     out = []
     for item in (x.strip() for x in spec.split(",") if x.strip()):
         if item in by_name:

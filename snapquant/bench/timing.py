@@ -7,7 +7,7 @@ is 50-60 MB: a B = 1, L = 32K bf16 cache is 38 MB).
 
     cudagraph  capture `calls` calls (cycling through the sets) in one CUDA graph, replay it `runs`
                times, each replay timed with CUDA events; per call = replay time / calls. No launch
-               overhead, no host work: what the kernels cost back to back (the issue's method).
+               overhead, no host work: what the kernels cost back to back.
     do_bench   triton.testing.do_bench on set 0: flushes L2 (256 MB write) before every call, median.
     events     eager launches cycling through the sets, timed with CUDA events (includes launch cost).
     wall       perf_counter around eager calls, with a device sync if the device is CUDA (CPU runs).

@@ -7,13 +7,14 @@ stages), the DeepSeek-V3.2 layout, or a plain PyTorch baseline. Priorities order
 time budget cuts sweeps before variants and variants before the core set:
 
     0  core      one per family and FP8 mode, default knobs (every shape)
-    1  variants  the kernel variants of issue 7 (every shape; ds_v32 on headline shapes)
+    1  variants  the kernel variants (every shape; ds_v32 on headline shapes)
     2  sweeps    tuning knobs (headline shapes only)
 
 `check_vs` names the variant whose output (same inputs) this one must match within `tol` (relative
 L2): knob variants against their mode's default (tight: 2e-3, or 5e-3 / 1e-2 where P rounding or
 the FP8 MMA may differ), modes against our BF16 kernel (0.25: a gross-error detector only, since
-the FP8 cache and an fp8 query cost percents on random data, numerics.md). A fast but wrong
+the FP8 cache and an fp8 query cost percents on random data, docs/numerics.md "How large the errors
+are"). A fast but wrong
 variant is reported as status "mismatch".
 """
 
@@ -124,7 +125,7 @@ VARIANTS: tuple[Variant, ...] = (
     _v("snapmla+balanced+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3,
        schedule="balanced", p_div="rcp"),
     _v("snapmla+rows", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="rows", p_div="exact",
-       note="the issue-5 kernel: fp8 tile as codes (not pipelined at H = 16), a division per P element"),
+       note="the first FP8 kernel: fp8 tile as codes (not pipelined at H = 16), a division per P element"),
     _v("snapmla+exact", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", p_div="exact",
        note="div_rn per P element instead of the fma-corrected reciprocal (same bits)"),
     _v("snapmla+fp8qk", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, fp8_mma="qk",
@@ -182,7 +183,7 @@ VARIANTS: tuple[Variant, ...] = (
     # Gluon: TMA ring + swap-AB wgmma (snapquant/kernels/gluon_decode.py), one 16-row tile per request
     _v("snapmla+gluon+fp8qk+s1", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows16",
        tile="gluon", fp8_mma="qk", num_stages=1,
-       note="native e4m3 QK with the in-place slot (the conversion waits for the QK halfway): H200 163.7 vs 162.2 us exact"),
+       note="native e4m3 QK with the in-place slot (the conversion waits for the QK halfway): no faster than exact"),
     _v("snapmla+pairs", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="pairs",
        note="the plain-Triton pairs tile (the default where the Gluon kernel does not run)"),
     _v("snapmla+gluon", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="gluon",
@@ -204,7 +205,7 @@ VARIANTS: tuple[Variant, ...] = (
     _v("snapmla+gluon+s2", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
        num_stages=2, note="gluon_regs with two slots (~105 KB, 2 programs/SM): the default at r = 512"),
     _v("snapmla+gluon+s3", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
-       num_stages=3, note="gluon_regs with three slots (~145 KB, 1 program/SM): H200 157.7 vs 116.7 us (two)"),
+       num_stages=3, note="gluon_regs with three slots (~145 KB, 1 program/SM): slower than two (docs/performance.md)"),
     _v("snapmla+gluon+fp8qk", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows16",
        tile="gluon", fp8_mma="qk", num_stages=2, note="native e4m3 QK from the TMA slots, overlapped with the tile conversion"),
     _v("bf16+w16", "bf16", "bf16", priority=2, check="bf16", where="headline", num_warps=16),

@@ -1,4 +1,4 @@
-"""`snapquant bench`: the MLA decode benchmark of issue 7 (same options as scripts/bench_decode.py)."""
+"""`snapquant bench`: the MLA decode benchmark (same options as scripts/bench_decode.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ._app import app
     add_help_option=False,
 )
 def bench(ctx: typer.Context) -> None:
-    """FP8 vs BF16 MLA decode timing on the issue's shapes (CUDA graphs, L2-rotated inputs); `--help` for options."""
+    """FP8 vs BF16 MLA decode timing on the benchmark shapes (CUDA graphs, L2-rotated inputs); `--help` for options."""
     from ..bench.runner import main
 
     raise typer.Exit(main(list(ctx.args)))

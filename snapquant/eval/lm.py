@@ -4,7 +4,8 @@
   `LatentCache` explicitly (the patch would also create one), so decode reads FP8/int codes + scales.
 - loglikelihood / multiple-choice / perplexity tasks call `model(inputs)` with no decode: they see the
   quantization only with `prefill: quantized` (then every position attends to the quantized latent,
-  which for per-token formats equals what step-by-step decode would see; numerics.md). With
+  which for per-token formats equals what step-by-step decode would see; docs/numerics.md, "Why
+  per-token matters"). With
   `prefill: bf16` they reproduce the unquantized model, by design.
 - `get_model_info()` adds `snapquant_preset`, `snapquant_config` and `snapquant_backend`, so the
   results JSON (`results["config"]`) records which scheme produced the numbers.

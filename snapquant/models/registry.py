@@ -61,7 +61,7 @@ class MLAAdapter:
                               f"(qk_rope_head_dim=0); the latent cache needs a RoPE width > 0")
 
     def absorb_weights(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, dn, r], W_UV [H, dv, r]) from kv_b_proj (numerics.md: view(H, dn + dv, r))."""
+        """(W_UK [H, dn, r], W_UV [H, dv, r]) from kv_b_proj (docs/numerics.md, "MLA in one paragraph")."""
         w = dense_weight(module.kv_b_proj)
         H, dn, dv = int(module.num_heads), int(module.qk_nope_head_dim), int(module.v_head_dim)
         if w.shape != (H * (dn + dv), int(module.kv_lora_rank)):

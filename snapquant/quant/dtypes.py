@@ -3,7 +3,7 @@
 Each format is one small object in a registry, so a new format is one `register_element_format`
 call (kvpress / lm-eval style) and every config, quantizer and report picks it up.
 
-Conventions shared by all formats (numerics.md):
+Conventions shared by all formats (docs/numerics.md, "Element formats"):
 - the quantizer divides by the scale in fp32 and hands the true fp32 quotient to `encode`;
 - float formats round to nearest even with saturation to +-max (never to inf/NaN);
 - integer formats are symmetric, round half to even, and saturate to the two's-complement range;

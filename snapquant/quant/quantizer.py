@@ -1,6 +1,6 @@
 """Pure-PyTorch quantizers: `quantize_kv(latent, rope, config) -> QuantizedKV`.
 
-The arithmetic is the paper's, to the bit (numerics.md):
+The arithmetic is the paper's, to the bit (docs/numerics.md, "Scales" and "Pre-scaled RoPE"):
     s = amax(|x|) / qmax in fp32  (s = 1 when amax = 0; floored at SCALE_FLOOR)
     s <- scale_format.round(s)    (fp32: unchanged; pow2 / e8m0: next power of two up)
     code = encode(x_fp32 / s)     (true fp32 quotient; fp8 round-to-nearest-even with saturation)

@@ -1,7 +1,7 @@
 """Weight absorption for MLA decode: fold W_UK into the query, apply W_UV to the latent output.
 
 `kv_b_proj.weight` has shape `[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`; viewed as
-`[H, dn + dv, r]`, rows `[:dn]` are W_UK and rows `[dn:]` are W_UV (numerics.md).
+`[H, dn + dv, r]`, rows `[:dn]` are W_UK and rows `[dn:]` are W_UV (docs/numerics.md, "MLA in one paragraph").
 
 `fp32=True` (what patched attention uses) asks for an fp32 result of exact fp32 products accumulated
 in fp32, reading 16-bit weights as they are: on CUDA through `torch.bmm(..., out_dtype=torch.float32)`

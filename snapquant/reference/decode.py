@@ -1,7 +1,7 @@
 """Exact PyTorch reference of absorbed MLA decode over a quantized latent cache.
 
 This is the oracle every kernel is tested against, and what the patched model runs on CPU. It
-follows numerics.md step by step, vectorised over batch, query tokens and heads, looping over
+follows docs/numerics.md step by step, vectorised over batch, query tokens and heads, looping over
 blocks of `config.pv_block` (64) tokens exactly as a split-free kernel would:
 
   scores  logit[h, j] = tau * sigma_h * sum_k s[j, k] * <q^_hk, c^_jk>  (+ RoPE term)

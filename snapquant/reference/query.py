@@ -1,4 +1,4 @@
-"""Query quantization for absorbed MLA decode (numerics.md, "Query, per (token, head)").
+"""Query quantization for absorbed MLA decode (docs/numerics.md, "Query, per (token, head)").
 
     fp8_e4m3:  sigma = amax(|q_c|) / 448,  q^ = e4m3(q_c / sigma),  q~r = bf16(q_r / sigma)
     bf16:      sigma = 1,                  q^ = bf16(q_c),          q~r = bf16(q_r)

@@ -26,7 +26,7 @@ TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
 SAMPLE_TEXT_CHARS = 200  # responses / targets kept per sample: enough to read, small enough to commit
 
 
-# ---------------------------------------------------------------------- integration points (issue 3)
+# ---------------------------------------------------------------------- integration points (the patch API)
 def default_patcher() -> Any:
     """`snapquant.patched(model, config, backend=...)`: a context manager that patches and unpatches."""
     try:

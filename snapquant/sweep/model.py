@@ -36,7 +36,7 @@ def load_model(
     torch_dtype = None if dtype == "auto" else getattr(torch, TORCH_DTYPES[dtype])
     if model == "embedded":
         try:
-            from ..embedded import load_embedded  # the shipped trained MLA model (issue 4)
+            from ..embedded import load_embedded  # the shipped trained MLA model
         except ImportError:
             raise ConfigError("model: 'embedded' needs snapquant.embedded.load_embedded, missing here") from None
         try:
