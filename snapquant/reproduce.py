@@ -1,0 +1,217 @@
+"""Every committed results folder, the command that writes it, and a runner that reruns them.
+
+    python scripts/reproduce.py --list                       # folder, device, command of every job
+    python scripts/reproduce.py --cpu                        # rerun the CPU jobs (any machine, minutes)
+    python scripts/reproduce.py --gpu                        # rerun the GPU jobs (about 10 min on an H200)
+    python scripts/reproduce.py --gpu --only results/bench   # only the jobs of one folder
+    python scripts/reproduce.py --cpu --dry-run              # print the commands, run nothing
+
+`JOBS` is the one place that says which command produces which files under `results/`; a test
+checks that every committed file there is claimed by exactly one job and that every job's script
+exists. Jobs run one after another from the repository root, with PYTHONPATH set to it (so the
+checkout's code runs, not an installed copy). A job whose result is its own console output (a
+log, a pytest summary) has its stdout and stderr written to the file it names, atomically once it
+ends. A failing job is reported and the others still run; the exit status is 1 when any failed.
+Jobs marked `manual` (training the embedded model: long, and not bit-reproducible) run only when
+`--only` names their folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import importlib.util
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICES = ("cpu", "gpu")
+
+DECODE_SHAPES = ("128x16x4096,32x16x16384,8x16x32768,32x64x8192,4x64x8192,128x128x4096,64x128x8192,"
+                 "1x128x32768,mixed64x16,64x32x4096")
+DECODE_VARIANTS = ("bf16,snapmla,snapmla_kv_only,snapmla_q_fp8,snapmla_pv_fp8,torch,bf16+rows,bf16+gluon,"
+                   "snapmla+pairs,snapmla+gluon,snapmla+gluon+s1,snapmla+gluon+fp8qk*,snapmla+gluon+fp8mma,"
+                   "snapmla+gluon+fp8mma+bm64,snapmla+balanced,bf16+balanced")
+
+
+@dataclass(frozen=True)
+class Job:
+    folder: str
+    """The results folder, relative to the repository root."""
+    device: str
+    """cpu (any machine) or gpu (the H200 the committed files come from)."""
+    argv: tuple[str, ...]
+    """The command: a script path (relative to the root) or `-m module`, then its arguments."""
+    outputs: tuple[str, ...]
+    """Glob patterns (relative to `folder`) of the files this job writes there."""
+    what: str
+    stdout: str | None = None
+    """File (in `folder`) that receives the command's stdout and stderr, or None."""
+    manual: bool = False
+    """Run only when `--only` names the folder (long or not bit-reproducible)."""
+
+    @property
+    def target(self) -> str:
+        """The script path or module the command runs."""
+        return self.argv[1] if self.argv[0] == "-m" else self.argv[0]
+
+    def command(self) -> str:
+        cmd = "python " + " ".join(shlex.quote(a) for a in self.argv)
+        return cmd + (f" > {self.folder}/{self.stdout} 2>&1" if self.stdout else "")
+
+    def target_exists(self, root: Path = ROOT) -> bool:
+        """The script (or module) exists, and so does every `.py` file the command names (test files)."""
+        scripts = [a for a in self.argv if a.endswith(".py") and not a.startswith("-")]
+        if not all((root / a).is_file() for a in scripts):
+            return False
+        if self.argv[0] != "-m":
+            return bool(scripts) and scripts[0] == self.argv[0]
+        mod = root.joinpath(*self.argv[1].split("."))
+        if mod.with_suffix(".py").is_file() or (mod / "__main__.py").is_file():
+            return True
+        if self.argv[1].split(".")[0] == "snapquant":
+            return False  # the checkout's own modules must be in the checkout
+        return importlib.util.find_spec(self.argv[1]) is not None  # a tool such as pytest
+
+
+def _exp(name: str, *args: str, outputs: tuple[str, ...], what: str) -> Job:
+    return Job(f"results/{name}", "cpu", (f"experiments/{name}.py", "--device", "cpu", *args), outputs, what)
+
+
+JOBS: tuple[Job, ...] = (
+    # ------------------------------------------------------------------ CPU
+    Job("results/formats", "cpu",
+        ("-m", "snapquant.cli", "formats", "--out", "results/formats/formats_synthetic.md"),
+        ("formats_synthetic.md",), "every preset's bytes/token and error on a synthetic cache (table)"),
+    Job("results/formats", "cpu",
+        ("-m", "snapquant.cli", "formats", "--out", "results/formats/formats_synthetic.csv"),
+        ("formats_synthetic.csv", "formats_synthetic.meta.json"), "the same table as CSV, with its metadata"),
+    _exp("rope_vs_nope", outputs=("*.md", "*.csv", "*.png", "*.pdf"),
+         what="RoPE vs NoPE sensitivity of the embedded model's cache"),
+    _exp("granularity_ablation", "--seq-len", "256", "--num-sequences", "4", "--prompt-len", "64",
+         outputs=("table.md", "table.csv", "granularity.png", "granularity.pdf"),
+         what="per-tensor / per-channel / per-token / per-token-block scales: SQNR, KL, top-1, perplexity"),
+    _exp("pv_pipeline", outputs=("table.md", "table.csv", "per_layer.csv", "pv_pipeline.png", "pv_pipeline.pdf"),
+         what="scale-fused vs naive FP8 P vs BF16 P, FP8 vs BF16 query"),
+    _exp("memory_throughput", "--contexts", "256", "1024", "2048",
+         outputs=("memory.md", "memory.csv", "throughput.md", "throughput.csv", "memory_throughput.png",
+                  "memory_throughput.pdf"),
+         what="bytes/token and tokens per GiB of every preset; decode tokens/s of the reference backend"),
+    Job("results/bench", "cpu",
+        ("scripts/bench_e2e.py", "--threads", "1", "--out", "results/bench/e2e_cpu.json"),
+        ("e2e_cpu.*",), "end-to-end decode step on CPU: stock transformers vs patched (reference backend)"),
+    Job("results/bench", "cpu",
+        ("scripts/bench_decode.py", "--compile-stats", "--variants",
+         "bf16,snapmla,snapmla+pairs,snapmla+gluon*,snapmla_kv_only,snapmla+fp8qk",
+         "--shapes", "128x16x4096,32x64x8192,128x128x4096", "--tag", "sm90_triton39", "--out", "results/bench"),
+        ("compile_stats_sm90_triton39.csv",),
+        "what Triton compiles for sm_90 (registers, spills, SASS per page, wgmma waits); the tag names the "
+        "Triton version it was written with"),
+    # ------------------------------------------------------------------ GPU
+    Job("results/bench", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/bench", "--budget-s", "190", "--shapes", DECODE_SHAPES,
+         "--variants", DECODE_VARIANTS),
+        ("decode_h200.*", "bench_h200.*"), "decode kernels: every FP8 mode and kernel variant beside BF16"),
+    Job("results/bench", "gpu",
+        ("scripts/bench_e2e.py", "--device", "cuda", "--layers", "8", "--batch", "32", "--contexts", "8192,32768",
+         "--backend", "triton", "--graphs", "--out", "results/bench/e2e_h200.json"),
+        ("e2e_h200.*",), "end-to-end decode step (CUDA graphs): stock vs patched bf16 vs snapmla"),
+    Job("results/kernels", "gpu",
+        ("scripts/check_kernels_gpu.py", "--no-bench", "--out", "results/kernels"),
+        ("kernels_check.*", "check_h200.log"), "every kernel checked against the reference at DeepSeek shapes",
+        stdout="check_h200.log"),
+    Job("results/kernels", "gpu", ("-m", "pytest", "-m", "gpu", "-rfEs", "-q"),
+        ("pytest_gpu_h200.txt",), "the GPU test suite", stdout="pytest_gpu_h200.txt"),
+    Job("results/kernels", "gpu", ("-m", "pytest", "-m", "gpu", "-rfEs", "-q", "tests/test_kernels_gluon.py"),
+        ("pytest_gpu_gluon_h200.txt",), "the Gluon kernels' GPU tests", stdout="pytest_gpu_gluon_h200.txt"),
+    Job("results/embedded", "gpu",
+        ("scripts/train_embedded_model.py", "train", "--corpus", "build/corpus", "--device", "cuda",
+         "--minutes", "8", "--out", "build/embedded_run", "--export", "build/embedded_export"),
+        ("train_stdout_h200.log",),
+        "training log of the shipped embedded model (needs `scripts/train_embedded_model.py build-data` first; "
+        "`install` puts the result in snapquant/assets/embedded/)",
+        stdout="train_stdout_h200.log", manual=True),
+)
+
+
+def folders() -> list[str]:
+    """Every results folder some job writes, in listing order."""
+    return list(dict.fromkeys(j.folder for j in JOBS))
+
+
+def claimed_by(path: str) -> list[Job]:
+    """The jobs whose outputs match `path` (a file path relative to the root)."""
+    p = Path(path)
+    return [j for j in JOBS if p.parent.as_posix() == j.folder
+            and any(fnmatch.fnmatch(p.name, pat) for pat in j.outputs)]
+
+
+def select(device: str | None, only: list[str] | None) -> list[Job]:
+    """Jobs for `device` (None: both), restricted to the folders in `only` (then `manual` jobs too)."""
+    wanted = {o.rstrip("/") for o in only} if only else None
+    return [j for j in JOBS if (device is None or j.device == device)
+            and (j.folder in wanted if wanted else not j.manual)]
+
+
+def run_job(job: Job, root: Path = ROOT) -> int:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    argv = [sys.executable, *job.argv]
+    (root / job.folder).mkdir(parents=True, exist_ok=True)
+    if job.stdout is None:
+        return subprocess.run(argv, cwd=root, env=env).returncode
+    dest = root / job.folder / job.stdout
+    tmp = dest.with_name(dest.name + ".partial")
+    with open(tmp, "w") as f:
+        rc = subprocess.run(argv, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    os.replace(tmp, dest)  # the log is the result even when the command fails (it says why)
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="List and rerun the commands that produce results/.")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--list", action="store_true", help="print every job (folder, device, command) and exit")
+    which.add_argument("--cpu", action="store_true", help="rerun the CPU jobs")
+    which.add_argument("--gpu", action="store_true", help="rerun the GPU jobs (CUDA; the committed files are H200)")
+    p.add_argument("--only", nargs="+", metavar="FOLDER", help="only these results folders (e.g. results/bench)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands that would run, run nothing")
+    args = p.parse_args(argv)
+
+    if args.only:
+        unknown = [o for o in args.only if o.rstrip("/") not in folders()]
+        if unknown:
+            print(f"error: --only {' '.join(unknown)}: not a results folder; known: {', '.join(folders())}",
+                  file=sys.stderr)
+            return 2
+    if args.list:
+        for j in (j for j in JOBS if not args.only or j.folder in {o.rstrip("/") for o in args.only}):
+            flag = " [manual: runs only with --only]" if j.manual else ""
+            print(f"{j.folder:32s} {j.device}  {j.what}{flag}\n    {j.command()}")
+        return 0
+    jobs = select("cpu" if args.cpu else "gpu", args.only)
+    if not jobs:
+        print("no job matches", file=sys.stderr)
+        return 2
+    failed = []
+    for i, j in enumerate(jobs, 1):
+        print(f"[{i}/{len(jobs)}] {j.command()}", flush=True)
+        if args.dry_run:
+            continue
+        t0 = time.perf_counter()
+        rc = run_job(j)
+        print(f"[{i}/{len(jobs)}] {'ok' if rc == 0 else f'FAILED (rc {rc})'} in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+        if rc:
+            failed.append(j)
+    for j in failed:
+        print(f"failed: {j.command()}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
