@@ -8,15 +8,15 @@ long-context retrieval documents. Steps, in order:
 1. Here (CPU), once:  python scripts/train_embedded_model.py build-data
    Writes build/corpus/{train.bin,val.bin,meta.json,manifest.jsonl,tokenizer/} (~37 MB, ignored by
    git) and copies the tokenizer, corpus manifest and meta into snapquant/assets/embedded/.
-2. On the H200 (one `device` run, carry ["build/corpus"], timeout 600):
+2. On a CUDA GPU, with build/corpus copied there (the shipped model: one H200, under 10 minutes):
      python scripts/train_embedded_model.py train --corpus build/corpus --device cuda \\
-         --minutes 9 --out /tmp/embedded_run --export "$OUT"
+         --minutes 9 --out /tmp/embedded_run --export EXPORT_DIR
    Trains until 9 min after start minus the evaluation reserve, saves bf16 safetensors shards
    (<14 MB each), evaluates them (BF16 task scores, direct harness), writes the model card and
-   training_log.jsonl, and leaves in $OUT: model-0000k-of-0000n.safetensors + embedded_meta.tar
+   training_log.jsonl, and leaves in EXPORT_DIR: model-0000k-of-0000n.safetensors + embedded_meta.tar
    (<= 5 files). Weights are also exported every --ckpt-minutes, so a killed run still returns some.
-   To continue from returned weights: add --init-from DIR_WITH_INSTALLED_WEIGHTS (carry it).
-3. Here: python scripts/train_embedded_model.py install --from FILES_AT_DIR
+   To continue from returned weights: add --init-from DIR_WITH_INSTALLED_WEIGHTS (copied to the GPU).
+3. Here: python scripts/train_embedded_model.py install --from EXPORT_DIR (copied back)
    Unpacks into snapquant/assets/embedded/ and checks that it loads and generates.
 4. Here (optional, CPU, ~10-20 min): python scripts/train_embedded_model.py eval --limit 50
    Runs the lm-eval task suite on the installed model and appends the scores to the model card.
@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> None:
     t = sub.add_parser("train", help="train, save bf16 shards, evaluate, write card (+ export)")
     t.add_argument("--corpus", default=str(REPO / "build" / "corpus"))
     t.add_argument("--out", required=True, help="HF model folder to write")
-    t.add_argument("--export", default=None, help="folder for the few files to bring back ($OUT)")
+    t.add_argument("--export", default=None, help="folder for the few files to copy back (weights + metadata)")
     t.add_argument("--device", default="cuda")
     t.add_argument("--tiny", action="store_true", help="TINY_ARCH, short rows: a CPU smoke run")
     t.add_argument("--minutes", type=float, default=9.0, help="wall budget of the whole command")
