@@ -10,8 +10,8 @@
 checks that every committed file there is claimed by exactly one job and that every job's script
 exists. Jobs run one after another from the repository root, with PYTHONPATH set to it (so the
 checkout's code runs, not an installed copy). A job whose result is its own console output (a
-log, a pytest summary) has its stdout and stderr written to the file it names, atomically once it
-ends. A failing job is reported and the others still run; the exit status is 1 when any failed.
+log, a pytest summary) shows it live and writes its stdout and stderr to the file it names,
+atomically once it ends. A failing job is reported and the others still run; the exit status is 1 when any failed.
 Jobs marked `manual` (training the embedded model: long, and not bit-reproducible) run only when
 `--only` names their folder.
 """
@@ -28,6 +28,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .atomic import atomic_open
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = ("cpu", "gpu")
@@ -159,17 +161,20 @@ def select(device: str | None, only: list[str] | None) -> list[Job]:
 
 
 def run_job(job: Job, root: Path = ROOT) -> int:
+    """Run one job from `root`; a `stdout` job's output is shown live and written to its file atomically
+    when the command ends (also when it fails: the log says why)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]))
     argv = [sys.executable, *job.argv]
     (root / job.folder).mkdir(parents=True, exist_ok=True)
     if job.stdout is None:
         return subprocess.run(argv, cwd=root, env=env).returncode
-    dest = root / job.folder / job.stdout
-    tmp = dest.with_name(dest.name + ".partial")
-    with open(tmp, "w") as f:
-        rc = subprocess.run(argv, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    os.replace(tmp, dest)  # the log is the result even when the command fails (it says why)
-    return rc
+    with atomic_open(root / job.folder / job.stdout) as f:
+        proc = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace")
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            f.write(line)
+        return proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,3 +76,15 @@ def test_selection_and_dry_run(capsys):
     out = capsys.readouterr().out
     assert out.count("[") == len([j for j in JOBS if j.folder == "results/kernels"])
     assert "scripts/check_kernels_gpu.py" in out
+
+
+def test_run_job_keeps_a_failing_commands_log(tmp_path, capsys):
+    """A stdout job's output is shown and written to its file, also when the command fails."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "noisy.py").write_text("import sys\nprint('line one')\nsys.exit(3)\n")
+    job = reproduce.Job("results/x", "cpu", ("scripts/noisy.py",), ("log.txt",), "test", stdout="log.txt")
+    assert reproduce.run_job(job, root=tmp_path) == 3
+    assert (tmp_path / "results/x/log.txt").read_text() == "line one\n"
+    assert "line one" in capsys.readouterr().out
+    plain = reproduce.Job("results/y", "cpu", ("scripts/noisy.py",), ("*",), "test")
+    assert reproduce.run_job(plain, root=tmp_path) == 3 and (tmp_path / "results/y").is_dir()
