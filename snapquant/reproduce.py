@@ -131,6 +131,11 @@ JOBS: tuple[Job, ...] = (
         ("pytest_gpu_h200.txt",), "the GPU test suite", stdout="pytest_gpu_h200.txt"),
     Job("results/kernels", "gpu", ("-m", "pytest", "-m", "gpu", "-rfEs", "-q", "tests/test_kernels_gluon.py"),
         ("pytest_gpu_gluon_h200.txt",), "the Gluon kernels' GPU tests", stdout="pytest_gpu_gluon_h200.txt"),
+    Job("results/research_model", "gpu", ("scripts/train_research_model.py", "all", "--out", "results/research_model"),
+        ("README.md", "*.json", "*.jsonl", "*.csv", "*.png", "*.pdf", "device_call*.log"),
+        "the research-scale model at DeepSeek-V2-Lite attention dims: data, training, card, activation study, "
+        "FP8 analyses (on the H200 in back-to-back calls: `bash scripts/device_research.sh 1`, then `2`, then `3`)",
+        manual=True),
     Job("results/embedded", "gpu",
         ("scripts/train_embedded_model.py", "train", "--corpus", "build/corpus", "--device", "cuda",
          "--minutes", "8", "--out", "build/embedded_run", "--export", "build/embedded_export"),
