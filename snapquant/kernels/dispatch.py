@@ -31,11 +31,11 @@ import triton
 
 from ..config import KVQuantConfig
 from ..errors import ConfigError
-from .layouts import GLUON_ROWS, GLUON_WIDE_ROWS
+from ._launch import interpreting
+from .layouts import GLUON_BOX, GLUON_ROWS, GLUON_WIDE_ROWS
 from .operands import KernelOperands
 from .options import DecodeOptions
 
-BOX = 128  # bytes per TMA box row of the Gluon kernels (the widest swizzle)
 MAX_PARTS = 8192  # balanced schedule: partial buffers are [parts + B, rows, r] fp32
 # The narrow Gluon kernels' longest page run per program: the host cannot see the lengths (they live on the
 # GPU), and a batch of mixed lengths is as slow as its longest request's run; 32 pages keeps every uniform
@@ -102,18 +102,14 @@ class Target:
     @classmethod
     def of(cls, device: torch.device, native: bool | None = None, num_sms: int | None = None,
            arch: int | None = None) -> Target:
-        """The target of tensors on `device` (a CUDA device: its capability and SMs; else none)."""
-        from ._launch import interpreting
-
+        """The target of tensors on `device`: a CUDA device's capability, SMs and name (cached), else none."""
         native = (not interpreting(device)) if native is None else bool(native)
-        name = ""
-        if device.type == "cuda" and native:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            major, minor = _capability_of(index)
-            arch = 10 * major + minor if arch is None else arch
-            name = torch.cuda.get_device_name(index)
-        sms = num_sms if num_sms is not None else _num_sms(device)
-        return cls(native, arch, sms, name)
+        name, sms = "", 1
+        if device.type == "cuda":
+            dev_arch, name, sms = _device_info(device.index if device.index is not None else torch.cuda.current_device())
+            if native and arch is None:
+                arch = dev_arch
+        return cls(native, arch, num_sms if num_sms is not None else sms, name)
 
 
 @dataclass(frozen=True)
@@ -241,8 +237,8 @@ def gluon_format_reason(layout: str, q_fp8: bool, p_fp8: bool, rows: int, r: int
     if rows > GLUON_ROWS and not (snapmla8 or (layout == "bf16" and not q_fp8 and not p_fp8)):
         return (f"tile='gluon' at > {GLUON_ROWS} query rows runs the snapmla layout (fp8 query and P) or the bf16 "
                 f"layout (bf16 query and P), got {layout} (q fp8 {q_fp8}, P fp8 {p_fp8})")
-    if r % BOX or r > 512 or d * 2 > 128 or d < 8:
-        return f"tile='gluon' needs kv_lora_rank a multiple of {BOX} up to 512 and 8 <= rope_dim <= 64, got {r}, {d}"
+    if r % GLUON_BOX or r > 512 or d * 2 > 128 or d < 8:
+        return f"tile='gluon' needs kv_lora_rank a multiple of {GLUON_BOX} up to 512 and 8 <= rope_dim <= 64, got {r}, {d}"
     lat_size = 2 if layout == "bf16" else 1
     for name, t, (sp, st), size in (("latent", lat, lat_strides, lat_size), ("rope", rope, rope_strides, 2)):
         if t.stride(-1) != 1 or (st * size) % 16 or t.data_ptr() % 16 or sp % st:
@@ -305,8 +301,8 @@ def _triton_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeO
         raise ConfigError(f"num_splits={splits} parts is above the balanced schedule's limit {MAX_PARTS}")
     warps = stages = None
     if target.native:
-        # 8 warps measured fastest for every layout at H = 16 and 64; 3 stages for the bf16 layout at 16-row
-        # tiles, 2 everywhere else (3 stages cost 30-60 % at 64-row tiles)
+        # the fastest measured (docs/kernels.md): 8 warps for every layout; 3 stages for the bf16 layout at
+        # 16-row tiles, 2 everywhere else (3 stages are much slower at 64-row tiles)
         warps = opts.num_warps or 8
         stages = opts.num_stages or (3 if ops.layout == "bf16" and block_m == 16 else 2)
     return KernelChoice(f"triton.{tile}", tile, opts.schedule, block_m, splits, warps, stages, opts)
@@ -351,16 +347,7 @@ def default_parts(row_tiles_x_chunks: int, num_sms: int) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def _capability_of(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-@functools.lru_cache(maxsize=16)
-def _sms_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
+def _device_info(index: int) -> tuple[int, str, int]:
+    """(compute capability as 10 * major + minor, name, SM count) of CUDA device `index`."""
+    props = torch.cuda.get_device_properties(index)
+    return 10 * props.major + props.minor, props.name, props.multi_processor_count

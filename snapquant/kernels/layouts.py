@@ -20,11 +20,12 @@ from ..constants import PAGE_SIZE
 
 GLUON_ROWS = 16  # query rows per program of the narrow Gluon kernels (gluon/narrow*.py: wgmma N) ...
 GLUON_WIDE_ROWS = 64  # ... and of the 64-row one past that (gluon/wide.py: wgmma M)
+GLUON_BOX = 128  # bytes per row of the Gluon kernels' TMA boxes (the widest swizzle): 128 fp8 channels
 LAYOUTS = ("snapmla", "ds_v32", "bf16")
 LAYOUT_ID = {"bf16": 0, "snapmla": 1, "ds_v32": 2}  # the kernels' LAYOUT constexpr
 MIN_WIDTH = 16
 
-__all__ = ["GLUON_ROWS", "GLUON_WIDE_ROWS", "LAYOUTS", "LAYOUT_ID", "MIN_WIDTH", "PAGE_SIZE", "layout_of",
+__all__ = ["GLUON_BOX", "GLUON_ROWS", "GLUON_WIDE_ROWS", "LAYOUTS", "LAYOUT_ID", "MIN_WIDTH", "PAGE_SIZE", "layout_of",
            "supports", "unsupported_reason"]
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ... import constants
+from ..layouts import GLUON_BOX
 from .box_views import pv_channel, qk_channel
 
 try:  # Gluon ships with triton >= 3.5; older installs simply have no tile="gluon"
@@ -48,7 +49,7 @@ try:  # Gluon ships with triton >= 3.5; older installs simply have no tile="gluo
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
-BOX = 128  # fp8 codes per TMA box row: 128 bytes, the widest swizzle
+BOX = GLUON_BOX  # fp8 codes per TMA box row: 128 bytes, the widest swizzle
 
 
 def _rows_view(t: torch.Tensor, row_stride: int) -> tuple[list[int], list[int]]:

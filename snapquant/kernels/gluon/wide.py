@@ -147,7 +147,7 @@ if HAVE_GLUON:
         length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
 
         # ---- shared memory: two page slots, the query operands, the barriers. FP8: each slot is an fp16
-        # tile whose upper half receives the page's fp8 boxes (converted in place, as the narrow kernel's
+        # tile whose upper half receives the page's fp8 boxes (converted in place, as narrow_tile.py's
         # one slot); BF16: the TMA writes the tile itself, in 64-channel column blocks.
         if FP8:
             tile_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], gl.float16)
