@@ -72,7 +72,7 @@ def rand_latent(n_tok: int, g: torch.Generator, dev: str, dtype=torch.bfloat16) 
     """Latent [n, R] with per-token magnitudes in [0.1, 3.2], RoPE [n, D] with a wider range.
 
     With a unit-variance query this keeps logit ranges within ~50 nat over 32K tokens: wider ranges
-    overflow the reference's fp8 scale-fused P (see snapquant.kernels.mla_decode)."""
+    overflow the reference's fp8 scale-fused P (see snapquant.kernels.triton.decode)."""
     mag = torch.exp(torch.empty(n_tok, 1, device=dev).uniform_(math.log(0.1), math.log(3.2), generator=g))
     latent = (torch.randn(n_tok, R, device=dev, generator=g) * mag).to(dtype)
     rope = (torch.randn(n_tok, D, device=dev, generator=g) * 4).to(dtype)
@@ -167,7 +167,7 @@ KNOBBED = {  # kernel variants checked like the defaults: name -> (config name, 
 GLUON = {"snapmla+gluon": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H <= 16
          "snapmla+gluon+exact+s3": ("snapmla", {"tile": "gluon", "p_div": "exact", "num_stages": 3}),
          "snapmla+gluon+s2": ("snapmla", {"tile": "gluon", "num_stages": 2}),
-         "snapmla+gluon+s1": ("snapmla", {"tile": "gluon", "num_stages": 1}),  # the in-place slot (gluon_decode)
+         "snapmla+gluon+s1": ("snapmla", {"tile": "gluon", "num_stages": 1}),  # the in-place slot (gluon.narrow_tile)
          # native FP8 QK: 2e-4..1.2e-3 from the reference measured (H200); judged by its own tolerances
          "snapmla+gluon+fp8qk": ("snapmla", {"tile": "gluon", "fp8_mma": "qk", "num_stages": 2,
                                              "_tol": (3e-3, 5e-3)}),
@@ -175,7 +175,7 @@ GLUON = {"snapmla+gluon": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H 
                                                 "_tol": (3e-3, 5e-3)})}
 GLUON_WIDE = {"snapmla+gluon-wide": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H > 16: 64-row tiles
               "bf16+gluon-wide": ("bf16", {"tile": "gluon"}),
-              # native FP8 QK and PV (gluon_narrow8, 32-row programs; gluon_wide8, 64): the FP8 MMA's
+              # native FP8 QK and PV (gluon.narrow8, 32-row programs; gluon.wide8, 64): the FP8 MMA's
               # accumulation rounding, their own tolerances
               "snapmla+gluon-wide+fp8mma": ("snapmla", {"tile": "gluon", "fp8_mma": True, "_tol": (1e-2, 1e-2)}),
               "snapmla+gluon-wide8+fp8mma": ("snapmla", {"tile": "gluon", "fp8_mma": True, "block_m": 64,

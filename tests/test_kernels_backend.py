@@ -20,7 +20,7 @@ from snapquant import PRESETS, mla_decode_reference, quantize_kv
 from snapquant.attention.backends import register_backend, resolve_backend
 from snapquant.errors import ConfigError
 from snapquant.kernels import supports, triton_backend
-from snapquant.kernels.backend import kernel_mismatch, operands_from_kv, register
+from snapquant.kernels.backend import kernel_mismatch, operands_from_kv
 from snapquant.quant.quantizer import QuantizedKV
 from snapquant.quant.tensor import QuantizedTensor
 
@@ -80,7 +80,7 @@ def test_backend_reads_store_rows_in_place(name, S):
 def test_backend_store_rows_through_the_gluon_kernels(name, H):
     """The patch's store rows (one-row page stride) at DeepSeek widths on a Hopper GPU: the default tile
     is a Gluon kernel (snapmla at 16 heads, both layouts at 64) reading them in place via TMA."""
-    from snapquant.kernels.mla_decode import plan_decode
+    from snapquant.kernels.decode import plan_decode
 
     config = PRESETS[name]
     q, kv, lengths = _case(config, T=200, H=H, r=512, d=64)
@@ -126,8 +126,16 @@ def test_backend_falls_back_to_the_reference_where_it_cannot_be_exact():
     assert "rope_dim=8" in kernel_mismatch(kv3, config)
 
 
-def test_registration_with_the_seam():
-    register()
+def _register():
+    register_backend("triton", triton_backend, supports=supports, needs_cuda=True)
+
+
+def test_registration_with_the_seam(monkeypatch):
+    """The seam registers `triton` from snapquant.kernels on first use (the kernels import nothing from it)."""
+    from snapquant.attention import backends
+
+    monkeypatch.delitem(backends._REGISTRY, "triton", raising=False)
+    monkeypatch.setattr(backends, "_KERNELS_TRIED", False)
     cuda = torch.device("cuda")  # resolve_backend only looks at the device type
     assert resolve_backend("triton", PRESETS["snapmla"], cuda).fn is triton_backend
     assert resolve_backend("auto", PRESETS["ds_v32"], cuda).fn is triton_backend
@@ -143,7 +151,7 @@ def triton_on_cpu():
     """Let backend='triton' run on CPU (the interpreter) for this test; restore the registration after."""
     register_backend("triton", triton_backend, supports=supports, needs_cuda=False)
     yield
-    register()
+    _register()
 
 
 def _decode_logits(model, ids, prefix):

@@ -1,4 +1,4 @@
-"""Triton MLA decode (snapquant.kernels.mla_decode) against the reference decode, in the interpreter.
+"""Triton MLA decode (snapquant.kernels.decode, triton/) against the reference decode, in the interpreter.
 
 The oracle is `snapquant.mla_decode_reference` over the same quantized cache (gathered back from the
 pages). Tolerances, and why:
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from snapquant import PRESETS, KVQuantConfig, mla_decode_oracle, mla_decode_reference, quantize_kv
 from snapquant.kernels import PagedMLACache, mla_decode
-from snapquant.kernels.decode_kernels import _page_weights
+from snapquant.kernels.triton.decode import _page_weights
 
 SNAPMLA = PRESETS["snapmla"]
 DS = PRESETS["ds_v32"]
@@ -266,7 +266,8 @@ def test_balanced_parts_beyond_pages_and_empty_batch_rows():
 
 
 def test_balanced_metadata_is_the_page_prefix_sum():
-    from snapquant.kernels.mla_decode import KernelOperands, plan_decode
+    from snapquant.kernels.decode import plan_decode
+    from snapquant.kernels.operands import KernelOperands
 
     config = CONFIGS["bf16"]
     q, _, cache, _ = make_case(config, [1, 64, 65, 0, 130], H=2, seed=2)
@@ -279,15 +280,19 @@ def test_balanced_metadata_is_the_page_prefix_sum():
 
 
 def test_knob_validation_names_the_knob():
-    from snapquant.errors import ConfigError, ShapeError
+    from snapquant.errors import ConfigError
 
     q, _, cache, _ = make_case(SNAPMLA, [10], H=2)
     for knobs, word in (({"schedule": "balance"}, "schedule"), ({"p_div": "fast"}, "p_div"),
                         ({"tile": "cols"}, "tile"), ({"fp8_mma": "kq"}, "fp8_mma")):
         with pytest.raises(ConfigError, match=word):
             mla_decode(q, cache, 0.1, **knobs)
-    with pytest.raises(ShapeError, match="num_warps"):
-        mla_decode(q, cache, 0.1, num_warps=0)
+    for knobs, word in (({"num_warps": 0}, "num_warps"), ({"num_warps": 6}, "num_warps"), ({"block_m": 8}, "block_m"),
+                        ({"num_splits": 0}, "num_splits"), ({"maxnreg": True}, "maxnreg")):
+        with pytest.raises(ConfigError, match=word):
+            mla_decode(q, cache, 0.1, **knobs)
+    with pytest.raises(ConfigError, match=r"unknown decode option.*'numwarps'"):
+        mla_decode(q, cache, 0.1, numwarps=4)
     ds = CONFIGS["ds_v32"]
     qd, _, cached, _ = make_case(ds, [10], H=2)
     with pytest.raises(ConfigError, match="tokens"):
@@ -304,7 +309,9 @@ def test_knob_validation_names_the_knob():
 def test_fp8_mma_knob_picks_mma_kinds_on_gpu_plans(fp8_mma, kinds):
     """Plans for a GPU (built on meta tensors: nothing runs) use exact fp16 MMAs of e4m3 values unless
     fp8_mma asks for Hopper's FP8 MMA on QK and/or PV; the interpreter always computes in fp32."""
-    from snapquant.kernels.mla_decode import OP_F32, KernelOperands, plan_decode
+    from snapquant.kernels.decode import plan_decode
+    from snapquant.kernels.operands import KernelOperands
+    from snapquant.kernels.triton.common import OP_F32
 
     cache = PagedMLACache.empty(2, 128, 512, 64, SNAPMLA, device="meta")
     q = torch.empty(2, 1, 16, 576, dtype=torch.bfloat16, device="meta")
@@ -377,7 +384,7 @@ def test_p_division_modes_on_rounding_midpoints():
 def test_default_splits_fill_the_last_wave():
     """About 2 programs per SM, but never a last wave that is mostly empty (one program per SM runs at a
     time): 32 requests on 132 SMs take 12 splits (384 programs, 3 full waves), not 9 (288: 2.2 of 3)."""
-    from snapquant.kernels.mla_decode import _default_splits
+    from snapquant.kernels.dispatch import default_splits as _default_splits
 
     assert _default_splits(32, 256, 132) == 12  # 384 programs: 3 full waves (9 splits: 288, 2.2 of 3)
     assert _default_splits(64, 512, 132) == 6  # 384, not 320 programs
@@ -392,8 +399,9 @@ def test_default_splits_fill_the_last_wave():
 
 def test_maxnreg_reaches_gpu_launches_and_is_validated():
     """maxnreg (a register cap, e.g. two resident programs per SM) is a launch option of GPU plans only."""
-    from snapquant.errors import ShapeError
-    from snapquant.kernels.mla_decode import KernelOperands, plan_decode
+    from snapquant.errors import ConfigError
+    from snapquant.kernels.decode import plan_decode
+    from snapquant.kernels.operands import KernelOperands
 
     cache = PagedMLACache.empty(2, 128, 512, 64, SNAPMLA, device="meta")
     q = torch.empty(2, 1, 16, 576, dtype=torch.bfloat16, device="meta")
@@ -401,5 +409,5 @@ def test_maxnreg_reaches_gpu_launches_and_is_validated():
     plan = plan_decode(q, ops, 0.1, SNAPMLA, 2, maxnreg=128, num_stages=1, native=True, num_sms=132)
     assert plan.launches[0].kwargs["maxnreg"] == 128 and plan.launches[0].kwargs["num_stages"] == 1
     assert "maxnreg" not in plan_decode(q, ops, 0.1, SNAPMLA, 2, native=True, num_sms=132).launches[0].kwargs
-    with pytest.raises(ShapeError, match="maxnreg"):
+    with pytest.raises(ConfigError, match="maxnreg"):
         plan_decode(q, ops, 0.1, SNAPMLA, 2, maxnreg=0, native=True, num_sms=132)

@@ -1,4 +1,4 @@
-"""tile="gluon": the Gluon snapmla decode kernel (snapquant/kernels/gluon_decode.py).
+"""tile="gluon": the Gluon decode kernels (snapquant/kernels/gluon/, Hopper).
 
 Gluon has no interpreter, so on CPU the kernel is compiled for Hopper (sm_90) and its structure is
 checked (TMA copies, wgmma, no register spills, shared memory within the SM's 227 KB), and the host
@@ -7,7 +7,6 @@ side's refusals are checked; the numbers are checked against the reference on a 
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
@@ -18,9 +17,9 @@ from snapquant.bench.compile_stats import decode_compile_stats
 from snapquant.bench.shapes import uniform_shape
 from snapquant.bench.variants import BY_NAME
 from snapquant.errors import ConfigError
-from snapquant.kernels import PagedMLACache, mla_decode
-from snapquant.kernels.gluon_decode import HAVE_GLUON, gluon_unsupported_reason
-from snapquant.kernels.mla_decode import mla_decode_plan
+from snapquant.kernels import PagedMLACache, mla_decode, mla_decode_plan
+from snapquant.kernels.dispatch import gluon_format_reason
+from snapquant.kernels.gluon import HAVE_GLUON
 
 needs_gluon = pytest.mark.skipif(not HAVE_GLUON, reason="this triton has no Gluon")
 SMEM_LIMIT = 227 * 1024  # H100 / H200 shared memory per block (opt-in maximum)
@@ -29,13 +28,13 @@ SMEM_LIMIT = 227 * 1024  # H100 / H200 shared memory per block (opt-in maximum)
 @needs_gluon
 def test_gluon_kernel_compiles_for_sm90_with_tma_and_wgmma():
     rows = decode_compile_stats(BY_NAME["snapmla+gluon+s1"], uniform_shape(8, 16, 2048))
-    assert [r["kernel"] for r in rows] == ["decode_gluon", "combine"]
+    assert [r["kernel"] for r in rows] == ["decode_gluon_narrow_tile", "combine"]
     st = rows[0]
     assert st["smem"] <= SMEM_LIMIT // 2 - 1024  # one slot, in place: two programs per SM
-    # the default at r = 512: gluon_regs (register A operands, no fp16 tile), two slots, two programs per SM
+    # the default at r = 512: gluon.narrow (register A operands, no fp16 tile), two slots, two programs per SM
     regs = decode_compile_stats(BY_NAME["snapmla+gluon"], uniform_shape(8, 16, 2048))[0]
     assert "error" not in regs, regs.get("error")
-    assert regs["kernel"] == "decode_gluon_regs"
+    assert regs["kernel"] == "decode_gluon_narrow"
     assert regs["smem"] <= SMEM_LIMIT // 2 - 1024
     assert regs["wgmma"] == 68 and (regs.get("wgmma_waits") or 0) <= 8
     assert regs["ptxas_advice"] in ("", None) and regs["spill_bytes"] <= 128
@@ -86,7 +85,7 @@ def test_gluon_kernel_compiles_at_other_widths(r, d):
     """kv_lora_rank 256 / 128 (two / one 128-code boxes): the in-place slot's chunk 0 then overlaps a box
     still being read, which the kernel guards with a barrier."""
     st = decode_compile_stats(BY_NAME["snapmla+gluon"], uniform_shape(4, 16, 1024), r=r, d=d)[0]
-    assert st["kernel"] == "decode_gluon" and "error" not in st, st.get("error")
+    assert st["kernel"] == "decode_gluon_narrow_tile" and "error" not in st, st.get("error")
     assert st["wgmma"] > 0 and st["smem"] <= SMEM_LIMIT // 2 - 1024
 
 
@@ -99,37 +98,38 @@ def test_gluon_tile_refuses_other_formats_and_schedules():
     meta_cache = PagedMLACache.empty(2, 128, 256, 64, cfg, device="meta")
     meta_q = torch.empty(2, 16, 320, dtype=torch.bfloat16, device="meta")
     with pytest.raises(ConfigError, match="kv_lora_rank 512"):  # the native FP8 QK's four boxes
-        from snapquant.kernels.mla_decode import KernelOperands, plan_decode
+        from snapquant.kernels.decode import plan_decode
+        from snapquant.kernels.operands import KernelOperands
 
         plan_decode(meta_q, KernelOperands.from_paged(meta_cache), 0.1, cfg, native=True, num_sms=132,
                     tile="gluon", fp8_mma="qk")
-    from snapquant.kernels.mla_decode import _gluon_stages
+    from snapquant.kernels.dispatch import narrow_stages
 
-    # exact MMAs: gluon_regs' two slots at r = 512, the in-place slot elsewhere; native FP8 QK: two slots
-    assert _gluon_stages(None, False, 512) == 2 and _gluon_stages(None, False, 256) == 1
-    assert _gluon_stages(None, "qk", 512) == 2 and _gluon_stages(1, "qk", 512) == 1
+    # exact MMAs: gluon.narrow's two slots at r = 512, the in-place slot elsewhere; native FP8 QK: two slots
+    assert narrow_stages(None, False, 512) == 2 and narrow_stages(None, False, 256) == 1
+    assert narrow_stages(None, "qk", 512) == 2 and narrow_stages(1, "qk", 512) == 1
 
 
 @needs_gluon
-def test_gluon_unsupported_reason_names_the_field():
+def test_gluon_format_reason_names_the_field():
     lat = torch.empty(4, 64, 512, dtype=torch.float8_e4m3fn, device="meta")
     rope = torch.empty(4, 64, 64, dtype=torch.int16, device="meta")
-    ok = gluon_unsupported_reason("snapmla", True, True, 16, 512, 64, lat, (64 * 512, 512), rope, (64 * 64, 64))
+    ok = gluon_format_reason("snapmla", True, True, 16, 512, 64, lat, (64 * 512, 512), rope, (64 * 64, 64))
     assert ok is None
     # past 16 rows: the 64-row kernel, snapmla (fp8 query and P) or bf16 (16-bit query and P) only
-    assert gluon_unsupported_reason("snapmla", True, True, 32, 512, 64, lat, (64 * 512, 512), rope, (64 * 64, 64)) is None
-    assert "bf16 layout" in gluon_unsupported_reason("snapmla", False, True, 32, 512, 64, lat, (64 * 512, 512), rope,
+    assert gluon_format_reason("snapmla", True, True, 32, 512, 64, lat, (64 * 512, 512), rope, (64 * 64, 64)) is None
+    assert "bf16 layout" in gluon_format_reason("snapmla", False, True, 32, 512, 64, lat, (64 * 512, 512), rope,
                                                      (64 * 64, 64))
-    assert "at <= 16 query rows" in gluon_unsupported_reason("bf16", False, False, 16, 512, 64, lat, (64 * 512, 512),
+    assert "at <= 16 query rows" in gluon_format_reason("bf16", False, False, 16, 512, 64, lat, (64 * 512, 512),
                                                              rope, (64 * 64, 64))
-    assert "up to 512" in gluon_unsupported_reason("snapmla", True, True, 64, 1024, 64, lat, (64 * 512, 512), rope,
+    assert "up to 512" in gluon_format_reason("snapmla", True, True, 64, 1024, 64, lat, (64 * 512, 512), rope,
                                                    (64 * 64, 64))
-    assert "snapmla" in gluon_unsupported_reason("ds_v32", True, True, 16, 512, 64, lat, (64 * 512, 512), rope,
+    assert "snapmla" in gluon_format_reason("ds_v32", True, True, 16, 512, 64, lat, (64 * 512, 512), rope,
                                                  (64 * 64, 64))
-    assert "kv_lora_rank" in gluon_unsupported_reason("snapmla", True, True, 16, 96, 64, lat, (64 * 512, 512), rope,
+    assert "kv_lora_rank" in gluon_format_reason("snapmla", True, True, 16, 96, 64, lat, (64 * 512, 512), rope,
                                                       (64 * 64, 64))
     odd = torch.empty(4, 64, 520, dtype=torch.float8_e4m3fn, device="meta")[..., :512]
-    assert "TMA" in gluon_unsupported_reason("snapmla", True, True, 16, 512, 64, odd, (64 * 520, 520), rope,
+    assert "TMA" in gluon_format_reason("snapmla", True, True, 16, 512, 64, odd, (64 * 520, 520), rope,
                                              (64 * 64, 64))
 
 
@@ -155,7 +155,7 @@ def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages,
                           num_stages=stages)
     kernel = mla_decode_plan(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma,
                              num_stages=stages).launches[0].name
-    assert kernel == ("decode_gluon_regs" if stages >= 2 and not fp8_mma else "decode_gluon")
+    assert kernel == ("decode_gluon_narrow" if stages >= 2 and not fp8_mma else "decode_gluon_narrow_tile")
     assert torch.isfinite(out).all()
     base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="pairs")
     kv = cache.to_quantized_kv(int(cache.lengths.max())).to("cpu")
@@ -173,7 +173,7 @@ def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages,
 @needs_gluon
 def test_rows_view_addresses_paged_and_dense_row_caches():
     """The TMA descriptor sees the cache as one table of rows; page p starts at row p * page_rows."""
-    from snapquant.kernels.gluon_decode import _rows_view, make_descriptors
+    from snapquant.kernels.gluon.common import _rows_view, make_descriptors
 
     paged = torch.empty(10, 64, 512, dtype=torch.float8_e4m3fn, device="meta")
     assert _rows_view(paged, 512) == ([640, 512], [512, 1])
@@ -186,26 +186,6 @@ def test_rows_view_addresses_paged_and_dense_row_caches():
     assert list(rope_desc.shape) == [640, 64]
 
 
-def test_default_tile_prefers_gluon_only_without_triton_launch_knobs(monkeypatch):
-    """Where the Gluon kernel runs, tile=None picks it, unless a launch knob meant for the Triton
-    kernels (block_m, num_warps, num_stages, maxnreg) or the balanced schedule is asked for."""
-    md = importlib.import_module("snapquant.kernels.mla_decode")  # the module (the package exports a function)
-    monkeypatch.setattr(md, "_gluon_runs", lambda ops, rows, fp8_mma, config: True)
-    cfg = PRESETS["snapmla"]
-    cache = PagedMLACache.empty(2, 256, 512, 64, cfg, device="meta")
-    q = torch.empty(2, 16, 576, dtype=torch.bfloat16, device="meta")
-    ops = md.KernelOperands.from_paged(cache)
-
-    def tile(**kw):
-        return md.plan_decode(q, ops, 0.1, cfg, native=True, num_sms=132, **kw).knobs["tile"]
-
-    assert tile() == "gluon"
-    assert tile(p_div="exact", num_splits=2) == "gluon"
-    for knob in ({"num_stages": 3}, {"num_warps": 8}, {"block_m": 64}, {"maxnreg": 128}, {"schedule": "balanced"}):
-        assert tile(**knob) == "pairs", knob
-    assert md.plan_decode(q, ops, 0.1, cfg.replace(query="bf16"), native=True, num_sms=132).knobs["tile"] == "rows"
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
@@ -214,11 +194,11 @@ def test_gluon_kernel_matches_the_reference_at_other_widths(r, d):
     test_gluon_kernel_matches_the_reference(4, 16, 1, 300, None, False, 1, r=r, d=d)
 
 
-# ------------------------------------------------------------------ the 64-row kernel (gluon_wide.py)
+# ------------------------------------------------------------------ the 64-row kernel (gluon/wide.py)
 @needs_gluon
 @pytest.mark.parametrize("variant", ["snapmla+gluon", "bf16+gluon"])
 def test_wide_gluon_kernel_compiles_unserialized(variant):
-    """Past 16 rows tile="gluon" is gluon_wide's two-warpgroup kernel: per page QK 32 + RoPE 4 and PV 4
+    """Past 16 rows tile="gluon" is gluon.wide's two-warpgroup kernel: per page QK 32 + RoPE 4 and PV 4
     (m64n256k16) wgmma, kept asynchronous by ptxas, within one SM's shared memory."""
     rows = decode_compile_stats(BY_NAME[variant], uniform_shape(32, 64, 8192))
     st = rows[0]
@@ -241,8 +221,8 @@ def test_wide_gluon_kernel_compiles_unserialized(variant):
 def test_native_fp8_kernels_compile_to_fp8_mmas(block_m):
     """fp8_mma=True past 16 rows: per page QK 16 e4m3 (m64n32k32) + RoPE 4 bf16 wgmma per warpgroup, PV from
     V^T in registers (16 8-byte loads and 64 byte permutes per thread per 256 channels), no fp16
-    widening, no transposed tile. block_m 32 (gluon_narrow8): PV 16 e4m3 m64n32k32 for the page's 512
-    channels, <= half an SM's shared memory (two programs per SM); 64 (gluon_wide8): PV 8 m64n64k32 per
+    widening, no transposed tile. block_m 32 (gluon.narrow8): PV 16 e4m3 m64n32k32 for the page's 512
+    channels, <= half an SM's shared memory (two programs per SM); 64 (gluon.wide8): PV 8 m64n64k32 per
     warpgroup, one program per SM."""
     v = BY_NAME["snapmla+gluon+fp8mma" if block_m == 32 else "snapmla+gluon+fp8mma+bm64"]
     st = decode_compile_stats(v, uniform_shape(32, 64, 8192))[0]
@@ -260,7 +240,8 @@ def test_native_fp8_kernels_compile_to_fp8_mmas(block_m):
 
 
 def _meta_plan(layout_cfg, H, r=512, d=64, **knobs):
-    from snapquant.kernels.mla_decode import KernelOperands, plan_decode
+    from snapquant.kernels.decode import plan_decode
+    from snapquant.kernels.operands import KernelOperands
 
     cache = PagedMLACache.empty(2, 256, r, d, layout_cfg, device="meta")
     q = torch.empty(2, H, r + d, dtype=torch.bfloat16, device="meta")
@@ -274,7 +255,7 @@ def test_wide_gluon_tile_plans_and_refusals():
         assert plan.launches[0].name == "decode_gluon_wide"
         assert plan.knobs["block_m"] == 64 and plan.knobs["num_warps"] == 8 and plan.knobs["num_stages"] == 2
         assert plan.knobs["num_splits"] == 4  # one wave: 132 SMs / 2 programs, capped by the 4 pages
-    from snapquant.kernels.mla_decode import _one_wave_splits
+    from snapquant.kernels.dispatch import one_wave_splits as _one_wave_splits
 
     assert _one_wave_splits(32, 128, 132) == 4 and _one_wave_splits(256, 64, 132) == 1
     assert _one_wave_splits(2, 512, 132) == 64 and _one_wave_splits(128, 64, 264) == 2
@@ -286,7 +267,7 @@ def test_wide_gluon_tile_plans_and_refusals():
     with pytest.raises(ConfigError, match="fp8_mma=True"):  # native FP8 MMAs need the snapmla layout
         _meta_plan(PRESETS["bf16"], 64, tile="gluon", fp8_mma=True)
     plan8 = _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma=True)  # (also the default on a Hopper GPU)
-    assert plan8.launches[0].name == "decode_gluon_narrow8" and plan8.launches[0].kwargs["CHAINS"] == 2
+    assert plan8.launches[0].name == "decode_gluon_narrow8" and plan8.knobs["kernel"] == "gluon.narrow8"
     assert plan8.launches[0].kwargs["STAGES"] == plan8.knobs["num_stages"] == 2
     assert plan8.knobs["block_m"] == 32 and plan8.knobs["num_warps"] == 4 and plan8.launches[0].grid[0] == 2
     assert plan8.knobs["num_splits"] == 4  # one wave of 2 x 132 slots, capped by the 4 pages
@@ -295,7 +276,7 @@ def test_wide_gluon_tile_plans_and_refusals():
     assert wide8.knobs["num_warps"] == 8 and wide8.launches[0].grid[0] == 1
     with pytest.raises(ConfigError, match="num_stages 2, 3 or 4"):
         _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma=True, num_stages=5)
-    with pytest.raises(ConfigError, match=r"block_m 32 \(gluon_narrow8\) or 64"):
+    with pytest.raises(ConfigError, match=r"block_m 32 \(gluon.narrow8\) or 64"):
         _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma=True, block_m=16)
     with pytest.raises(ConfigError, match="block_m is a knob"):
         _meta_plan(PRESETS["snapmla"], 64, tile="gluon", block_m=32)
@@ -309,21 +290,6 @@ def test_wide_gluon_tile_plans_and_refusals():
         _meta_plan(PRESETS["bf16"], 16, tile="gluon")
 
 
-def test_wide_gluon_default_follows_its_switch(monkeypatch):
-    """Past 16 rows tile=None picks the 64-row Gluon kernel only while GLUON_WIDE_DEFAULT says so."""
-    md = importlib.import_module("snapquant.kernels.mla_decode")
-    monkeypatch.setattr(md, "_gluon_runs", lambda ops, rows, fp8_mma, config: True)
-    for flag, want in ((False, {"snapmla": "pairs", "bf16": "rows"}), (True, {"snapmla": "gluon", "bf16": "gluon"})):
-        monkeypatch.setattr(md, "GLUON_WIDE_DEFAULT", flag)
-        for name, tile in want.items():
-            assert _meta_plan(PRESETS[name], 64).knobs["tile"] == tile, (flag, name)
-        assert _meta_plan(PRESETS["bf16"], 64, num_warps=8).knobs["tile"] == "rows"  # a Triton knob
-        # 32 rows (a padded 64-row tile): measured faster than the Triton tiles for both layouts
-        assert _meta_plan(PRESETS["snapmla"], 32).knobs["tile"] == ("gluon" if flag else "pairs")
-        assert _meta_plan(PRESETS["bf16"], 32).knobs["tile"] == ("gluon" if flag else "rows")
-        assert _meta_plan(PRESETS["snapmla"], 17).knobs["block_m"] == (64 if flag else 32)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
@@ -335,7 +301,7 @@ def test_wide_gluon_default_follows_its_switch(monkeypatch):
 def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, block_m, B, H, S, L, splits, r=512, d=64):
     """64-row tiles (full, partial: 40 rows, several per request) against `mla_decode_reference` and the
     Triton tile, with stale tokens past each request's length in its last page. fp8_mma=True runs
-    `gluon_narrow8` (32 rows) or `gluon_wide8` (block_m 64), native e4m3 MMAs: NaN codes past the length
+    `gluon.narrow8` (32 rows) or `gluon.wide8` (block_m 64), native e4m3 MMAs: NaN codes past the length
     must not reach their accumulators."""
     torch.manual_seed(B * 1000 + H + L)
     cfg = PRESETS[layout]
@@ -365,57 +331,21 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, block_
     # reference's summation order moves e by an ulp
     # fp8_mma: Hopper's FP8 MMA keeps ~14 bits per accumulation; the scores move by ~2^-14 relative, which
     # flips some e4m3 roundings of P^ (12.5 % steps). H200: 4.8e-3 here at L = 700, 3.1e-3 / 4.0e-3 from the
-    # exact kernel at B=32 H=64 L=8K / B=128 H=128 L=4K (probe_gluon_decode); a wrong page would be ~1
+    # exact kernel at B=32 H=64 L=8K / B=128 H=128 L=4K; a wrong page would be ~1
     tol, lse_tol = (1e-2, 1e-2) if fp8_mma else (5e-5, 1e-4) if layout == "snapmla" else (1e-3, 1e-3)
     for o, lz in ((ref, ref_lse), (base.cpu(), base_lse.cpu())):
         assert ((out.cpu() - o).norm() / o.norm()).item() < tol
         assert (lse.cpu() - lz).abs().max().item() < lse_tol
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="needs a Hopper GPU")
-@pytest.mark.parametrize("knob", ["FAST", "AHEAD"])
-@pytest.mark.parametrize("block_m", [32, 64])
-@pytest.mark.parametrize("B,H,S,L,splits", [(5, 64, 1, 700, None), (3, 20, 2, 130, 1), (2, 128, 1, 1000, 3)])
-def test_native8_speed_knobs_give_the_same_bits(knob, block_m, B, H, S, L, splits, r=512, d=64):
-    """The native kernels' speed knobs are the same arithmetic: identical output and LSE bits on and off,
-    with NaN codes past the lengths, partial row tiles, causal s_q = 2 (with rows that see no token) and
-    explicit splits. FAST: no position test on pages every row sees whole, the e4m3 conversion's own
-    saturation instead of a clamp, q / sigma and max f / 448 by a reciprocal with Markstein's correction. AHEAD: the next
-    page's block-table index loaded a page early (runs of 1-16 pages here, so the last pages' masks)."""
-    torch.manual_seed(B * 1000 + H + L)
-    cfg = PRESETS["snapmla"]
-    lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
-    if S == 2:  # a request of one token: its first query token's rows see nothing (out 0, lse -inf)
-        lengths[-1] = 1
-    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
-    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
-    cache.lengths.copy_(lengths.cuda())
-    for b, n in enumerate(lengths.tolist()):
-        if n % 64:
-            cache.latent[cache.block_table[b, (n - 1) // 64], n % 64:].view(torch.uint8).fill_(0x7F)  # e4m3 NaN
-    q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
-    results = []
-    for on in (False, True):
-        plan = mla_decode_plan(q, cache, 1 / math.sqrt(192), cfg, num_splits=splits, tile="gluon", fp8_mma=True,
-                               block_m=block_m)
-        plan.launches[0].kwargs[knob] = on
-        out, lse = plan.run()
-        results.append((out.clone(), lse.clone()))
-    (out0, lse0), (out1, lse1) = results
-    assert torch.isfinite(out1).all()
-    assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
-
-
-# ------------------------------------------- the register-operand kernel's box views (gluon_regs.py)
+# ------------------------------------------- the register-operand kernels' box views (gluon/box_views.py)
 @pytest.mark.parametrize("boxes,warp_bits", [(4, 3), (2, 2)])
 def test_slot_view_reads_v_transposed_as_pv8_rows(boxes, warp_bits):
-    """The native FP8 kernels' view of stacked swizzled TMA boxes (gluon_wide8: a page slot, 8 warps;
-    gluon_narrow8: a pair of boxes, 4 warps): byte offset -> logical (m, token) is linear and names the
+    """The native FP8 kernels' view of stacked swizzled TMA boxes (gluon.wide8: a page slot, 8 warps;
+    gluon.narrow8: a pair of boxes, 4 warps): byte offset -> logical (m, token) is linear and names the
     byte of (token, pv8_channel(m)); the transposed view trades rows m bits 3, 4 + warp_bits with tokens
     bits 0, 1 (undone by the kernels' 4 x 4 byte transpose). Every offset."""
-    from snapquant.kernels.box_views import pv8_channel, slot_view_bases
+    from snapquant.kernels.gluon.box_views import pv8_channel, slot_view_bases
 
     rows, j0 = boxes * 128, 1 << (4 + warp_bits)
     assert sorted(pv8_channel(m, warp_bits) for m in range(rows)) == list(range(rows))
@@ -442,7 +372,7 @@ def test_v_operand_load_and_transpose_give_the_mma_fragment(warp_bits):
     `transposed_register(r)`, and then each slot must hold V^T at the coordinate its layout names, i.e.
     the byte of (token, pv8_channel(m)) of a random swizzled page. The load layout must differ from
     wgmma's own A layout only in whole registers (the kernels' conversion is a renaming)."""
-    from snapquant.kernels.box_views import (
+    from snapquant.kernels.gluon.box_views import (
         mma_a_bases,
         pv8_channel,
         slot_view_bases,
@@ -495,7 +425,7 @@ def test_box_views_read_the_swizzled_box_in_the_mma_order(kind):
     the XOR of the bases of its set bits), must read a TMA box ([64 tokens, 128 codes], 128-byte swizzle:
     chunk c of row t at chunk position c ^ (t % 8)) at the channel the map names: QK view [t, k] =
     box[t, qk_channel(k)], PV view [m, t] = box[t, pv_channel(m)]. A random box, every offset."""
-    from snapquant.kernels.box_views import box_view_bases, pv_channel, qk_channel
+    from snapquant.kernels.gluon.box_views import box_view_bases, pv_channel, qk_channel
 
     bases = box_view_bases(kind)
     assert len(bases) == 13  # 8 KB
@@ -528,8 +458,8 @@ def test_box_views_read_the_swizzled_box_in_the_mma_order(kind):
 @needs_gluon
 def test_register_operand_kernel_plans_and_refusals():
     plan = _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_stages=2)
-    assert plan.launches[0].name == "decode_gluon_regs"
+    assert plan.launches[0].name == "decode_gluon_narrow"
     assert plan.knobs["num_splits"] == 4  # two programs per SM: 264 slots / 2 requests, capped by the 4 pages
-    assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_stages=2, fp8_mma="qk").launches[0].name == "decode_gluon"
+    assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_stages=2, fp8_mma="qk").launches[0].name == "decode_gluon_narrow_tile"
     with pytest.raises(ConfigError, match="kv_lora_rank 512"):
         _meta_plan(PRESETS["snapmla"], 16, r=256, d=32, tile="gluon", num_stages=2)

@@ -137,9 +137,9 @@ def test_decode_rejects_bad_queries():
         mla_decode(torch.randn(2, 4, 80, 2)[..., 0], cache, 0.1)
     with pytest.raises(ShapeError, match="softmax_scale must be a positive finite float"):
         mla_decode(q, cache, math.nan)
-    with pytest.raises(ShapeError, match="num_splits must be a positive int"):
+    with pytest.raises(ConfigError, match="num_splits=0 is not valid; allowed values: a positive int"):
         mla_decode(q, cache, 0.1, num_splits=0)
-    with pytest.raises(ShapeError, match="block_m must be a power of two >= 16"):
+    with pytest.raises(ConfigError, match="block_m=24 is not valid; allowed values: a power of two >= 16"):
         mla_decode(q, cache, 0.1, block_m=24)
 
 

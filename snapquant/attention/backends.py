@@ -3,21 +3,18 @@
     fn(q [B,(S,)H,r+d], kv: QuantizedKV, lengths [B], softmax_scale, config, *, causal, round_16bit)
         -> (out [B,(S,)H,r] fp32, lse natural log)
 
-`reference` is the exact PyTorch reference (any device). `triton` is provided by `snapquant.kernels`
-(paged FP8 kernel, CUDA): importing that package is expected to call
-`register_backend("triton", fn, supports=...)`; until it does, asking for `triton` raises a clear
-error. `auto` picks triton on CUDA when it is registered and `supports(config)` is true, else the
-reference. `backend` is an argument of `snapquant.patch`, never a config field (configs are hashed
-by sweeps).
+`reference` is the exact PyTorch reference (any device). `triton` is `snapquant.kernels.triton_backend`
+(paged FP8 kernels, CUDA), registered on first use (the kernels import nothing from here); without
+triton installed, asking for `triton` raises a clear error. `auto` picks triton on CUDA when it is
+registered and `supports(config)` is true, else the reference. `backend` is an argument of
+`snapquant.patch`, never a config field (configs are hashed by sweeps).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +22,10 @@ import torch
 from ..config import KVQuantConfig
 from ..errors import ConfigError, unknown_choice
 from ..reference import mla_decode_reference
+from ..runtime import lengths_trusted, stream_capturing, trusted_lengths  # the guards, re-exported here
+
+__all__ = ["BACKEND_CHOICES", "Backend", "check_backend_name", "lengths_trusted", "register_backend",
+           "resolve_backend", "static_backend", "stream_capturing", "trusted_lengths"]
 
 BACKEND_CHOICES = ("auto", "reference", "triton")
 
@@ -50,15 +51,16 @@ _KERNELS_TRIED = False
 
 
 def _load_kernels() -> None:
-    """Import snapquant.kernels once (it registers `triton`); without triton installed that fails quietly."""
+    """Register `triton` from snapquant.kernels once; without triton installed that fails quietly."""
     global _KERNELS_TRIED
     if "triton" in _REGISTRY or _KERNELS_TRIED:
         return
     _KERNELS_TRIED = True
     try:
-        importlib.import_module("snapquant.kernels")
+        kernels = importlib.import_module("snapquant.kernels")
     except ImportError:
-        pass
+        return
+    register_backend("triton", kernels.triton_backend, supports=kernels.supports, needs_cuda=True)
 
 
 def check_backend_name(name: str) -> str:
@@ -96,34 +98,6 @@ def resolve_backend(name: str, config: KVQuantConfig, device: torch.device) -> B
 
 
 # ---------------------------------------------------------------------------------------------- static path
-_TRUST = threading.local()
-
-
-@contextmanager
-def trusted_lengths() -> Iterator[None]:
-    """Within this block, backends skip value checks of `lengths` that need a host read (a device sync).
-
-    Used by the fixed-shape decode step (snapquant.graphs.DecodeGraph), whose lengths come from the
-    cache's own device counters and are bounded on the host by max_cache_len."""
-    depth = getattr(_TRUST, "depth", 0)
-    _TRUST.depth = depth + 1
-    try:
-        yield
-    finally:
-        _TRUST.depth = depth
-
-
-def lengths_trusted() -> bool:
-    """True inside `trusted_lengths()` or while the current CUDA stream is being captured into a graph."""
-    if getattr(_TRUST, "depth", 0):
-        return True
-    return stream_capturing()
-
-
-def stream_capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def static_backend(backend: Backend) -> Callable:
     """`backend.fn` as the fixed-shape decode step calls it: lengths trusted (no host-read checks).
 

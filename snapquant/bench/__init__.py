@@ -10,7 +10,6 @@
     plot           the side-by-side figure (PNG + PDF)
     compile_stats  compiles the kernels for a GPU target on any machine: registers, spills, shared
                    memory, pipelined loads, MMA kind, the SASS mix of the page loop
-    probe_inputs   raw-code caches for the kernel probes in scripts/ (no quantization)
 
 Run it as `python scripts/bench_decode.py` or `snapquant bench` (same options).
 """

@@ -21,7 +21,7 @@ target (sm_90 = Hopper by default) and reads back:
     loop_*              the SASS instruction mix of the page loop (the backward branch whose body
                         holds the most MMA instructions): total, MMA, conversions (F2FP/F2F/I2F...),
                         shared-memory loads/stores, global loads, MUFU (exp2, rcp), FP32 ALU
-These are predictions' raw material (notes in docs/history/perf-notes.md), not timings. Triton versions
+These are predictions' raw material (docs/kernels.md), not timings. Triton versions
 differ (the H200 machine runs 3.6, CI 3.9): regenerate there with `--compile-stats` when it matters.
 """
 
@@ -215,7 +215,8 @@ def decode_compile_stats(v: Variant, shape: DecodeShape, *, arch: int = 90, num_
                          r: int = 512, d: int = 64) -> list[dict[str, Any]]:
     """Compile every kernel of `v`'s plan at `shape` for `arch`; one dict per kernel."""
     from ..kernels import PagedMLACache
-    from ..kernels.mla_decode import KernelOperands, plan_decode
+    from ..kernels.decode import plan_decode
+    from ..kernels.operands import KernelOperands
 
     if v.impl != "kernel":
         return []

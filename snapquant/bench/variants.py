@@ -85,7 +85,7 @@ class Variant:
             return small and shape.name in HEADLINE
         if self.where == "rows16":  # tile="gluon": one 16-row tile per request
             return shape.heads * shape.q_tokens <= 16
-        if self.where == "rows_gt16":  # tile="gluon": 64-row tiles (gluon_wide)
+        if self.where == "rows_gt16":  # tile="gluon": 64-row tiles (gluon.wide)
             return shape.heads * shape.q_tokens > 16
         return True
 
@@ -133,12 +133,12 @@ VARIANTS: tuple[Variant, ...] = (
     # H * S < 64: 64-row tiles. Compile stats (sm_90): Triton pipelines the 8-bit tile only with wgmma
     # (BLOCK_M = 64), never at BLOCK_M = 16 (mma.sync), where the 16-bit tile is pipelined.
     _v("snapmla+bm64", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="small_rows", block_m=64,
-       note="64-row tiles (rows padded): wgmma and a pipelined FP8 tile"),
+       tile="pairs", note="64-row tiles (rows padded): wgmma and a pipelined FP8 tile"),
     _v("snapmla+bm64+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3, where="small_rows",
-       block_m=64, p_div="rcp"),
+       block_m=64, p_div="rcp", tile="pairs"),
     _v("snapmla+balanced+bm64+rcp", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=5e-3,
        where="small_rows", block_m=64, p_div="rcp", schedule="balanced"),
-    _v("bf16+bm64", "bf16", "bf16", priority=1, check="bf16", where="small_rows", block_m=64,
+    _v("bf16+bm64", "bf16", "bf16", priority=1, check="bf16", where="small_rows", block_m=64, tile="rows",
        note="64-row tiles (rows padded): wgmma instead of mma.sync"),
     _v("snapmla_kv_only+bm64", "fp8", "snapmla", priority=1, check="snapmla_kv_only", where="small_rows",
        block_m=64),
@@ -162,25 +162,27 @@ VARIANTS: tuple[Variant, ...] = (
     _v("bf16+bm64+balanced", "bf16", "bf16", priority=2, check="bf16", where="small_rows_headline", block_m=64,
        schedule="balanced"),
     _v("snapmla+bm64+s3", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="small_rows_headline",
-       block_m=64, num_stages=3),
+       block_m=64, num_stages=3, tile="pairs"),
     _v("snapmla+tokens", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", tile="tokens",
        note="swap AB: the page's tokens as the MMA M dimension"),
     _v("bf16+tokens", "bf16", "bf16", priority=2, check="bf16", where="headline", tile="tokens"),
-    _v("bf16+w4", "bf16", "bf16", priority=2, check="bf16", where="headline", num_warps=4),
-    _v("snapmla+w4", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_warps=4),
-    _v("bf16+s3", "bf16", "bf16", priority=2, check="bf16", where="headline", num_stages=3),
-    _v("snapmla+s3", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_stages=3),
+    _v("bf16+w4", "bf16", "bf16", priority=2, check="bf16", where="headline", num_warps=4, tile="rows"),
+    _v("snapmla+w4", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_warps=4,
+       tile="pairs"),
+    _v("bf16+s3", "bf16", "bf16", priority=2, check="bf16", where="headline", num_stages=3, tile="rows"),
+    _v("snapmla+s3", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_stages=3,
+       tile="pairs"),
     _v("snapmla+fp8mma", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", tol=1e-2, where="headline",
        fp8_mma=True, note="native FP8 MMA for QK and PV (PV needs an 8-bit transpose)"),
     # Two programs per SM (static, sm_90: 128 registers with 144-176 B of spills, 92 KB of shared memory
     # with one stage): latency hidden by a second resident program instead of prefetching. Unmeasured.
     _v("snapmla+occ2", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="small_rows", num_stages=1,
-       maxnreg=128, note="1 stage, 128 registers: two resident programs per SM"),
+       maxnreg=128, tile="pairs", note="1 stage, 128 registers: two resident programs per SM"),
     _v("snapmla+occ2+balanced4", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="small_rows",
        num_stages=1, maxnreg=128, schedule="balanced", parts_per_sm=4),
-    _v("bf16+occ2", "bf16", "bf16", priority=1, check="bf16", where="small_rows", maxnreg=128,
+    _v("bf16+occ2", "bf16", "bf16", priority=1, check="bf16", where="small_rows", maxnreg=128, tile="rows",
        note="128 registers, default stages (95 KB): two resident programs per SM"),
-    # Gluon: TMA ring + swap-AB wgmma (snapquant/kernels/gluon_decode.py), one 16-row tile per request
+    # Gluon (snapquant/kernels/gluon/): TMA ring + swap-AB wgmma, one 16-row tile per request
     _v("snapmla+gluon+fp8qk+s1", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows16",
        tile="gluon", fp8_mma="qk", num_stages=1,
        note="native e4m3 QK with the in-place slot (the conversion waits for the QK halfway): no faster than exact"),
@@ -188,28 +190,28 @@ VARIANTS: tuple[Variant, ...] = (
        note="the plain-Triton pairs tile (the default where the Gluon kernel does not run)"),
     _v("snapmla+gluon", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="gluon",
        note="Gluon kernels: <= 16 rows TMA, swap-AB wgmma with register A operands widened from two slots, "
-            "2 programs/SM (gluon_regs); more rows: 64-row tiles, two warpgroups (gluon_wide)"),
+            "2 programs/SM (gluon.narrow); more rows: 64-row tiles, two warpgroups (gluon.wide)"),
     _v("snapmla+gluon+s1", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
-       num_stages=1, note="<= 16 rows: one slot widened in place into an fp16 tile (gluon_decode), 2 programs/SM"),
+       num_stages=1, note="<= 16 rows: one slot widened in place into an fp16 tile (gluon.narrow_tile), 2 programs/SM"),
     _v("bf16+gluon", "bf16", "bf16", priority=1, check="bf16", where="rows_gt16", tile="gluon",
        note="the 64-row Gluon kernel on the bf16 layout: TMA slots read by wgmma directly"),
     _v("snapmla+gluon+fp8mma", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows_gt16",
        tile="gluon", fp8_mma=True,
-       note="native e4m3 QK and PV past 16 rows: 32-row programs, two per SM (gluon_narrow8), V^T from the TMA slot "
+       note="native e4m3 QK and PV past 16 rows: 32-row programs, two per SM (gluon.narrow8), V^T from the TMA slot "
             "into registers"),
     _v("snapmla+gluon+fp8mma+bm64", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2,
        where="rows_gt16", tile="gluon", fp8_mma=True, block_m=64,
-       note="native e4m3 QK and PV, 64-row programs (gluon_wide8, one per SM)"),
+       note="native e4m3 QK and PV, 64-row programs (gluon.wide8, one per SM)"),
     _v("bf16+rows", "bf16", "bf16", priority=1, check="bf16", tile="rows",
        note="the plain-Triton BF16 kernel (rows tile), whatever the default"),
     _v("snapmla+gluon+s2", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
-       num_stages=2, note="gluon_regs with two slots (~105 KB, 2 programs/SM): the default at r = 512"),
+       num_stages=2, note="gluon.narrow with two slots (~105 KB, 2 programs/SM): the default at r = 512"),
     _v("snapmla+gluon+s3", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
-       num_stages=3, note="gluon_regs with three slots (~145 KB, 1 program/SM): slower than two (docs/performance.md)"),
+       num_stages=3, note="gluon.narrow with three slots (~145 KB, 1 program/SM): slower than two (docs/performance.md)"),
     _v("snapmla+gluon+fp8qk", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows16",
        tile="gluon", fp8_mma="qk", num_stages=2, note="native e4m3 QK from the TMA slots, overlapped with the tile conversion"),
-    _v("bf16+w16", "bf16", "bf16", priority=2, check="bf16", where="headline", num_warps=16),
-    _v("snapmla+w16", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_warps=16,
+    _v("bf16+w16", "bf16", "bf16", priority=2, check="bf16", where="headline", num_warps=16, tile="rows"),
+    _v("snapmla+w16", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_warps=16, tile="pairs",
        note="16 warps: 128 registers per thread, twice the warps to hide latency at one program per SM"),
     _v("snapmla_kv_only+splits8", "fp8", "snapmla", priority=2, check="snapmla_kv_only", where="headline",
        num_splits=8),

@@ -5,7 +5,7 @@ interpreter, from TRITON_INTERPRET. A test suite cannot rely on that: any earlie
 snapquant.kernels (the attention backends import it to ask `supports`) would freeze the mode. So the
 modules are decorated normally, and `for_device` builds, once and on demand, an interpreted twin of
 a kernel for CPU tensors: the same code object re-bound to a copy of its module's globals in which
-every jit function (including helpers imported from `_tl`) is replaced by its interpreted twin.
+every jit function (including helpers imported from `triton/common.py`) is replaced by its interpreted twin.
 """
 
 from __future__ import annotations

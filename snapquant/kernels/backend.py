@@ -1,4 +1,4 @@
-"""The `triton` decode backend for `snapquant.attention.backends` (the patch's seam).
+"""The `triton` decode backend for `snapquant.attention.backends` (the patch's seam), which registers it.
 
 The seam calls a backend with the reference's signature, over a contiguous-rows `QuantizedKV`
 (`latent.data [B, T, r]`, one scale row per token, RoPE `[B, T, d]`), usually row slices of the
@@ -16,17 +16,21 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from ..attention.backends import lengths_trusted
 from ..config import KVQuantConfig
 from ..errors import ShapeError
 from ..quant.quantizer import QuantizedKV
 from ..reference import mla_decode_reference
+from ..runtime import lengths_trusted
 from ._checks import raise_on_flags
-from .layouts import PAGE_SIZE, layout_of, supports, unsupported_reason
-from .mla_decode import KernelOperands, launch_decode
+from .decode import launch_decode
+from .layouts import PAGE_SIZE, layout_of, unsupported_reason
+from .operands import KernelOperands
+from .options import DecodeOptions
 
 _WARNED: set[str] = set()
 _INT32_MAX = 2**31 - 1
@@ -41,8 +45,10 @@ def triton_backend(
     *,
     causal: bool = True,
     round_16bit: bool = True,
+    options: DecodeOptions | Mapping[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop-in for `mla_decode_reference` running the Triton kernel (see the module docstring)."""
+    """Drop-in for `mla_decode_reference` running the kernels (see the module docstring); `options` are the
+    decode's knobs (`snapquant.kernels.DecodeOptions`, default: `dispatch`'s choice for the call)."""
     cfg = config or kv.config
     reason = kernel_mismatch(kv, cfg, round_16bit)
     if reason is not None:
@@ -50,7 +56,7 @@ def triton_backend(
         return mla_decode_reference(q, kv, lengths, softmax_scale, cfg, causal=causal, round_16bit=round_16bit)
     ops = operands_from_kv(kv, lengths, cfg)
     tau = 1.0 / math.sqrt(ops.kv_lora_rank + ops.rope_dim) if softmax_scale is None else float(softmax_scale)
-    return launch_decode(q, ops, tau, cfg, causal=causal)
+    return launch_decode(q, ops, tau, cfg, causal=causal, options=options)
 
 
 def kernel_mismatch(kv: QuantizedKV, config: KVQuantConfig, round_16bit: bool = True) -> str | None:
@@ -86,7 +92,7 @@ def operands_from_kv(kv: QuantizedKV, lengths: torch.Tensor | None, config: KVQu
     """Zero-copy kernel operands over `kv`'s rows (copies only when the three tensors' strides disagree).
 
     Checks lengths against T (one device sync, as the reference does), except inside
-    `snapquant.attention.backends.trusted_lengths()` or while a CUDA graph is being captured."""
+    `snapquant.runtime.trusted_lengths()` or while a CUDA graph is being captured."""
     layout = layout_of(config)
     latent, rope = kv.latent.data, kv.rope.data
     scale = kv.latent.scale
@@ -150,9 +156,3 @@ def _warn_once(msg: str) -> None:
         _WARNED.add(msg)
         warnings.warn(msg, stacklevel=3)
 
-
-def register() -> None:
-    """Register `triton` with the attention backend seam (called when snapquant.kernels is imported)."""
-    from ..attention.backends import register_backend
-
-    register_backend("triton", triton_backend, supports=supports, needs_cuda=True)

@@ -1,6 +1,6 @@
 """Which `KVQuantConfig`s the Triton kernels implement, and how each is laid out in pages.
 
-Three cache layouts, all in pages of 64 tokens (`PAGE_SIZE`):
+Three cache layouts, all in pages of 64 tokens (`PAGE_SIZE`, from `snapquant.constants`):
 
     snapmla  latent [P, 64, r] fp8 e4m3, scale [P, 64] fp32 (one per token),
              rope [P, 64, d] bf16 pre-divided by the token's scale (SnapMLA, 644 B at 512/64)
@@ -16,12 +16,17 @@ pv_block must be 64. Widths r and d must be powers of two >= 16 (tl.arange and t
 from __future__ import annotations
 
 from ..config import KVQuantConfig
+from ..constants import PAGE_SIZE
 
-PAGE_SIZE = 64
-GLUON_ROWS = 16  # query rows per program of the narrow Gluon kernels (gluon_regs, gluon_decode: wgmma N) ...
-GLUON_WIDE_ROWS = 64  # ... and of the 64-row one past that (gluon_wide: wgmma M)
+GLUON_ROWS = 16  # query rows per program of the narrow Gluon kernels (gluon/narrow*.py: wgmma N) ...
+GLUON_WIDE_ROWS = 64  # ... and of the 64-row one past that (gluon/wide.py: wgmma M)
+GLUON_BOX = 128  # bytes per row of the Gluon kernels' TMA boxes (the widest swizzle): 128 fp8 channels
 LAYOUTS = ("snapmla", "ds_v32", "bf16")
+LAYOUT_ID = {"bf16": 0, "snapmla": 1, "ds_v32": 2}  # the kernels' LAYOUT constexpr
 MIN_WIDTH = 16
+
+__all__ = ["GLUON_BOX", "GLUON_ROWS", "GLUON_WIDE_ROWS", "LAYOUTS", "LAYOUT_ID", "MIN_WIDTH", "PAGE_SIZE", "layout_of",
+           "supports", "unsupported_reason"]
 
 
 def layout_of(config: KVQuantConfig) -> str | None:

@@ -10,6 +10,10 @@
 Token t of request b lives in page block_table[b, t // 64], row t % 64; its slot is
 page * 64 + row. The container converts to and from the contiguous `QuantizedKV` that the reference
 decode consumes, which is how the kernels are tested against `snapquant.mla_decode_reference`.
+
+`quantize_append` writes new tokens into the pages (the fused quantize-and-append kernels of
+`triton/append.py`, bit-exact to `snapquant.quantize_kv`); `PagedMLACache.append` is it at the next
+free slots.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from ..quant.scales import get_scale_format
 from ..quant.tensor import QuantizedTensor
 from ._checks import check_shape, check_tensor, raise_on_flags
 from .layouts import PAGE_SIZE, layout_of, unsupported_reason
+from .triton.append import launch_append
 
 _LATENT_DTYPE = {"snapmla": torch.float8_e4m3fn, "ds_v32": torch.float8_e4m3fn, "bf16": torch.bfloat16}
+_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BIG_APPEND = 4096  # tokens; from here on quantize_append's default is 8 tokens per program
 
 
 class PagedMLACache:
@@ -273,8 +280,6 @@ class PagedMLACache:
 
         Returns the slot mapping used. `check_bounds` costs one device sync (capacity and block table).
         """
-        from .quantize_append import quantize_append  # the launcher imports this module
-
         if not isinstance(latent, torch.Tensor) or latent.dim() != 3 or latent.shape[0] != self.batch_size:
             shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
             raise ShapeError(f"latent must be [B={self.batch_size}, n, r], got {shape}")
@@ -287,6 +292,70 @@ class PagedMLACache:
         quantize_append(latent, rope, self, slots, check_bounds=False)
         self.lengths += n
         return slots
+
+
+def quantize_append(
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    paged_cache: PagedMLACache,
+    slot_mapping: torch.Tensor,
+    config: KVQuantConfig | None = None,
+    *,
+    check_bounds: bool = True,
+    tokens_per_program: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Quantize new tokens and write them into `paged_cache` at `slot_mapping` (in place).
+
+    Args:
+        latent: `[..., r]` NoPE latent after kv_a_layernorm (bf16, fp16 or fp32).
+        rope: `[..., d]` rotated shared RoPE key, same leading shape.
+        paged_cache: destination; its `lengths` are not changed (see `PagedMLACache.append`).
+        slot_mapping: `[...]` int32/int64 slots (page * 64 + row); negative entries are skipped.
+        config: must match the cache's storage (default: the cache's config).
+        check_bounds: verify every slot lies inside the page pool (one device sync).
+        tokens_per_program: tokens one program quantizes (a power of two). Default: 8 for appends of
+            at least `BIG_APPEND` tokens (bandwidth), else 1 (one program per token: the least latency
+            for a decode step's few tokens). Same bits either way.
+        num_warps: launch knob (GPU only; default Triton's).
+    """
+    if not isinstance(paged_cache, PagedMLACache):
+        raise ShapeError(f"paged_cache must be a PagedMLACache, got {type(paged_cache).__name__}")
+    cache = paged_cache
+    config = cache.config if config is None else config
+    if layout_of(config) != cache.layout:
+        raise ConfigError(f"config {config.label()!r} stores the {layout_of(config)} layout but the cache "
+                          f"holds the {cache.layout} layout")
+    if config.scale_format != cache.config.scale_format or config.block_size != cache.config.block_size:
+        raise ConfigError("config's scale_format/block_size differ from the cache's config")
+    dev = cache.device
+    check_tensor("latent", latent, dtypes=_IN_DTYPES, ndim=range(1, 9), device=dev)
+    check_tensor("rope", rope, dtypes=_IN_DTYPES, ndim=range(1, 9), device=dev)
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int32, torch.int64), ndim=range(0, 8), device=dev,
+                 last_contiguous=False)
+    lead = tuple(slot_mapping.shape)
+    r, d = cache.kv_lora_rank, cache.rope_dim
+    check_shape("latent", latent, (*lead, r), " (slot_mapping's shape + kv_lora_rank)")
+    check_shape("rope", rope, (*lead, d), " (slot_mapping's shape + rope_dim)")
+    latent, rope = latent.reshape(-1, r), rope.reshape(-1, d)
+    slots = slot_mapping.reshape(-1).contiguous()
+    n = slots.numel()
+    if n == 0:
+        return
+    if check_bounds:
+        raise_on_flags((slots >= cache.num_pages * PAGE_SIZE).any()[None], [
+            f"slot_mapping has a slot beyond the page pool ({cache.num_pages} pages x {PAGE_SIZE} slots)"])
+    if tokens_per_program is None:
+        tokens_per_program = 8 if n >= BIG_APPEND else 1
+    if (not isinstance(tokens_per_program, int) or isinstance(tokens_per_program, bool) or tokens_per_program < 1
+            or tokens_per_program & (tokens_per_program - 1)):
+        raise ShapeError(f"tokens_per_program must be a power of two >= 1, got {tokens_per_program!r}")
+    if num_warps is not None and (not isinstance(num_warps, int) or num_warps < 1):
+        raise ShapeError(f"num_warps must be a positive int, got {num_warps!r}")
+    scale = cache.scale if cache.scale is not None else cache.lengths  # never read by the bf16 layout
+    launch_append(latent, rope, slots, cache.latent, scale, cache.rope, layout=cache.layout,
+                  num_scale_blocks=max(cache.num_scale_blocks, 1), pow2=config.scale_format == "pow2",
+                  tokens_per_program=tokens_per_program, num_warps=num_warps)
 
 
 def _raw(x: torch.Tensor) -> torch.Tensor:

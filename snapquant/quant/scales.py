@@ -12,11 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..constants import SCALE_FLOOR  # scales never go below this (~1.3e-26)
 from ..errors import unknown_choice
-
-# Scales never go below this, so a row of tiny (or subnormal) values still gets a finite quotient and
-# pre-scaled RoPE (r / s) stays inside bf16 range for any realistic |r| (docs/numerics.md, "Scales").
-SCALE_FLOOR = 2.0**-86  # ~1.3e-26
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import math
 import torch
 
 from ..config import KVQuantConfig
+from ..constants import PI_ABS_FLOOR, PI_REL_FLOOR
 from ..errors import ShapeError
 from ..quant.dtypes import get_element_format
 from ..quant.quantizer import QuantizedKV
@@ -41,8 +42,6 @@ from .query import quantize_query, round_bf16
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-PI_REL_FLOOR = 2.0**-40
-PI_ABS_FLOOR = 2.0**-100
 
 
 def mla_decode_reference(

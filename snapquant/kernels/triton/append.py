@@ -1,4 +1,4 @@
-"""Fused quantize-and-append: new latent and RoPE rows -> codes, scales and RoPE in the paged cache.
+"""Triton kernels of the fused quantize-and-append: new latent and RoPE rows -> codes, scales, RoPE in pages.
 
 One program per new token. Bit-exact to `snapquant.quantize_kv` (the reference quantizer):
     snapmla  s = amax(|c|) / 448 (1 if amax = 0, floored), code = e4m3(c / s), rope = bf16(clamp(r / s))
@@ -8,11 +8,11 @@ One program per new token. Bit-exact to `snapquant.quantize_kv` (the reference q
 with correctly rounded divisions (div_rn) and round-to-nearest-even casts, so the stored bits equal
 the reference's.
 
-`tokens_per_program` > 1 runs `_quantize_append_tokens` instead: one program quantizes a block of
-tokens as a [tokens x scale blocks, block width] tile (fewer, larger programs for big appends such as
-a 64K-token prefill). Every token is still quantized on its own with the same operations, so the
-stored bits are the same (checked on the H200 by scripts/bench_decode.py). Large appends use it by
-default (results/bench/decode_h200.md: 3.1 TB/s with 8 tokens per program vs 1.9 TB/s with 1).
+`_quantize_append_tokens` quantizes a block of tokens per program as a [tokens x scale blocks, block
+width] tile (fewer, larger programs for big appends such as a long prefill). Every token is still
+quantized on its own with the same operations, so the stored bits are the same (`scripts/
+check_kernels_gpu.py` checks both on a GPU). `launch_append` runs either over raw tensors; the checked
+entry point is `snapquant.kernels.quantize_append` (`paged.py`).
 """
 
 from __future__ import annotations
@@ -21,18 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import KVQuantConfig
-from ..errors import ConfigError, ShapeError
-from ._checks import check_shape, check_tensor, raise_on_flags
-from ._launch import for_device, interpreting
-from ._tl import BF16_MAX, E4M3_MAX, bf16_bits_to_f32, rmax, scale_rule, store_bf16_bits, store_e4m3
-from .layouts import PAGE_SIZE, layout_of
-from .paged import PagedMLACache
-
-BIG_APPEND = 4096  # tokens; from here on the default is 8 tokens per program
-
-_LAYOUT_ID = {"bf16": 0, "snapmla": 1, "ds_v32": 2}
-_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from .._launch import for_device, interpreting
+from ..layouts import LAYOUT_ID, PAGE_SIZE
+from .common import BF16_MAX, E4M3_MAX, bf16_bits_to_f32, rmax, scale_rule, store_bf16_bits, store_e4m3
 
 
 @triton.jit
@@ -128,80 +119,39 @@ def _quantize_append_tokens(
         tl.store(rope_ptr, store_bf16_bits(r, NATIVE), mask=r_ok[:, None])
 
 
-def quantize_append(
+def launch_append(
     latent: torch.Tensor,
     rope: torch.Tensor,
-    paged_cache: PagedMLACache,
-    slot_mapping: torch.Tensor,
-    config: KVQuantConfig | None = None,
+    slots: torch.Tensor,
+    cache_latent: torch.Tensor,
+    cache_scale: torch.Tensor,
+    cache_rope: torch.Tensor,
     *,
-    check_bounds: bool = True,
-    tokens_per_program: int | None = None,
+    layout: str,
+    num_scale_blocks: int,
+    pow2: bool,
+    tokens_per_program: int,
     num_warps: int | None = None,
 ) -> None:
-    """Quantize new tokens and write them into `paged_cache` at `slot_mapping` (in place).
-
-    Args:
-        latent: `[..., r]` NoPE latent after kv_a_layernorm (bf16, fp16 or fp32).
-        rope: `[..., d]` rotated shared RoPE key, same leading shape.
-        paged_cache: destination; its `lengths` are not changed (see `PagedMLACache.append`).
-        slot_mapping: `[...]` int32/int64 slots (page * 64 + row); negative entries are skipped.
-        config: must match the cache's storage (default: the cache's config).
-        check_bounds: verify every slot lies inside the page pool (one device sync).
-        tokens_per_program: tokens one program quantizes (a power of two). Default: 8 for appends of
-            at least `BIG_APPEND` tokens (H200, 64K tokens: 3.1 TB/s vs 1.9 TB/s with 1), else 1 (one
-            program per token: the least latency for a decode step's few tokens). Same bits either way.
-        num_warps: launch knob (GPU only; default Triton's).
-    """
-    if not isinstance(paged_cache, PagedMLACache):
-        raise ShapeError(f"paged_cache must be a PagedMLACache, got {type(paged_cache).__name__}")
-    cache = paged_cache
-    config = cache.config if config is None else config
-    if layout_of(config) != cache.layout:
-        raise ConfigError(f"config {config.label()!r} stores the {layout_of(config)} layout but the cache "
-                          f"holds the {cache.layout} layout")
-    if config.scale_format != cache.config.scale_format or config.block_size != cache.config.block_size:
-        raise ConfigError("config's scale_format/block_size differ from the cache's config")
-    dev = cache.device
-    check_tensor("latent", latent, dtypes=_IN_DTYPES, ndim=range(1, 9), device=dev)
-    check_tensor("rope", rope, dtypes=_IN_DTYPES, ndim=range(1, 9), device=dev)
-    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int32, torch.int64), ndim=range(0, 8), device=dev,
-                 last_contiguous=False)
-    lead = tuple(slot_mapping.shape)
-    r, d = cache.kv_lora_rank, cache.rope_dim
-    check_shape("latent", latent, (*lead, r), " (slot_mapping's shape + kv_lora_rank)")
-    check_shape("rope", rope, (*lead, d), " (slot_mapping's shape + rope_dim)")
-    latent, rope = latent.reshape(-1, r), rope.reshape(-1, d)
-    slots = slot_mapping.reshape(-1).contiguous()
-    n = slots.numel()
-    if n == 0:
-        return
-    if check_bounds:
-        raise_on_flags((slots >= cache.num_pages * PAGE_SIZE).any()[None], [
-            f"slot_mapping has a slot beyond the page pool ({cache.num_pages} pages x {PAGE_SIZE} slots)"])
-
-    if tokens_per_program is None:
-        tokens_per_program = 8 if n >= BIG_APPEND else 1
-    if (not isinstance(tokens_per_program, int) or isinstance(tokens_per_program, bool) or tokens_per_program < 1
-            or tokens_per_program & (tokens_per_program - 1)):
-        raise ShapeError(f"tokens_per_program must be a power of two >= 1, got {tokens_per_program!r}")
-    if num_warps is not None and (not isinstance(num_warps, int) or num_warps < 1):
-        raise ShapeError(f"num_warps must be a positive int, got {num_warps!r}")
+    """Quantize `latent` [n, r] / `rope` [n, d] into page slots `slots` [n] of the cache tensors (trusted:
+    the caller checked shapes, dtypes, devices and bounds); `cache_scale` is any tensor for the bf16
+    layout (never read). The compiled kernels on a GPU, their interpreted twins on CPU."""
+    n, r = latent.shape
+    d = rope.shape[-1]
+    dev = cache_latent.device
     interp = interpreting(dev)
-    nb = max(cache.num_scale_blocks, 1)
-    lat_out = cache.latent.view(torch.int16) if cache.layout == "bf16" else (
-        cache.latent.view(torch.uint8) if interp else cache.latent)
-    scale = cache.scale if cache.scale is not None else cache.lengths  # unused by the bf16 layout
-    s_strides = (scale.stride(0), scale.stride(1), scale.stride(2) if scale.dim() == 3 else 0) \
-        if cache.scale is not None else (0, 0, 0)
+    lat_out = cache_latent.view(torch.int16) if layout == "bf16" else (
+        cache_latent.view(torch.uint8) if interp else cache_latent)
+    s_strides = (0, 0, 0) if layout == "bf16" else (
+        cache_scale.stride(0), cache_scale.stride(1), cache_scale.stride(2) if cache_scale.dim() == 3 else 0)
     args = (latent.stride(0), rope.stride(0),
-            cache.latent.stride(0), cache.latent.stride(1), cache.rope.stride(0), cache.rope.stride(1), *s_strides)
-    consts = dict(R=r, D=d, NB=nb, LAYOUT=_LAYOUT_ID[cache.layout], POW2=config.scale_format == "pow2",
+            cache_latent.stride(0), cache_latent.stride(1), cache_rope.stride(0), cache_rope.stride(1), *s_strides)
+    consts = dict(R=r, D=d, NB=num_scale_blocks, LAYOUT=LAYOUT_ID[layout], POW2=pow2,
                   LAT_BITS16=latent.dtype == torch.bfloat16, ROPE_BITS16=rope.dtype == torch.bfloat16,
                   NATIVE=not interp, PAGE=PAGE_SIZE)
     if num_warps is not None and not interp:
         consts["num_warps"] = num_warps
-    tensors = (_bits(latent), _bits(rope), slots, lat_out, cache.rope.view(torch.int16), scale)
+    tensors = (_bits(latent), _bits(rope), slots, lat_out, cache_rope.view(torch.int16), cache_scale)
     if tokens_per_program == 1:
         for_device(_quantize_append_kernel, dev)[(n,)](*tensors, *args, **consts)
     else:

@@ -1,10 +1,10 @@
-"""Triton kernels of the split-KV absorbed MLA decode (host side: `mla_decode.py`).
+"""Triton kernels of the split-KV absorbed MLA decode, stage 1 (host side: `snapquant.kernels.decode`).
 
 Stage 1 runs programs over (work unit, tile of BLOCK_M query rows, output chunk). Rows are
 (query token, head) pairs, so several query tokens per request (s_q > 1, speculative verification)
 share every KV page the way heads do. A program walks a run of one request's pages (64 tokens = one
 online-softmax block, the reference's pv_block) in `_attend`, which follows
-`snapquant.mla_decode_reference` (numerics.md) step by step:
+`snapquant.mla_decode_reference` (docs/numerics.md) step by step:
 
   query   fp8: sigma = amax(q_c) / 448, q^ = e4m3(q_c / sigma), q~r = bf16(q_r / sigma)
           bf16: sigma = 1, q^ = bf16(q_c), q~r = bf16(q_r)
@@ -25,7 +25,7 @@ rescaled to the current max), 2^-100), so pi_old / pi cannot overflow when a blo
 below an earlier one's.
 
 Work schedules (`schedule=`):
-  uniform   (default, the one validated on the H200) every request is cut into `num_splits` equal
+  uniform   (default) every request is cut into `num_splits` equal
             runs of pages; grid (B, row tiles, splits x chunks). Short requests in a mixed batch
             leave most of their programs idle.
   balanced  FlashMLA-style: the pages of the whole batch, request after request, are cut into
@@ -34,19 +34,19 @@ Work schedules (`schedule=`):
             on the device (no host sync, CUDA-graph safe); a program finds its first request by
             binary search. A run that covers a whole request writes the final output directly;
             the others write partials at slot part + b (unique: along the batch, part and request
-            indices never both stand still), merged by `_mla_decode_combine_balanced`.
+            indices never both stand still), merged by `combine._mla_decode_combine_balanced`.
   Both schedules run the same page-run helper (`_attend`, or `_attend_tokens` with tile="tokens");
   only which pages form a run differs, i.e. exactly the freedom that `num_splits` already has (each
   run has its own running max). With one part, every request is one run: bit-identical to one split.
 
 FP8 knobs (compile-time variants, so a benchmark can compare them side by side):
   fp8_mma   False (default): fp8 x fp8 products run as exact fp16 MMAs of the e4m3 values;
-            "qk" / "pv" / True: Hopper's native FP8 MMA for that product (less precise, see `_tl`).
-  tile      (defaults: `mla_decode.plan_decode`; tile="gluon" runs the separate Gluon kernels, `gluon_*.py`)
+            "qk" / "pv" / True: Hopper's native FP8 MMA for that product (less precise, see `common`).
+  tile      (which one runs: `snapquant.kernels.dispatch`; tile="gluon" is the separate Gluon kernels)
             "rows": query rows are the MMA's M dimension. At H = 16 that is BLOCK_M = 16,
             compiled to Ampere-style mma.sync, and there Triton does not software-pipeline an
             8-bit tile (it does a 16-bit one): `block_m=64` pads the rows to get Hopper wgmma and a
-            pipelined FP8 tile (docs/perf-notes.md). "tokens": swap AB (`_attend_tokens`), the
+            pipelined FP8 tile (docs/kernels.md). "tokens": swap AB (`_attend_tokens`), the
             page's 64 tokens are M and the query rows N, no padded rows. "pairs" (`_attend_pairs`): rows,
             the fp8 latent read as int16 code pairs (pipelined) and widened once per page.
   p_div     "exact": P^ = e4m3(f / pi) with a correctly rounded division per element; "fma" (the
@@ -66,22 +66,24 @@ exact products and fp32 accumulation, i.e. the reference's arithmetic.
 Numerical contract against the reference (tested in tests/test_kernels_decode.py): with one split
 the kernel performs the reference's arithmetic (only fp32 summation order differs); with several
 splits or parts each run's running max differs, so bf16 / fp8 P are rounded from differently
-scaled values. Interpreter mode (CPU) holds every narrow value as its exact fp32 value (see `_tl`).
+scaled values. Interpreter mode (CPU) holds every narrow value as its exact fp32 value (see `common`).
 
-The launchers (`snapquant.kernels.mla_decode`) pick the constexprs; `snapquant.bench.compile_stats`
-compiles these kernels for a GPU target on a machine without one.
+The launcher (`snapquant.kernels.decode`) picks the constexprs; `snapquant.bench.compile_stats` and
+`scripts/dump_ptx.py` compile these kernels for a GPU target on a machine without one. The split
+partials are merged by `combine.py`.
 """
 
 from __future__ import annotations
 
-import math
-
 import triton
 import triton.language as tl
 
-from ._tl import (
+from .common import (
     BF16_MAX,
     E4M3_MAX,
+    LN2,
+    PI_ABS_FLOOR,
+    PI_REL_FLOOR,
     bf16_bits_to_f32,
     bits16,
     mma,
@@ -92,11 +94,6 @@ from ._tl import (
     rsum,
     scale_rule,
 )
-
-LN2 = tl.constexpr(math.log(2.0))
-PI_REL_FLOOR = tl.constexpr(2.0**-40)
-PI_ABS_FLOOR = tl.constexpr(2.0**-100)
-
 
 
 @triton.jit
@@ -400,7 +397,7 @@ def _attend_pairs(
 ):
     """`_attend` for the snapmla layout with fp8 query and fp8 P (tile="pairs"): the latent tile is
     loaded as int16 pairs of e4m3 codes, a 16-bit tile that Triton software-pipelines (it does not
-    pipeline an 8-bit tile at BLOCK_M = 16, docs/perf-notes.md), and widened once per page to exact
+    pipeline an 8-bit tile at BLOCK_M = 16, docs/kernels.md), and widened once per page to exact
     fp16 values (`_e4m3_pairs_to_f16`). Even and odd channels become two halves of each product: QK
     sums two K = R / 2 MMAs, PV keeps two [BLOCK_M, R / 2] accumulators, interleaved once at the end
     (keeping the channels interleaved instead saves ~3 % of the loop's instructions but costs ~50
@@ -629,77 +626,3 @@ def _mla_decode_balanced(
                 o_ptr = O_PART + slot * stride_ps + rows[:, None] * stride_pm + chunk * BW
                 tl.store(o_ptr + offs_w[None, :], out, mask=row_ok[:, None])
                 tl.store(LSE_PART + slot * stride_ls + rows * stride_lm + chunk, lse, mask=row_ok)
-
-
-@triton.jit
-def _mla_decode_combine(
-    O_PART, LSE_PART, OUT, LSE_OUT,
-    stride_pb, stride_pm, stride_ps, stride_lb, stride_lm, stride_ls,
-    stride_ob, stride_om, stride_eb,
-    NSPLIT, NSPLIT_P2: tl.constexpr, NB: tl.constexpr, BW: tl.constexpr, NATIVE: tl.constexpr,
-):
-    """out = sum_s w_s out_s / sum_s w_s with w_s = 2^(lse_s - max lse); lse = max + log2(sum w), as ln."""
-    b = tl.program_id(0).to(tl.int64)
-    row = tl.program_id(1)
-    chunk = tl.program_id(2)
-    offs_s = tl.arange(0, NSPLIT_P2)
-    lse_ptr = LSE_PART + b * stride_lb + row * stride_lm + chunk
-    lse = tl.load(lse_ptr + offs_s * stride_ls, mask=offs_s < NSPLIT, other=float("-inf"))
-    mx = rmax(lse, 0, NATIVE)
-    mx_ref = tl.where(mx == float("-inf"), 0.0, mx)
-    total = rsum(tl.exp2(lse - mx_ref), 0, NATIVE)
-    offs_w = tl.arange(0, BW)
-    acc = tl.full([BW], 0.0, tl.float32)
-    o_ptr = O_PART + b * stride_pb + row * stride_pm + chunk * BW + offs_w
-    for s in range(NSPLIT):
-        w = tl.exp2(tl.load(lse_ptr + s * stride_ls) - mx_ref)
-        o = tl.load(o_ptr + s * stride_ps)
-        acc += tl.where(w > 0, w * o, 0.0)
-    out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
-    tl.store(OUT + b * stride_ob + row * stride_om + chunk * BW + offs_w, out)
-    if chunk == 0:
-        lse_out = tl.where(total > 0, (mx + tl.log2(tl.where(total > 0, total, 1.0))) * LN2, float("-inf"))
-        tl.store(LSE_OUT + b * stride_eb + row, lse_out)
-
-
-@triton.jit
-def _mla_decode_combine_balanced(
-    CUM, O_PART, LSE_PART, OUT, LSE_OUT,
-    stride_ps, stride_pm, stride_ls, stride_lm, stride_ob, stride_om, stride_eb,
-    B, NPARTS, BW: tl.constexpr,
-):
-    """Merge request b's partials (slots first + b .. last + b), as `_mla_decode_combine` does.
-    Requests that one part covered whole were written by stage 1; empty ones get out 0, lse -inf."""
-    b = tl.program_id(0)
-    row = tl.program_id(1)
-    chunk = tl.program_id(2)
-    offs_w = tl.arange(0, BW)
-    out_ptr = OUT + b.to(tl.int64) * stride_ob + row * stride_om + chunk * BW + offs_w
-    lse_out_ptr = LSE_OUT + b.to(tl.int64) * stride_eb + row
-    start = tl.load(CUM + b)
-    n = tl.load(CUM + b + 1) - start
-    _, _, per = _part_range(CUM, 0, B, NPARTS)
-    first = start // per
-    last = (start + n - 1) // per
-    if n == 0:
-        tl.store(out_ptr, tl.full([BW], 0.0, tl.float32))
-        if chunk == 0:
-            tl.store(lse_out_ptr, float("-inf"))
-    elif first < last:
-        lse_ptr = LSE_PART + row * stride_lm + chunk
-        o_ptr = O_PART + row * stride_pm + chunk * BW + offs_w
-        mx = float("-inf")
-        for s in range(first, last + 1):
-            mx = tl.maximum(mx, tl.load(lse_ptr + (s + b).to(tl.int64) * stride_ls))
-        mx_ref = tl.where(mx == float("-inf"), 0.0, mx)
-        total = 0.0
-        acc = tl.full([BW], 0.0, tl.float32)
-        for s in range(first, last + 1):
-            w = tl.exp2(tl.load(lse_ptr + (s + b).to(tl.int64) * stride_ls) - mx_ref)
-            o = tl.load(o_ptr + (s + b).to(tl.int64) * stride_ps)
-            acc += tl.where(w > 0, w * o, 0.0)
-            total += w
-        tl.store(out_ptr, tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0))
-        if chunk == 0:
-            lse_out = tl.where(total > 0, (mx + tl.log2(tl.where(total > 0, total, 1.0))) * LN2, float("-inf"))
-            tl.store(lse_out_ptr, lse_out)

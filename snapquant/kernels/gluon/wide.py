@@ -1,9 +1,9 @@
-"""The decode page loop for 64-row query tiles (H >= 32) in Gluon, Hopper only: fp8 (snapmla) and bf16.
+"""The decode page loop for 64-row query tiles (more than 16 query rows) in Gluon, Hopper only: fp8 and bf16.
 
-`gluon_decode.py` holds the narrow kernel (<= 16 rows, one warpgroup, swap AB). Past 16 rows that
-design runs out of registers (O^T is [r, rows]), and the Triton tiles leave Hopper's tensor cores
-mostly idle: ptxas serializes their wgmma (docs/perf-notes.md section 10). This kernel is the usual
-two-warpgroup MLA layout:
+The default past 16 query rows on Hopper for the snapmla layout (fp8 query and P) and the bf16 layout.
+The narrow kernels (<= 16 rows, one warpgroup, swap AB) run out of registers past 16 rows (O^T is
+[r, rows]), and the Triton tiles leave Hopper's tensor cores mostly idle there: ptxas serializes their
+wgmma. This kernel is the usual two-warpgroup MLA layout:
 
   * one program = 64 query rows (S * H flattened) x one split of a request's pages; 8 warps, the
     wgmma layouts split N between the two warpgroups: S = Q C^T ([64, r] x [r, 64] + RoPE) gives
@@ -11,24 +11,24 @@ two-warpgroup MLA layout:
     output channels (128 fp32 accumulator registers per thread);
   * Q (and the bf16 RoPE query) sits in shared memory for the whole run; P goes from the S
     accumulator to the PV product's A operand in registers (Gluon moves the other warpgroup's half);
+  * the softmax runs in a layout where each warp owns 8 whole rows (4 lanes x 16 tokens): no
+    cross-warp reductions;
   * the page arrives by TMA into one of two slots, one page ahead. FP8: the e4m3 boxes are widened
-    once into an fp16 tile (exact, as in the narrow kernel) read by both products; tokens past the
-    request's length become zeros there. BF16: both products read the TMA slot itself (boxes of 64
-    channels, the widest 128-byte swizzle), and a request's last page has its tail rows zeroed in
-    place (P = 0 there, but 0 x NaN is NaN);
-  * FP8 arithmetic is the narrow kernel's `_page_p` (fp8_scale_fused P, fma-corrected division);
-    BF16 is `decode_kernels._page_weights`' 16-bit branch (P = bf16(e), l += sum(e)).
+    once into an fp16 tile (exact, as in `narrow_tile.py`) read by both products, the next page's
+    under the PV MMA; tokens past the request's length become zeros there. BF16: both products read
+    the TMA slot itself (boxes of 64 channels, the widest 128-byte swizzle), and a request's last page
+    has its tail rows zeroed in place (P = 0 there, but 0 x NaN is NaN);
+  * FP8 arithmetic is `common._page_p` (fp8_scale_fused P, fma-corrected division); BF16 is the
+    16-bit branch of `triton/decode.py`'s `_page_weights` (P = bf16(e), l += sum(e)).
 
-Shared memory ~216 KB (one program per SM). The launcher is `mla_decode.plan_decode(tile="gluon")`
-for more than 16 query rows; the same host checks (`gluon_decode.gluon_unsupported_reason`) apply.
-Gluon has no interpreter: CPU tests compile it for sm_90; it runs on a Hopper GPU only. ABLATE (default
-0) drops parts of the page loop for `scripts/probe_gluon_decode.py`'s timing only (bits as there).
+Shared memory ~216 KB (one program per SM). Every wgmma is waited for within its page (a wait deferred
+across the loop makes ptxas serialize every wgmma).
 """
 
 from __future__ import annotations
 
-from .gluon_decode import HAVE_GLUON
-from .layouts import GLUON_WIDE_ROWS
+from ..layouts import GLUON_WIDE_ROWS
+from .common import HAVE_GLUON
 
 BM = GLUON_WIDE_ROWS  # query rows per program (wgmma M)
 
@@ -42,7 +42,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .gluon_decode import (
+    from .common import (
         NEW_REINTERPRET,
         _online_softmax,
         _page_p,
@@ -117,7 +117,6 @@ if HAVE_GLUON:
         H, NSPLIT,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, FP8: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
-        SM_ROWS: gl.constexpr = False, ABLATE: gl.constexpr = 0,
     ):
         gl.static_assert(num_warps == 8)
         BM: gl.constexpr = BM_ROWS  # query rows (wgmma M)
@@ -132,12 +131,8 @@ if HAVE_GLUON:
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, R // 2, 16])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-        # SM_ROWS (the launcher's choice): the softmax where each warp owns 8 whole rows (4 lanes x 16 tokens),
-        # no cross-warp reductions; H200 2.5 % faster for fp8 (190 vs 195 us, B=32 H=64 L=8K), 1 % for bf16
-        if SM_ROWS:
-            sm_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
-        else:  # the softmax in the S accumulator's layout (its warpgroups split the tokens)
-            sm_l: gl.constexpr = s_l
+        # the softmax where each warp owns 8 whole rows (4 lanes x 16 tokens): no cross-warp reductions
+        sm_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
         srow_l: gl.constexpr = gl.SliceLayout(1, sm_l)
         stok_l: gl.constexpr = gl.SliceLayout(0, sm_l)
         cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])  # 16 codes = 16 B
@@ -152,7 +147,7 @@ if HAVE_GLUON:
         length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
 
         # ---- shared memory: two page slots, the query operands, the barriers. FP8: each slot is an fp16
-        # tile whose upper half receives the page's fp8 boxes (converted in place, as the narrow kernel's
+        # tile whose upper half receives the page's fp8 boxes (converted in place, as narrow_tile.py's
         # one slot); BF16: the TMA writes the tile itself, in 64-channel column blocks.
         if FP8:
             tile_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], gl.float16)
@@ -175,11 +170,10 @@ if HAVE_GLUON:
         bt_row = BT + b64 * stride_bt + p_lo
         page0 = gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64)
         page1 = gl.load(bt_row + 1, mask=n_run > 1, other=0).to(gl.int64)
-        NO_TMA: gl.constexpr = ABLATE & 16 != 0
         _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, 0, page0, lat_page_rows, rope_page_rows,
-                    (n_run > 0) & (not NO_TMA), FP8, NBOX, BOXW)
+                    n_run > 0, FP8, NBOX, BOXW)
         _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, 1, page1, lat_page_rows, rope_page_rows,
-                    (n_run > 1) & (not NO_TMA), FP8, NBOX, BOXW)
+                    n_run > 1, FP8, NBOX, BOXW)
 
         sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, False,
                                 q_l, FP8)
@@ -192,8 +186,8 @@ if HAVE_GLUON:
         if FP8:  # page 0 converted before the loop; each iteration converts the next page under its PV
             s_cur = gl.load(SCALE + page0 * stride_sp + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length,
                             other=0.0)
-            mbarrier.wait(bars.index(0), 0, pred=(n_run > 0) & (not NO_TMA))
-            if (n_run > 0) & (ABLATE & 1 == 0):  # (ABLATE: timing probes only)
+            mbarrier.wait(bars.index(0), 0, pred=n_run > 0)
+            if n_run > 0:
                 _widen_boxes(box_smem, tile_smem.index(0), NBOX, 0, NBOX, p_lo * PAGE, length, offs_tc, cvt_l, True,
                              NBOX, BOXW, PAGE)
         fence_async_shared()
@@ -209,24 +203,18 @@ if HAVE_GLUON:
                 s_next = gl.load(SCALE + page_next * stride_sp + offs_t * stride_st,
                                  mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
             else:
-                mbarrier.wait(bars.index(slot), (it // STAGES) & 1, pred=not NO_TMA)
+                mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
                 if base + PAGE > length:  # a last page's tail tokens -> 0 (P = 0 there, but 0 x NaN is NaN)
                     _zero_tail_rows(tile, base, length, R, PAGE, z_l)
                     fence_async_shared()
 
             # scores [BM, PAGE] (fp32 accumulation): NoPE + RoPE
-            if ABLATE & 2:  # (timing probes only, scripts/probe_gluon_decode.py: wrong results)
-                qk = zero_s + it
-            else:
-                qk = warpgroup_mma(q_smem, tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                qk = warpgroup_mma(qr_smem, rope_smem.index(slot).permute((1, 0)), qk, is_async=True)
-                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+            qk = warpgroup_mma(q_smem, tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            qk = warpgroup_mma(qr_smem, rope_smem.index(slot).permute((1, 0)), qk, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
 
             raw = gl.convert_layout(qk, sm_l)
-            if ABLATE & 8:
-                p16 = raw.to(T16)
-                rescale = gl.full([BM], 1.0, gl.float32, srow_l)
-            elif FP8:
+            if FP8:
                 p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
                                                               pi_max, zero_sm, P_DIV, 1)
                 p16 = p8.to(gl.float16)
@@ -234,24 +222,19 @@ if HAVE_GLUON:
             else:
                 p16, rescale, m_i, l_i = _page_p16(raw, coef, base + offs_t, limit, m_i, l_i)
             # O [BM, R] += P C, waited for within the page (a wait deferred across the loop makes ptxas
-            # serialize every wgmma, docs/perf-notes.md section 10)
+            # serialize every wgmma)
             beta = gl.expand_dims(gl.convert_layout(rescale, gl.SliceLayout(1, o_l)), 1)
-            if ABLATE & 4:
-                acc = acc * beta + gl.convert_layout(gl.sum(p16.to(gl.float32), 1), gl.SliceLayout(1, o_l))[:, None]
-            else:
-                acc = warpgroup_mma(gl.convert_layout(p16, p_l), tile, acc * beta, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p16, p_l), tile, acc * beta, is_async=True)
             if FP8:  # while the tensor cores run PV: the next page's fp8 boxes -> its fp16 tile, in place
                 if it + 1 < n_run:
-                    mbarrier.wait(bars.index(other), ((it + 1) // STAGES) & 1, pred=not NO_TMA)
-                if (it + 1 < n_run) & (ABLATE & 1 == 0):
+                    mbarrier.wait(bars.index(other), ((it + 1) // STAGES) & 1)
                     _widen_boxes(box_smem, tile_smem.index(other), other * 2 * NBOX + NBOX, 0, NBOX, base + PAGE,
                                  length, offs_tc, cvt_l, True, NBOX, BOXW, PAGE)
                 fence_async_shared()
-            if ABLATE & 4 == 0:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             cta_barrier()  # this page's slot is read by both warpgroups (and the next one converted)
             _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, slot, page_after, lat_page_rows,
-                        rope_page_rows, (it + 2 < n_run) & (not NO_TMA), FP8, NBOX, BOXW)
+                        rope_page_rows, it + 2 < n_run, FP8, NBOX, BOXW)
             page_next = page_after
 
         for s in gl.static_range(STAGES):

@@ -1,37 +1,36 @@
-"""The <= 16-row snapmla decode page loop with register MMA operands: no fp16 tile (Gluon, Hopper only).
+"""The <= 16-row snapmla page loop with register MMA operands, no fp16 tile (Gluon, Hopper only).
 
-`gluon_decode.py` widens every page into a 64 KB fp16 tile in shared memory that both fp16 MMAs read;
-that tile leaves room for one page slot per program (converted in place), so each of the two
-programs on an SM has at most one page in flight and none while it computes (2.38 TB/s at B=128 H=16
-L=4K, docs/perf-notes.md 16). Here the page never leaves its TMA slot: each product's A operand is
-loaded from the fp8 boxes straight into registers (16-byte `ld.shared` for QK, 4-byte for PV, each in
-the minimum number of shared-memory wavefronts), widened there
-(`cvt.rn.f16x2.e4m3x2`, exact) and fed to the same exact fp16 wgmma:
+The default at <= 16 query rows on Hopper with kv_lora_rank 512 (the snapmla layout, fp8 query and P).
+`narrow_tile.py` widens every page into a 64 KB fp16 tile in shared memory that both fp16 MMAs read;
+that tile leaves room for one page slot per program (converted in place), so each of the two programs
+on an SM has at most one page in flight and none while it computes. Here the page never leaves its TMA
+slot: each product's A operand is loaded from the fp8 boxes straight into registers (16-byte
+`ld.shared` for QK, 4-byte for PV, each in the minimum number of shared-memory wavefronts), widened
+there (`cvt.rn.f16x2.e4m3x2`, exact) and fed to the same exact fp16 wgmma:
 
   * S^T = C Q^T: A = the page [64 tokens, 128 channels] per box. wgmma's register fragment holds, per
     thread, channel pairs 2q, 2q+1 (+8, +16 ...) of two tokens; the MMA's K order is ours to choose, so
     logical channel k = 16 s + 8 h + 2 q + e of a box is physical channel 32 q + 4 s + 2 h + e
-    (`_qk_channel`): each thread's 64 codes per token row are 32 contiguous bytes. The query is stored
-    in the same order, so the dot product is unchanged (up to fp32 summation order).
+    (`box_views.qk_channel`): each thread's 64 codes per token row are 32 contiguous bytes. The query is
+    stored in the same order, so the dot product is unchanged (up to fp32 summation order).
   * O^T += C^T P^T: A = the page read channel-major, [128 channels, 64 tokens] per box. Here the M
-    order (output channels) is ours: logical row m of a box is physical channel `_pv_channel(m)`, the
-    four rows a thread holds being four contiguous bytes; the epilogue stores each row at its physical
-    channel. One accumulator per box (4 x 16 registers) bounds the live A registers to one box.
+    order (output channels) is ours: logical row m of a box is physical channel `box_views.pv_channel(m)`,
+    the four rows a thread holds being four contiguous bytes; the epilogue stores each row at its
+    physical channel. One accumulator per box (4 x 16 registers) bounds the live A registers to one box.
   * both are plain reinterpretations of the TMA box ([64, 128] e4m3, 128-byte swizzle) as a
-    `SharedLinearLayout` (`box_view_bases`): the permutation costs nothing at run time.
+    `SharedLinearLayout` (`box_views.box_view_bases`): the permutation costs nothing at run time.
 
 With the fp16 tile gone a program needs ~105 KB for STAGES = 2 page slots (40 KB each: latent and
 RoPE) and its query operands, so two programs still share an SM, each with the next page in flight
 while it computes this one. On a request's last page the tokens past its length are zeroed in the slot
 before the products (P = 0 does not cancel a NaN code). The softmax, P quantization (P_DIV) and
-epilogue are `gluon_decode`'s. ABLATE bits as there (1: skip the A-operand widening of PV, 2: QK, 4:
-PV, 8: softmax/P, 16: TMA), for `scripts/probe_gluon_decode.py`'s timing only.
+epilogue are `common`'s.
 """
 
 from __future__ import annotations
 
 from .box_views import box_view_bases
-from .gluon_decode import HAVE_GLUON
+from .common import HAVE_GLUON
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -43,7 +42,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .gluon_decode import (
+    from .common import (
         NEW_REINTERPRET,
         _e4m3_to_f16,
         _issue_page,
@@ -83,7 +82,7 @@ if HAVE_GLUON:
         H, NSPLIT,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr,
-        num_warps: gl.constexpr, ABLATE: gl.constexpr = 0,
+        num_warps: gl.constexpr,
     ):
         gl.static_assert(num_warps == 4)
         gl.static_assert(R == 512)  # four boxes, four PV accumulators (the host checks)
@@ -97,7 +96,7 @@ if HAVE_GLUON:
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
         tok_l: gl.constexpr = gl.SliceLayout(1, mma_l)  # along M (tokens / channels)
         row_l: gl.constexpr = gl.SliceLayout(0, mma_l)  # along N (query rows)
-        sm_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])  # as gluon_decode: a warp per row
+        sm_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])  # as narrow_tile: a warp per row
         srow_l: gl.constexpr = gl.SliceLayout(0, sm_l)
         stok_l: gl.constexpr = gl.SliceLayout(1, sm_l)
         cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
@@ -146,69 +145,51 @@ if HAVE_GLUON:
             box0 = slot * NBOX
             # the slot of page it - 1 is free: its last reads were before last iteration's barrier
             _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
-                        rope_page_rows, (nxt < n_run) & (ABLATE & 16 == 0), NBOX, BOXW, 0)
+                        rope_page_rows, nxt < n_run, NBOX, BOXW, 0)
             page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
             page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
             base = (p_lo + it) * PAGE
             s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
                              mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
-            if ABLATE & 16 == 0:
-                mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
+            mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
             if base + PAGE > length:
                 _zero_tail(lat_smem, box0, base, length, NBOX, PAGE, cvt_l)
                 cta_barrier()
 
             # scores^T [PAGE, BN]: four boxes of e4m3 values widened in registers (exact fp16 products)
             # plus RoPE (bf16), fp32 accumulation
-            if ABLATE & 2:  # (timing probes only, scripts/probe_gluon_decode.py: wrong results)
-                qk = zero_s + it
-            else:
-                rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
-                                   is_async=True)
-                # one box's A operand live at a time: each MMA is waited for before the box after next
-                # is loaded (an async wgmma holds its register operands until it completes)
-                qk = warpgroup_mma(_e4m3_to_f16(_box_view(lat_smem, box0, QK_VIEW, [PAGE, BOXW]).load(a_l)),
-                                   q_smem.slice(0, BOXW, dim=1).permute((1, 0)), zero_s, use_acc=False,
-                                   is_async=True)
-                for k in gl.static_range(1, NBOX):
-                    a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + k, QK_VIEW, [PAGE, BOXW]).load(a_l))
-                    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
-                    qk = warpgroup_mma(a16, q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)), qk, is_async=True)
-                qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
-                qk = qk + rd
+            rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+            # one box's A operand live at a time: each MMA is waited for before the box after next
+            # is loaded (an async wgmma holds its register operands until it completes)
+            qk = warpgroup_mma(_e4m3_to_f16(_box_view(lat_smem, box0, QK_VIEW, [PAGE, BOXW]).load(a_l)),
+                               q_smem.slice(0, BOXW, dim=1).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+            for k in gl.static_range(1, NBOX):
+                a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + k, QK_VIEW, [PAGE, BOXW]).load(a_l))
+                qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+                qk = warpgroup_mma(a16, q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)), qk, is_async=True)
+            qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
+            qk = qk + rd
 
             rescale, m_i, l_i, pi_i, pi_max = _page_p_smem(gl.convert_layout(qk, sm_l), s_cur, coef, base + offs_t,
-                                                           limit, m_i, l_i, pi_i, pi_max, zero_sm, p_smem, P_DIV,
-                                                           ABLATE, BN, srow_l)
+                                                           limit, m_i, l_i, pi_i, pi_max, zero_sm, p_smem, P_DIV)
             cta_barrier()
             # O^T [R, BN] += C^T P^T, box by box (rows in the PV view's order)
             beta = gl.expand_dims(gl.convert_layout(rescale, row_l), 0)
-            if ABLATE & 4:
-                acc0 = acc0 * beta
-                acc1 = acc1 * beta
-                acc2 = acc2 * beta
-                acc3 = acc3 * beta
-            else:
-                pt = p_smem.permute((1, 0))
-                if ABLATE & 1:
-                    a16 = gl.zeros([BOXW, PAGE], gl.float16, a_l) + it
-                    acc0 = warpgroup_mma(a16, pt, acc0 * beta, is_async=True)
-                    acc1 = warpgroup_mma(a16, pt, acc1 * beta, is_async=True)
-                    acc2 = warpgroup_mma(a16, pt, acc2 * beta, is_async=True)
-                    acc3 = warpgroup_mma(a16, pt, acc3 * beta, is_async=True)
-                else:
-                    acc0 = warpgroup_mma(_e4m3_to_f16(_box_view(lat_smem, box0, PV_VIEW, [BOXW, PAGE]).load(a_l)), pt,
-                                         acc0 * beta, is_async=True)
-                    a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + 1, PV_VIEW, [BOXW, PAGE]).load(a_l))
-                    acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
-                    acc1 = warpgroup_mma(a16, pt, acc1 * beta, is_async=True)
-                    a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + 2, PV_VIEW, [BOXW, PAGE]).load(a_l))
-                    acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1,))
-                    acc2 = warpgroup_mma(a16, pt, acc2 * beta, is_async=True)
-                    a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + 3, PV_VIEW, [BOXW, PAGE]).load(a_l))
-                    acc2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc2,))
-                    acc3 = warpgroup_mma(a16, pt, acc3 * beta, is_async=True)
-                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
+            pt = p_smem.permute((1, 0))
+            acc0 = warpgroup_mma(_e4m3_to_f16(_box_view(lat_smem, box0, PV_VIEW, [BOXW, PAGE]).load(a_l)), pt,
+                                 acc0 * beta, is_async=True)
+            a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + 1, PV_VIEW, [BOXW, PAGE]).load(a_l))
+            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
+            acc1 = warpgroup_mma(a16, pt, acc1 * beta, is_async=True)
+            a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + 2, PV_VIEW, [BOXW, PAGE]).load(a_l))
+            acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1,))
+            acc2 = warpgroup_mma(a16, pt, acc2 * beta, is_async=True)
+            a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + 3, PV_VIEW, [BOXW, PAGE]).load(a_l))
+            acc2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc2,))
+            acc3 = warpgroup_mma(a16, pt, acc3 * beta, is_async=True)
+            acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
             cta_barrier()  # every warp's reads of this slot (and of P) are done: the slot may be refilled
             s_cur = s_next
 

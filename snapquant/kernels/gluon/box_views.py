@@ -1,8 +1,9 @@
 """Register-operand views of a TMA page box: which physical channel each logical MMA index reads.
 
 Pure Python (no Gluon), so the maps and the layouts built from them are tested on any machine;
-`gluon_regs.py` (exact fp16 operands) and `gluon_wide8.py` / `gluon_narrow8.py` (e4m3 operands,
-`slot_view_bases`) are their users; the module docstrings there say why they exist.
+`narrow.py` (exact fp16 operands: `box_view_bases`) and `experimental/narrow8.py`, `wide8.py` (e4m3
+operands: `slot_view_bases`, `v_load_bases`, `vt_store_bases`) are their users; the module docstrings
+there say why they exist.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def slot_view_bases(transposed: bool = False, boxes: int = SLOT_BOXES, warp_bits
     slot: 2) as the logical [128 boxes m, 64 tokens] V^T of `pv8_channel(m, warp_bits)`: basis i is the
     (m, token) of byte offset 2^i. transposed: rows m bits 3, 4 + warp_bits (e and j's low bit) and tokens
     bits 0, 1 trade places, so that a load labels four tokens' four channels transposed and a 4 x 4 byte
-    transpose in registers (`gluon_wide8._transpose4x4`) puts every byte at its true (m, token)."""
+    transpose in registers (`experimental/native8._transpose4x4`) puts every byte at its true (m, token)."""
     box_bytes = PAGE_ROWS * BOX_BYTES
     j0 = 1 << (4 + warp_bits)
     logical_of = {pv8_channel(j, warp_bits): j for j in range(boxes * BOX_BYTES)}
@@ -104,7 +105,7 @@ def v_load_bases(warp_bits: int = 3) -> tuple[list, list, list]:
 
 
 def transposed_register(reg: int) -> int:
-    """Where `gluon_wide8._transpose4x4` puts the byte in register slot `reg` (element index in register
+    """Where `experimental/native8._transpose4x4` puts the byte in register slot `reg` (element index in register
     order): bits 0-1 (byte) and 3-4 (register of the four transposed) trade places."""
     return (reg & ~0b11011) | ((reg >> 3) & 3) | ((reg & 3) << 3)
 

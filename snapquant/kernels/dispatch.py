@@ -1,0 +1,353 @@
+"""Which decode kernel runs: the kernel table, `choose_kernel`, and every eligibility rule in one place.
+
+    KERNELS          name -> KernelSpec (family, module, status, what it runs): the table docs/kernels.md shows
+    choose_kernel    (operands, config, query rows, target GPU, DecodeOptions) -> KernelChoice: the kernel and
+                     its resolved launch knobs (rows per program, warps, ring slots, split count)
+    gluon_reason     why the Gluon kernels cannot run a call (None when they can)
+
+The default (`options.tile` None) depends only on the format, the query rows, the GPU, `fp8_mma` and the
+schedule, never on launch knobs:
+
+    Hopper GPU, uniform schedule, Gluon eligible:
+        <= 16 rows, snapmla with fp8 query and P, exact MMAs   gluon.narrow (r = 512) / gluon.narrow_tile
+        > 16 rows, exact MMAs (snapmla fp8 q and P, or bf16)   gluon.wide
+        > 16 rows, fp8_mma=True (snapmla, r = 512)             gluon.narrow8 (block_m 32) / gluon.wide8 (64)
+    otherwise (other GPUs, the interpreter, other modes, the balanced schedule):
+        snapmla with fp8 query and P, exact MMAs               triton.pairs
+        everything else                                        triton.rows
+
+Launch knobs (block_m, num_warps, num_stages, maxnreg) are then checked against the chosen kernel: one
+it cannot honour is a ConfigError naming the knob and the kernel (ask for the Triton tiles with
+`tile="rows"` / `"pairs"` to tune those), not a silent switch to another kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+
+import torch
+import triton
+
+from ..config import KVQuantConfig
+from ..errors import ConfigError
+from ._launch import interpreting
+from .layouts import GLUON_BOX, GLUON_ROWS, GLUON_WIDE_ROWS
+from .operands import KernelOperands
+from .options import DecodeOptions
+
+MAX_PARTS = 8192  # balanced schedule: partial buffers are [parts + B, rows, r] fp32
+# The narrow Gluon kernels' longest page run per program: the host cannot see the lengths (they live on the
+# GPU), and a batch of mixed lengths is as slow as its longest request's run; 32 pages keeps every uniform
+# 16-row shape measured at its one-wave split count (docs/kernels.md).
+NARROW_MAX_RUN = 32
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One row of the kernel table."""
+
+    family: str  # the `tile` option that selects it: rows | tokens | pairs | gluon
+    module: str  # where its kernel lives, under snapquant/kernels/
+    status: str  # default | opt-in | experimental
+    runs: str  # which formats, query rows and GPU
+
+
+KERNELS: dict[str, KernelSpec] = {
+    "gluon.narrow": KernelSpec(
+        "gluon", "gluon/narrow.py", "default",
+        "<= 16 query rows; snapmla layout, fp8 query and P, exact MMAs; kv_lora_rank 512; Hopper"),
+    "gluon.narrow_tile": KernelSpec(
+        "gluon", "gluon/narrow_tile.py", "default",
+        "<= 16 query rows; snapmla layout, fp8 query and P, exact MMAs; kv_lora_rank 128 or 256 (or num_stages=1); "
+        "with fp8_mma='qk' (experimental) native FP8 QK; Hopper"),
+    "gluon.wide": KernelSpec(
+        "gluon", "gluon/wide.py", "default",
+        "> 16 query rows (64-row tiles); snapmla layout with fp8 query and P, or the bf16 layout; exact MMAs; Hopper"),
+    "gluon.narrow8": KernelSpec(
+        "gluon", "gluon/experimental/narrow8.py", "opt-in",
+        "> 16 query rows (32-row programs, two per SM); snapmla, fp8 query and P, kv_lora_rank 512; "
+        "fp8_mma=True (block_m 32, its default); Hopper"),
+    "gluon.wide8": KernelSpec(
+        "gluon", "gluon/experimental/wide8.py", "opt-in",
+        "> 16 query rows (64-row programs); snapmla, fp8 query and P, kv_lora_rank 512; fp8_mma=True, block_m=64; "
+        "Hopper"),
+    "triton.pairs": KernelSpec(
+        "pairs", "triton/decode.py", "default",
+        "snapmla layout, fp8 query and P, exact MMAs, where the Gluon kernels do not run (any GPU, interpreter)"),
+    "triton.rows": KernelSpec(
+        "rows", "triton/decode.py", "default",
+        "every layout and mode (ds_v32, bf16 query or P, fp8_mma 'qk' / 'pv' / True) where Gluon does not run"),
+    "triton.tokens": KernelSpec(
+        "tokens", "triton/decode.py", "experimental",
+        "swap AB (the page's tokens as MMA M); one scale per token (snapmla, bf16 layouts)"),
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the kernels compile for: `native` (compiled code paths; False: the Triton interpreter), the
+    CUDA compute capability (`arch`, e.g. 90; None when unknown: a plan built for a GPU on a machine
+    without one, where Gluon is allowed when asked for but not chosen by default) and the SM count."""
+
+    native: bool
+    arch: int | None
+    num_sms: int
+    gpu_name: str = ""
+
+    @property
+    def hopper(self) -> bool:
+        return self.arch is not None and self.arch // 10 == 9
+
+    @classmethod
+    def of(cls, device: torch.device, native: bool | None = None, num_sms: int | None = None,
+           arch: int | None = None) -> Target:
+        """The target of tensors on `device`: a CUDA device's capability, SMs and name (cached), else none."""
+        native = (not interpreting(device)) if native is None else bool(native)
+        name, sms = "", 1
+        if device.type == "cuda":
+            dev_arch, name, sms = _device_info(device.index if device.index is not None else torch.cuda.current_device())
+            if native and arch is None:
+                arch = dev_arch
+        return cls(native, arch, num_sms if num_sms is not None else sms, name)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel one decode call runs, and its resolved knobs."""
+
+    kernel: str  # a key of KERNELS
+    tile: str
+    schedule: str
+    block_m: int  # query rows per program
+    num_splits: int
+    num_warps: int | None  # None: the interpreter (no launch options)
+    num_stages: int | None
+    options: DecodeOptions = field(repr=False, default_factory=DecodeOptions)
+
+    @property
+    def spec(self) -> KernelSpec:
+        return KERNELS[self.kernel]
+
+
+def choose_kernel(ops: KernelOperands, config: KVQuantConfig, rows: int, target: Target,
+                  options: DecodeOptions) -> KernelChoice:
+    """The kernel for query rows `rows` (S * H) over `ops` on `target`, with `options`' knobs resolved.
+    Raises ConfigError (naming the option) when an asked-for kernel or knob cannot run here."""
+    q8, p8 = config.query == "fp8_e4m3", config.pv == "fp8_scale_fused"
+    opts, tile = options, options.tile
+    defaulted = tile is None
+    if defaulted:
+        tile = default_tile(ops.layout, config, opts.fp8_mma)
+        eligible = tile == "pairs" if rows <= GLUON_ROWS else True
+        tuning = replace(opts, block_m=None, num_warps=None, num_stages=None, maxnreg=None)
+        if (opts.schedule == "uniform" and target.hopper and eligible
+                and gluon_reason(ops, config, rows, target, tuning) is None):
+            tile = "gluon"
+    if tile == "tokens" and ops.num_scale_blocks != 1:
+        raise ConfigError(f"tile='tokens' needs one scale per token; the {ops.layout} layout has "
+                          f"{ops.num_scale_blocks} scale blocks")
+    if tile == "gluon" and opts.schedule != "uniform":
+        raise ConfigError(f"tile={tile!r} runs the uniform schedule only")
+    if tile == "pairs" and (ops.layout != "snapmla" or not q8 or not p8 or opts.fp8_mma is not False):
+        raise ConfigError(f"tile={tile!r} runs the snapmla layout with an fp8 query, fp8 P and exact fp16 MMAs; got "
+                          f"the {ops.layout} layout, query={config.query!r}, pv={config.pv!r}, "
+                          f"fp8_mma={opts.fp8_mma!r}")
+    if tile == "gluon":
+        reason = gluon_reason(ops, config, rows, target, opts)
+        if reason is not None:
+            if defaulted:  # only a launch knob can refuse the default Gluon kernel
+                reason += (f" (the default kernel here is Gluon; for the Triton one pass "
+                           f"tile={default_tile(ops.layout, config, opts.fp8_mma)!r})")
+            raise ConfigError(reason)
+        return _gluon_choice(ops, rows, target, opts)
+    return _triton_choice(ops, rows, target, opts, tile)
+
+
+def default_tile(layout: str, config: KVQuantConfig, fp8_mma: bool | str = False) -> str:
+    """The Triton tile where the Gluon kernels do not run: "pairs" where it applies (snapmla layout, fp8
+    query and P, exact fp16 MMAs; measured faster than rows at every shape), else "rows"."""
+    fp8_both = config.query == "fp8_e4m3" and config.pv == "fp8_scale_fused"
+    return "pairs" if layout == "snapmla" and fp8_both and fp8_mma in (False, "none") else "rows"
+
+
+def gluon_reason(ops: KernelOperands, config: KVQuantConfig, rows: int, target: Target,
+                 options: DecodeOptions) -> str | None:
+    """Why tile="gluon" cannot run these operands, config and knobs (None when it can). A CUDA target must
+    be Hopper; a target of unknown arch (plans compiled without a GPU, `compile_stats`) is taken as one."""
+    reason = gluon_format_reason(ops.layout, config.query == "fp8_e4m3", config.pv == "fp8_scale_fused", rows,
+                                 ops.kv_lora_rank, ops.rope_dim, ops.latent, ops.lat_strides, ops.rope,
+                                 ops.rope_strides)
+    if reason is not None:
+        return reason
+    if not target.native:
+        return "tile='gluon' needs a Hopper GPU (Gluon kernels have no interpreter mode)"
+    fp8_mma, block_m, num_warps, num_stages = options.fp8_mma, options.block_m, options.num_warps, options.num_stages
+    wide = rows > GLUON_ROWS
+    native8_rows = (block_m or 32) if wide and fp8_mma is True else None
+    if native8_rows not in (None, 32, 64):
+        return (f"tile='gluon' with fp8_mma=True runs block_m 32 (gluon.narrow8) or 64 (gluon.wide8), "
+                f"got block_m={block_m}")
+    if block_m is not None and native8_rows is None:
+        return (f"tile='gluon' picks its own rows per program ({GLUON_ROWS} or {GLUON_WIDE_ROWS}); block_m is a knob "
+                f"of the native FP8 kernels past {GLUON_ROWS} rows (fp8_mma=True) only, got block_m={block_m}")
+    if options.maxnreg is not None:
+        return f"tile='gluon' takes no maxnreg (a launch knob of the Triton tiles), got maxnreg={options.maxnreg}"
+    warps = 8 if wide and native8_rows != 32 else 4
+    if num_warps not in (None, warps):
+        return f"tile='gluon' at {rows} query rows runs num_warps={warps}, got num_warps={num_warps}"
+    if wide and fp8_mma is True and num_stages not in (None, 2, 3, 4):
+        return (f"tile='gluon' with fp8_mma=True at > {GLUON_ROWS} query rows runs num_stages 2, 3 or 4 (TMA slots), "
+                f"got num_stages={num_stages}")
+    if wide and fp8_mma is not True and num_stages not in (None, 2):
+        return f"tile='gluon' at > {GLUON_ROWS} query rows runs num_stages=2 (two TMA slots), got num_stages={num_stages}"
+    if wide:  # native FP8 MMAs past 16 rows (gluon.narrow8 / gluon.wide8): the snapmla layout only
+        allowed = (False, True) if ops.layout == "snapmla" else (False,)
+    else:
+        allowed = (False, "qk")
+    if fp8_mma not in allowed:
+        native8 = " or fp8_mma=True (the snapmla layout)" if wide else " or fp8_mma=qk"
+        return f"tile='gluon' runs exact fp16 MMAs{native8} at {rows} query rows, got fp8_mma={fp8_mma!r}"
+    if target.arch is not None and not target.hopper:
+        return f"tile='gluon' runs on Hopper (sm_90) only, not {target.gpu_name or f'sm_{target.arch}'}"
+    if not wide and narrow_kernel(narrow_stages(num_stages, fp8_mma, ops.kv_lora_rank), fp8_mma) == "gluon.narrow" \
+            and ops.kv_lora_rank != 512:
+        return (f"tile='gluon' at <= {GLUON_ROWS} rows with num_stages >= 2 (register operands, gluon.narrow) is "
+                f"written for kv_lora_rank 512 (four 128-channel boxes), got {ops.kv_lora_rank}")
+    if fp8_mma in ("qk", True) and ops.kv_lora_rank != 512:
+        return (f"tile='gluon' with fp8_mma={fp8_mma!r} is written for kv_lora_rank 512 (four 128-channel boxes), "
+                f"got {ops.kv_lora_rank}")
+    return None
+
+
+def gluon_format_reason(layout: str, q_fp8: bool, p_fp8: bool, rows: int, r: int, d: int, lat: torch.Tensor,
+                        lat_strides: tuple[int, int], rope: torch.Tensor,
+                        rope_strides: tuple[int, int]) -> str | None:
+    """Why the Gluon kernels cannot run this format, these widths or these operands' memory (None when they
+    can): up to 16 query rows the snapmla layout with fp8 query and P; past that also the bf16 layout (bf16
+    query and P); TMA needs 16-byte aligned rows and a page stride that is a whole number of rows."""
+    from .gluon import HAVE_GLUON
+
+    if not HAVE_GLUON:
+        return "this triton has no Gluon (triton.experimental.gluon)"
+    snapmla8 = layout == "snapmla" and q_fp8 and p_fp8
+    if rows <= GLUON_ROWS and not snapmla8:
+        return (f"tile='gluon' at <= {GLUON_ROWS} query rows runs the snapmla layout with an fp8 query and fp8 P, got "
+                f"{layout} (q fp8 {q_fp8}, P fp8 {p_fp8})")
+    if rows > GLUON_ROWS and not (snapmla8 or (layout == "bf16" and not q_fp8 and not p_fp8)):
+        return (f"tile='gluon' at > {GLUON_ROWS} query rows runs the snapmla layout (fp8 query and P) or the bf16 "
+                f"layout (bf16 query and P), got {layout} (q fp8 {q_fp8}, P fp8 {p_fp8})")
+    if r % GLUON_BOX or r > 512 or d * 2 > 128 or d < 8:
+        return f"tile='gluon' needs kv_lora_rank a multiple of {GLUON_BOX} up to 512 and 8 <= rope_dim <= 64, got {r}, {d}"
+    lat_size = 2 if layout == "bf16" else 1
+    for name, t, (sp, st), size in (("latent", lat, lat_strides, lat_size), ("rope", rope, rope_strides, 2)):
+        if t.stride(-1) != 1 or (st * size) % 16 or t.data_ptr() % 16 or sp % st:
+            return (f"tile='gluon' needs the {name} rows 16-byte aligned, contiguous and a page stride that is a "
+                    f"multiple of the row stride (TMA), got strides {tuple(t.stride())}")
+    return None
+
+
+# ------------------------------------------------------------------------------------------- resolved knobs
+def narrow_stages(num_stages: int | None, fp8_mma: bool | str, r: int) -> int:
+    """Ring slots of the <= 16-row Gluon kernel when not given: exact MMAs at r = 512 two (gluon.narrow:
+    register operands, two programs per SM, each with a page in flight); other widths the in-place slot
+    of gluon.narrow_tile (two programs per SM); native FP8 QK two separate slots (gluon.narrow_tile)."""
+    if num_stages is not None:
+        return num_stages
+    if fp8_mma == "qk":
+        return 2
+    return 2 if r == 512 else 1
+
+
+def narrow_kernel(stages: int, fp8_mma: bool | str) -> str:
+    """The <= 16-row Gluon kernel: register operands (gluon.narrow) for exact MMAs and two or more slots."""
+    return "gluon.narrow" if stages >= 2 and fp8_mma != "qk" else "gluon.narrow_tile"
+
+
+def narrow_resident(stages: int, fp8_mma: bool | str) -> int:
+    """Programs of the <= 16-row kernel per SM (shared memory): the in-place slot (~98 KB) and the
+    register-operand kernel with two slots (~105 KB) fit two; the other configurations one."""
+    return 2 if stages == 1 or (stages == 2 and fp8_mma != "qk") else 1
+
+
+def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOptions) -> KernelChoice:
+    B, r = ops.block_table.shape[0], ops.kv_lora_rank
+    if rows <= GLUON_ROWS:
+        stages = narrow_stages(opts.num_stages, opts.fp8_mma, r)
+        kernel, block_m, warps = narrow_kernel(stages, opts.fp8_mma), GLUON_ROWS, 4
+        resident, max_run = narrow_resident(stages, opts.fp8_mma), NARROW_MAX_RUN
+    elif opts.fp8_mma is True:
+        block_m = opts.block_m or 32
+        kernel = "gluon.narrow8" if block_m == 32 else "gluon.wide8"
+        stages, warps, resident, max_run = opts.num_stages or 2, 4 if block_m == 32 else 8, 2 if block_m == 32 else 1, None
+    else:
+        kernel, block_m, stages, warps, resident, max_run = "gluon.wide", GLUON_WIDE_ROWS, 2, 8, 1, None
+    splits = opts.num_splits or one_wave_splits(B * triton.cdiv(rows, block_m), ops.block_table.shape[1],
+                                                target.num_sms * resident, max_run)
+    return KernelChoice(kernel, "gluon", "uniform", block_m, splits, warps, stages, opts)
+
+
+def _triton_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOptions, tile: str) -> KernelChoice:
+    B, nb = ops.block_table.shape[0], ops.num_scale_blocks
+    block_m = opts.block_m or min(64, max(16, triton.next_power_of_2(rows)))
+    m_blocks = triton.cdiv(rows, block_m)
+    if opts.num_splits is not None:
+        splits = opts.num_splits
+    elif opts.schedule == "uniform":
+        splits = default_splits(B * m_blocks * nb, ops.block_table.shape[1], target.num_sms)
+    else:
+        splits = default_parts(m_blocks * nb, target.num_sms)
+    if opts.schedule == "balanced" and splits > MAX_PARTS:
+        raise ConfigError(f"num_splits={splits} parts is above the balanced schedule's limit {MAX_PARTS}")
+    warps = stages = None
+    if target.native:
+        # the fastest measured (docs/kernels.md): 8 warps for every layout; 3 stages for the bf16 layout at
+        # 16-row tiles, 2 everywhere else (3 stages are much slower at 64-row tiles)
+        warps = opts.num_warps or 8
+        stages = opts.num_stages or (3 if ops.layout == "bf16" and block_m == 16 else 2)
+    return KernelChoice(f"triton.{tile}", tile, opts.schedule, block_m, splits, warps, stages, opts)
+
+
+# ------------------------------------------------------------------------------------------- split counts
+def one_wave_splits(programs: int, max_pages: int, slots: int, max_run: int | None = None) -> int:
+    """tile="gluon": as few splits as fill one wave of program slots (SMs x programs per SM), never more
+    than the pages or 64. Each split writes an fp32 partial per query row that the combine reads back,
+    and a second, partial wave costs a whole page run (docs/kernels.md has the measurements)."""
+    splits = slots // max(programs, 1)
+    if max_run is not None:  # at least enough splits that no program runs more than max_run pages
+        splits = max(splits, triton.cdiv(max_pages, max_run))
+    return max(1, min(splits, max_pages, 64))
+
+
+def default_splits(programs: int, max_pages: int, sms: int, min_wave_fill: float = 0.9) -> int:
+    """Uniform schedule, Triton tiles: about 2 programs per SM, never more than the pages or 64 (combine
+    cost), nudged to the nearest count whose last wave of programs is nearly full. The Triton kernels run
+    one program per SM (registers), so 288 programs on 132 SMs take 3 waves for 2.2 waves of work."""
+    cap = max(1, min(max_pages, 64))
+    base = max(1, min(triton.cdiv(2 * sms, programs), cap))
+
+    def fill(s: int) -> float:
+        total = programs * s
+        return total / (triton.cdiv(total, sms) * sms)
+
+    if fill(base) >= min_wave_fill:
+        return base
+    # More splits first: with mixed lengths the longest request's run sets the time, so fewer splits
+    # would lengthen it; then fewer.
+    for s in [*range(base + 1, cap + 1), *range(base - 1, 0, -1)]:
+        if fill(s) >= min_wave_fill:
+            return s
+    return base
+
+
+def default_parts(row_tiles_x_chunks: int, num_sms: int) -> int:
+    """Balanced schedule: two programs per SM over all row tiles and output chunks (FlashMLA runs one
+    part per SM with one CTA each; ours hold fewer rows, so two give latency hiding room)."""
+    return max(1, min(MAX_PARTS, (2 * num_sms) // max(row_tiles_x_chunks, 1)))
+
+
+@functools.lru_cache(maxsize=16)
+def _device_info(index: int) -> tuple[int, str, int]:
+    """(compute capability as 10 * major + minor, name, SM count) of CUDA device `index`."""
+    props = torch.cuda.get_device_properties(index)
+    return 10 * props.major + props.minor, props.name, props.multi_processor_count

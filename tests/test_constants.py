@@ -1,0 +1,98 @@
+"""The format constants: the values the reference computes with are the ones every kernel compiles.
+
+Triton and Gluon read a kernel's globals (constexprs) at compile time from the kernel's own module, so the
+test reads them there, in every kernel module, and compares them with what the quantizers and the reference
+decode use. A second test keeps the kernels from growing private copies: none of their sources may spell
+one of these numbers as a literal."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import math
+import pkgutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+import snapquant.kernels
+from snapquant import PRESETS, constants
+from snapquant.config import KVQuantConfig
+from snapquant.kernels import PagedMLACache
+from snapquant.kernels.gluon import HAVE_GLUON
+from snapquant.quant.dtypes import SIXTEEN_BIT_MAX, get_element_format
+from snapquant.quant.scales import SCALE_FLOOR
+from snapquant.reference import decode as reference_decode
+
+KERNELS_DIR = Path(snapquant.kernels.__file__).parent
+# what the reference pipeline computes with, looked up where it computes
+REFERENCE = {
+    "E4M3_MAX": get_element_format("fp8_e4m3").qmax,  # the quantizers' and the query's scale rule
+    "BF16_MAX": SIXTEEN_BIT_MAX[torch.bfloat16],  # the pre-scaled RoPE and RoPE-query clamp
+    "SCALE_FLOOR": SCALE_FLOOR,
+    "PI_REL_FLOOR": reference_decode.PI_REL_FLOOR,
+    "PI_ABS_FLOOR": reference_decode.PI_ABS_FLOOR,
+    "PAGE_SIZE": KVQuantConfig().pv_block,  # the reference's online-softmax block = P's quantization block
+}
+
+
+def _kernel_modules():
+    for info in pkgutil.walk_packages([str(KERNELS_DIR)], "snapquant.kernels."):
+        yield importlib.import_module(info.name)
+
+
+def test_the_constants_module_holds_the_reference_values():
+    for name, value in REFERENCE.items():
+        assert getattr(constants, name) == value, name
+    assert constants.E4M3_MAX == torch.finfo(torch.float8_e4m3fn).max
+    assert constants.E4M3_RCP == struct.unpack("f", struct.pack("f", 1 / 448))[0]  # RN_fp32(1 / 448)
+
+
+def test_every_kernel_module_compiles_the_reference_constants():
+    seen = set()
+    for module in _kernel_modules():
+        for name, value in vars(module).items():
+            if name not in REFERENCE and name != "E4M3_RCP":
+                continue
+            value = getattr(value, "value", value)  # tl.constexpr / gl.constexpr hold .value
+            want = constants.E4M3_RCP if name == "E4M3_RCP" else REFERENCE[name]
+            assert value == want, f"{module.__name__}.{name} = {value!r}, the reference uses {want!r}"
+            seen.add((module.__name__.rsplit(".", 1)[-1], name))
+    assert {("common", "E4M3_MAX"), ("common", "PI_REL_FLOOR"), ("decode", "PI_ABS_FLOOR"),
+            ("layouts", "PAGE_SIZE")} <= seen
+    if HAVE_GLUON:  # the Gluon kernels' own constexprs too
+        from snapquant.kernels.gluon import common
+
+        for name in ("E4M3_MAX", "E4M3_RCP", "BF16_MAX", "SCALE_FLOOR", "PI_REL_FLOOR", "PI_ABS_FLOOR"):
+            assert getattr(common, name).value == getattr(constants, name), name
+
+
+def test_the_decode_launch_passes_the_reference_page_size():
+    from snapquant.kernels.decode import plan_decode
+    from snapquant.kernels.operands import KernelOperands
+
+    cache = PagedMLACache.empty(2, 128, 64, 16, PRESETS["snapmla"])
+    q = torch.zeros(2, 4, 80)
+    plan = plan_decode(q, KernelOperands.from_paged(cache), 0.1, PRESETS["snapmla"], 2)
+    assert plan.launches[0].kwargs["PAGE"] == REFERENCE["PAGE_SIZE"] and cache.latent.shape[1] == REFERENCE["PAGE_SIZE"]
+
+
+def _literals(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            yield node.value, node.lineno
+        elif (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and isinstance(node.left, ast.Constant)
+              and isinstance(node.right, ast.UnaryOp) and isinstance(node.right.operand, ast.Constant)):
+            yield float(node.left.value) ** -node.right.operand.value, node.lineno  # 2.0**-40 and the like
+
+
+@pytest.mark.parametrize("path", sorted(KERNELS_DIR.rglob("*.py")), ids=lambda p: str(p.relative_to(KERNELS_DIR)))
+def test_no_kernel_source_spells_a_format_constant(path):
+    """448, 2^-86, 2^-40, 2^-100, 1/448 and the bf16 maximum come from snapquant.constants only (64 is too
+    common a number to ban: the page size is checked through the launches above)."""
+    banned = {constants.E4M3_MAX, constants.E4M3_RCP, constants.BF16_MAX, constants.SCALE_FLOOR,
+              constants.PI_REL_FLOOR, constants.PI_ABS_FLOOR}
+    for value, line in _literals(ast.parse(path.read_text())):
+        assert not any(math.isclose(value, b, rel_tol=1e-9) for b in banned), f"{path.name}:{line} spells {value!r}"
