@@ -44,9 +44,9 @@ class KVQuantConfig:
     rope_dtype: str = "bf16"
     """Storage of the shared RoPE key (qk_rope_head_dim wide); same choices."""
     nope_granularity: str = "per_token"
-    """Which elements share a scale in the latent (ignored for 16-bit dtypes)."""
+    """Which elements share a scale in the latent (read only with a quantized nope_dtype)."""
     rope_granularity: str = "per_token"
-    """Which elements share a scale in the RoPE part (ignored for 16-bit dtypes or rope_prescale)."""
+    """Which elements share a scale in the RoPE part (read only with a quantized rope_dtype, no rope_prescale)."""
     block_size: int = 128
     """Channels per scale for per_token_block (128 in DeepSeek-V3.2); must divide the part's width."""
     token_group: int | None = None
