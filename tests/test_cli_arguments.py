@@ -71,3 +71,24 @@ def test_bad_arguments_fail_before_the_model_loads(command, args, option, tmp_pa
 def test_sensitivity_no_plots_flag_reads_as_written():
     res = CliRunner().invoke(app, ["sensitivity", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0 and "--no-plots" in res.output and "--no-no-plots" not in res.output
+
+
+def test_cli_text_is_self_contained_and_consistent():
+    """Help and listings speak for themselves (no references to issue numbers or "the issue's" shapes),
+    flags read as written, and the quickstart config states the README's run time."""
+    import re
+    from pathlib import Path
+
+    import typer.main
+
+    commands = sorted(typer.main.get_command(app).commands)
+    assert {"bench", "fidelity", "formats", "sensitivity", "sweep", "table"} <= set(commands)
+    runner = CliRunner()
+    for args in [[c, "--help"] for c in commands] + [["--help"], ["bench", "--list"]]:
+        res = runner.invoke(app, args, env={"COLUMNS": "200"})
+        assert res.exit_code == 0, (args, res.output)
+        assert "issue" not in res.output.lower() and "--no-no-" not in res.output, (args, res.output)
+    root = Path(__file__).resolve().parents[1]
+    readme = re.search(r"\((\d+) s on 2 idle CPU cores\)", (root / "README.md").read_text())
+    quick = re.search(r"about (\d+) s on 2 idle cores", (root / "configs" / "quickstart.yaml").read_text())
+    assert readme and quick and readme.group(1) == quick.group(1)

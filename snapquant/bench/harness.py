@@ -263,12 +263,13 @@ def finish_row(row: dict[str, Any], t: Timing) -> dict[str, Any]:
 
 
 def time_fns(timer: Any, fns: list[Callable[[], Any]], device: torch.device, log: Callable[[str], None],
-             max_s: float | None = None) -> Timing:
-    """Time with `timer`; a failed CUDA-graph capture falls back to eager event timing. `max_s` bounds a
-    wall-clock timer's samples (the time left in the budget)."""
+             time_left: Callable[[], float] | None = None) -> Timing:
+    """Time with `timer`; a failed CUDA-graph capture falls back to eager event timing. `time_left()`
+    (seconds left in the budget, asked once the per-call estimate is known) bounds a wall-clock
+    timer's samples."""
     est = estimate_us(fns, device)
-    if max_s is not None and isinstance(timer, WallTimer):
-        timer = timer.within(max_s, est, len(fns))
+    if time_left is not None and isinstance(timer, WallTimer):
+        timer = timer.within(time_left(), est, len(fns))
     try:
         return timer(fns, est)
     except Exception as e:  # capture can fail for a library call that syncs; time eagerly instead
@@ -281,9 +282,9 @@ def time_fns(timer: Any, fns: list[Callable[[], Any]], device: torch.device, log
 
 def measure_decode(v: Variant, data: ShapeData, timer: Any, num_sms: int,
                    log: Callable[[str], None] = print, keep_output: bool = True,
-                   max_s: float | None = None) -> dict[str, Any]:
+                   time_left: Callable[[], float] | None = None) -> dict[str, Any]:
     """Time `v` on `data`; every failure becomes the row's status and error. `keep_output` keeps the
-    first call's output for the variants that check against this one; `max_s` bounds the timing."""
+    first call's output for the variants that check against this one; `time_left` bounds the timing."""
     dev = data.device
     t0 = time.perf_counter()
     row = {"op": "decode", "shape": data.shape.name, "label": data.shape.label, "variant": v.name}
@@ -310,7 +311,7 @@ def measure_decode(v: Variant, data: ShapeData, timer: Any, num_sms: int,
             row["error"] = "non-finite output" if not finite else f"rel-L2 vs {v.check_vs} above tol {v.tol:g}"
         if keep_output and row["status"] == "ok":
             data.outputs[v.name] = out.detach().clone()
-        finish_row(row, time_fns(timer, prep.fns, dev, log, max_s))
+        finish_row(row, time_fns(timer, prep.fns, dev, log, time_left))
     except VariantSkipped as e:
         row["status"] = "skipped"
         row["error"] = str(e)[:400]
@@ -334,7 +335,8 @@ APPEND_VARIANTS: tuple[tuple[str, str, int | None], ...] = (
 
 def measure_append(name: str, layout: str, tpp: int | None, tokens: int, timer: Any, device: torch.device, *,
                    r: int = acc.R, d: int = acc.D, seed: int = 1, rotate_factor: float = 4.0,
-                   log: Callable[[str], None] = print, max_s: float | None = None) -> dict[str, Any]:
+                   log: Callable[[str], None] = print, time_left: Callable[[], float] | None = None,
+                   ) -> dict[str, Any]:
     """Quantize-and-append of `tokens` bf16 tokens into a fresh cache; bits checked against the
     validated one-token-per-program kernel."""
     from ..kernels import PagedMLACache, quantize_append
@@ -375,7 +377,7 @@ def measure_append(name: str, layout: str, tpp: int | None, tokens: int, timer: 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         row["first_call_s"] = round(time.perf_counter() - t0, 3)
-        finish_row(row, time_fns(timer, fns, device, log, max_s))
+        finish_row(row, time_fns(timer, fns, device, log, time_left))
     except Exception as e:
         row.update(status="error", error=f"{type(e).__name__}: {e}"[:400])
         log(traceback.format_exc(limit=3))
@@ -449,6 +451,9 @@ def run(spec: RunSpec, timer: Any, *, log: Callable[[str], None] = print,
     priorities = sorted({v.priority for v in spec.variants})
     referenced = {v.check_vs for v in spec.variants if v.check_vs}
     last_s: dict[str, float] = {}  # seconds of the latest measurement per shape name, "any" and "append"
+
+    def time_left() -> float:
+        return budget.left() - spec.reserve_s
     for prio in priorities:
         for shape in spec.shapes:
             vs = [v for v in spec.variants if v.priority == prio and v.applies(shape)
@@ -475,7 +480,7 @@ def run(spec: RunSpec, timer: Any, *, log: Callable[[str], None] = print,
                     rows.append(skipped_row(shape, v, "time budget", spec))
                     continue
                 row = measure_decode(v, data, timer, num_sms, log, keep_output=v.name in referenced,
-                                     max_s=budget.left() - spec.reserve_s)
+                                     time_left=time_left)
                 last_s[shape.name] = last_s["any"] = row.get("seconds", 0.0)
                 rows.append(row)
                 log(_describe(row))
@@ -486,12 +491,12 @@ def run(spec: RunSpec, timer: Any, *, log: Callable[[str], None] = print,
                 on_progress(rows)
         if prio == priorities[0] and spec.append:
             for name, layout, tpp in spec.append_variants:
-                if not budget.ok(spec.reserve_s + last_s.get("append", 0.0)):
+                if not budget.ok(spec.reserve_s + last_s.get("append", last_s.get("any", 0.0))):
                     rows.append({"op": "append", "shape": f"append{spec.append_tokens}", "variant": name,
                                  "layout": layout, "status": "skipped", "error": "time budget"})
                     continue
                 row = measure_append(name, layout, tpp, spec.append_tokens, timer, dev, r=spec.r, d=spec.d,
-                                     rotate_factor=spec.rotate_factor, log=log, max_s=budget.left() - spec.reserve_s)
+                                     rotate_factor=spec.rotate_factor, log=log, time_left=time_left)
                 last_s["append"] = row.get("seconds", 0.0)
                 rows.append(row)
                 log(_describe(row))

@@ -18,7 +18,7 @@ would not fit, and a wall-clock timer takes no more samples than fit; what the b
 recorded as status "skipped".
 
 On CPU the kernels run in the Triton interpreter, thousands of times slower than on a GPU, so a CPU
-run defaults to tiny sizes (CPU_SHAPES, kv_lora_rank 128 and rope_dim 16, 32-token appends, the
+run defaults to tiny sizes (CPU_SHAPES, kv_lora_rank 128 and rope_dim 16, 16-token appends, the
 wall-clock timer) and refuses sizes the interpreter cannot get through within a budget.
 """
 
@@ -46,7 +46,7 @@ from .variants import VARIANTS, Variant, select_variants
 
 DEFAULT_BUDGET_S, QUICK_BUDGET_S = 400.0, 170.0
 GPU_DIMS, CPU_DIMS = (512, 64), (128, 16)  # CPU: r = 128 still fits ds_v32's 128-channel blocks
-GPU_APPEND_TOKENS, CPU_APPEND_TOKENS = 65536, 32
+GPU_APPEND_TOKENS, CPU_APPEND_TOKENS = 65536, 16
 # Largest sizes a CPU run accepts: in the interpreter one decode call over 4096 cached tokens, or
 # one 512-token append, already takes seconds to tens of seconds, and a measurement makes several.
 CPU_MAX_CACHED_TOKENS, CPU_MAX_APPEND_TOKENS = 4096, 512

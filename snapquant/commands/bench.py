@@ -25,7 +25,7 @@ def bench(
                                             "tiny sizes only)."),
     tag: str = typer.Option(None, help="File name tag (default: h200 on an H200, else the GPU's name; cpu)."),
     append: bool = typer.Option(True, "--append/--no-append", help="Also time quantize-and-append."),
-    append_tokens: int = typer.Option(None, help="Tokens per append measurement (default 65536; 32 on CPU)."),
+    append_tokens: int = typer.Option(None, help="Tokens per append measurement (default 65536; 16 on CPU)."),
     rotate: float = typer.Option(4.0, help="Rotate inputs over this many L2 sizes (0: no rotation)."),
     dims: str = typer.Option(None, help="kv_lora_rank,rope_dim (default 512,64; 128,16 on CPU)."),
     seed: int = typer.Option(0, help="Seed of the random caches and queries."),
