@@ -74,8 +74,8 @@ def test_sensitivity_no_plots_flag_reads_as_written():
 
 
 def test_cli_text_is_self_contained_and_consistent():
-    """Help and listings speak for themselves (no references to issue numbers or "the issue's" shapes),
-    flags read as written, and the quickstart config states the README's run time."""
+    """Help and listings speak for themselves (no references to the development tracker), flags read
+    as written, and the quickstart config states the README's run time."""
     import re
     from pathlib import Path
 
