@@ -39,9 +39,12 @@ def main() -> None:
     rows = []
     for scope in ("latent", "both"):
         for g in GRANS:
+            # only knobs these formats read: RoPE's granularity when RoPE is quantized, blocks when blocked
+            knobs = {"rope_granularity": g} if scope == "both" else {}
+            if g == "per_token_block":
+                knobs["block_size"] = math.gcd(args.block_size, r, d)
             cfg = KVQuantConfig(nope_dtype="fp8_e4m3", nope_granularity=g, rope_dtype="fp8_e4m3" if scope == "both" else "bf16",
-                                rope_granularity=g, rope_prescale=False, block_size=math.gcd(args.block_size, r, d),
-                                query="bf16", pv="bf16", name=f"{scope}:{g}")
+                                rope_prescale=False, query="bf16", pv="bf16", name=f"{scope}:{g}", **knobs)
             fid = fidelity_metrics(model, ref, cfg, prompt_len=args.prompt_len, patcher=patched)
             rows.append({"scope": scope, "granularity": g, "bytes_per_token": bytes_per_token(cfg, r, d),
                          "causal_consistent": cfg.causal_consistent,

@@ -3,15 +3,18 @@
 A config says what is stored for each token of the MLA cache (the NoPE latent and the RoPE key),
 with which scales, and how decode consumes it (query precision, PV pipeline, prefill). It is
 validated on construction: an unknown field or value raises one `ConfigError` naming the field and
-the allowed values, before any compute. Width-dependent checks (block sizes that must divide the
+the allowed values, before any compute. So does a knob the chosen formats never read (`KNOB_SCOPE`:
+e.g. `token_group` without a per-channel part), which would otherwise be silently ignored. Width-dependent checks (block sizes that must divide the
 latent width, int4 needing an even width) run in `check_dims`, which the quantizer calls first.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -41,9 +44,9 @@ class KVQuantConfig:
     rope_dtype: str = "bf16"
     """Storage of the shared RoPE key (qk_rope_head_dim wide); same choices."""
     nope_granularity: str = "per_token"
-    """Which elements share a scale in the latent (ignored for 16-bit dtypes)."""
+    """Which elements share a scale in the latent (read only with a quantized nope_dtype)."""
     rope_granularity: str = "per_token"
-    """Which elements share a scale in the RoPE part (ignored for 16-bit dtypes or rope_prescale)."""
+    """Which elements share a scale in the RoPE part (read only with a quantized rope_dtype, no rope_prescale)."""
     block_size: int = 128
     """Channels per scale for per_token_block (128 in DeepSeek-V3.2); must divide the part's width."""
     token_group: int | None = None
@@ -104,6 +107,13 @@ class KVQuantConfig:
                     f"rope_prescale=true stores RoPE in 16 bits in the latent's scaled domain; rope_dtype must be "
                     f"one of bf16, fp16, got {self.rope_dtype!r}."
                 )
+        inert = inert_knobs(self.to_dict())
+        if inert:
+            what = "; ".join(f"{f}={getattr(self, f)!r} has no effect in this config: it is read only with "
+                             f"{KNOB_SCOPE[f][0]}" for f in inert)
+            defaults = ", ".join(f"{f}={DEFAULTS[f]!r}" for f in inert)
+            raise ConfigError(f"{what} (this config: {self.short_description()}). Remove it (default {defaults}) "
+                              f"or choose a format that reads it.")
 
     def check_dims(self, kv_lora_rank: int, rope_dim: int) -> None:
         """Width-dependent validation; raises ConfigError naming the field."""
@@ -228,6 +238,72 @@ class KVQuantConfig:
 
 
 FIELD_NAMES = tuple(f.name for f in fields(KVQuantConfig))
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(KVQuantConfig)}
+
+_dataclass_init = KVQuantConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: KVQuantConfig, *args: Any, **kwargs: Any) -> None:
+    # The keyword form gets the same error as the dict form (a bare TypeError names no valid field).
+    _check_keys(kwargs)
+    if len(args) > len(FIELD_NAMES):
+        raise ConfigError(f"KVQuantConfig takes at most {len(FIELD_NAMES)} fields, got {len(args)} positional values")
+    _dataclass_init(self, *args, **kwargs)
+
+
+KVQuantConfig.__init__ = _init  # type: ignore[method-assign]
+
+
+# ------------------------------------------------------------------ which knobs each format reads
+def _own_scales(v: Mapping[str, Any], part: str) -> bool:
+    """The part stores scaled codes with scales of its own (pre-scaled RoPE borrows the latent's)."""
+    if not get_element_format(v[f"{part}_dtype"]).is_quantized:
+        return False
+    return not (part == "rope" and v["rope_prescale"] is True)
+
+
+def _scaled_with(v: Mapping[str, Any], granularity: str) -> bool:
+    return any(_own_scales(v, p) and v[f"{p}_granularity"] == granularity for p in ("nope", "rope"))
+
+
+# The one table of knobs that only some formats read: field -> (when it is read, test on the field
+# values). A knob set away from its default where its test is False would do nothing, silently.
+KNOB_SCOPE: dict[str, tuple[str, Callable[[Mapping[str, Any]], bool]]] = {
+    "nope_granularity": ("a quantized nope_dtype (not bf16/fp16)", lambda v: _own_scales(v, "nope")),
+    "rope_granularity": ("a quantized rope_dtype and rope_prescale=false", lambda v: _own_scales(v, "rope")),
+    "scale_format": ("a quantized part (nope_dtype or rope_dtype not bf16/fp16)",
+                     lambda v: _own_scales(v, "nope") or _own_scales(v, "rope")),
+    "block_size": ("granularity 'per_token_block' on a quantized part",
+                   lambda v: _scaled_with(v, "per_token_block")),
+    "token_group": ("granularity 'per_channel' on a quantized part", lambda v: _scaled_with(v, "per_channel")),
+    "nope_scale": ("nope_granularity='per_tensor_static' and a quantized nope_dtype",
+                   lambda v: _own_scales(v, "nope") and v["nope_granularity"] == "per_tensor_static"),
+    "rope_scale": ("rope_granularity='per_tensor_static', a quantized rope_dtype and rope_prescale=false",
+                   lambda v: _own_scales(v, "rope") and v["rope_granularity"] == "per_tensor_static"),
+}
+
+
+def inert_knobs(values: Mapping[str, Any]) -> list[str]:
+    """Fields of `values` (missing ones take the defaults) set away from their default where the
+    chosen formats never read them. Expects valid dtypes (raises ConfigError naming a bad one)."""
+    v = {**DEFAULTS, **values}
+    return [f for f, (_, reads) in KNOB_SCOPE.items() if v[f] != DEFAULTS[f] and not reads(v)]
+
+
+def without_inert_knobs(values: Mapping[str, Any], keep: Iterable[str] = ()) -> dict[str, Any]:
+    """`values` with the knobs its formats never read reset to their defaults, except those in `keep`
+    (which then fail validation by name). For a shared base, e.g. a sweep grid's, whose `block_size`
+    only the per_token_block cells read. Invalid values are left for the constructor to report."""
+    out = dict(values)
+    try:
+        inert = inert_knobs(out)
+    except ConfigError:
+        return out
+    for f in inert:
+        if f not in keep:
+            out[f] = DEFAULTS[f]
+    return out
 
 # Allowed values per axis, for sweep grids and error messages.
 AXES: dict[str, tuple] = {

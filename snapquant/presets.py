@@ -16,7 +16,23 @@ import yaml
 from .config import KVQuantConfig
 from .errors import ConfigError, unknown_choice
 
-PRESETS: dict[str, KVQuantConfig] = {}
+
+class UnknownPresetError(ConfigError, KeyError):
+    """`PRESETS[name]` for a name that is not registered: names the valid presets and the nearest one.
+    A KeyError too, so `except KeyError` around a lookup keeps working."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
+class PresetRegistry(dict):
+    """The preset name -> KVQuantConfig mapping; a missing name raises `UnknownPresetError`."""
+
+    def __missing__(self, name: object) -> KVQuantConfig:
+        raise UnknownPresetError(str(unknown_choice("preset", name, self)))
+
+
+PRESETS: dict[str, KVQuantConfig] = PresetRegistry()
 
 
 def register_preset(name: str, config: KVQuantConfig | Mapping[str, Any], overwrite: bool = False) -> KVQuantConfig:

@@ -12,7 +12,7 @@ import torch
 from snapquant.atomic import atomic_write_text
 from snapquant.bench import harness, results
 from snapquant.bench.harness import Budget, RunSpec, run
-from snapquant.bench.runner import main
+from snapquant.bench.runner import BenchOptions, run_bench
 from snapquant.bench.shapes import DecodeShape, uniform_shape
 from snapquant.bench.timing import Timing, WallTimer, calls_for, make_timer, rotation_sets, summarize
 from snapquant.bench.variants import BY_NAME, _v
@@ -161,7 +161,7 @@ def test_csv_round_trip_markdown_and_atomic_writes(tmp_path):
     assert back[1]["error"] == "RuntimeError: x, y"
     assert list(back[0]) == results.COLUMNS
     md = results.to_markdown(rows, {"gpu": "NVIDIA H200", "torch": "2.11"}, results.evaluate_targets(rows))
-    assert "## Targets" in md and "| bf16 |" in md and "NVIDIA H200" in md
+    assert "## Targets\n" in md and "issue" not in md and "| bf16 |" in md and "NVIDIA H200" in md
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.csv"]  # no temporary left behind
 
 
@@ -183,8 +183,8 @@ def test_plot_writes_png_and_pdf(tmp_path):
 # ------------------------------------------------------------------------------------------ command line
 def test_main_end_to_end_on_cpu_and_replot(tmp_path, capsys):
     out = tmp_path / "bench"
-    rc = main(["--device", "cpu", "--dims", f"{R},{D}", "--shapes", "2x4x70", "--variants", "snapmla,torch",
-               "--out", str(out), "--append-tokens", "16", "--budget-s", "600"], timer=FakeTimer())
+    rc = run_bench(BenchOptions(device="cpu", dims=f"{R},{D}", shapes="2x4x70", variants="snapmla,torch", out=out,
+                                append_tokens=16, budget_s=600), timer=FakeTimer())
     assert rc == 1  # ds_v32 appends cannot run at r = 64 (block 128): recorded as errors, exit 1
     files = sorted(p.name for p in out.iterdir())
     assert files == ["bench_cpu.json", "bench_cpu.log", "decode_cpu.csv", "decode_cpu.md", "decode_cpu.pdf",
@@ -198,11 +198,12 @@ def test_main_end_to_end_on_cpu_and_replot(tmp_path, capsys):
     assert {r["status"] for r in app if r["layout"] == "ds_v32"} == {"error"}
     meta = json.loads((out / "bench_cpu.json").read_text())
     assert meta["counts"]["ok"] == 3 + 6 and meta["environment"]["device"] == "cpu"
-    assert "Targets:" in (out / "bench_cpu.log").read_text()
+    assert "Targets: none measured" in (out / "bench_cpu.log").read_text()  # no target shape on CPU
+    assert meta["options"]["resolved"]["dims"] == [R, D] and meta["options"]["resolved"]["timer"] == "wall"
     (out / "decode_cpu.png").unlink()
-    assert main(["--replot", str(out / "decode_cpu.csv"), "--out", str(out)]) == 0
+    assert run_bench(BenchOptions(replot=out / "decode_cpu.csv", out=out)) == 0
     assert (out / "decode_cpu.png").exists()
-    assert main(["--list"]) == 0 and "snapmla+balanced" in capsys.readouterr().out
+    assert run_bench(BenchOptions(list=True)) == 0 and "snapmla+balanced" in capsys.readouterr().out
 
 
 def test_snapquant_bench_command_forwards_to_the_harness():
@@ -212,8 +213,9 @@ def test_snapquant_bench_command_forwards_to_the_harness():
 
     res = CliRunner().invoke(app, ["bench", "--list"])
     assert res.exit_code == 0 and "shape 128x16x4096" in res.output
-    res = CliRunner().invoke(app, ["bench", "--help"])
-    assert res.exit_code == 0 and "--budget-s" in res.output
+    res = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "--budget-s" in res.output and "--no-append" in res.output
+    assert "usage: bench_decode" not in res.output  # one typer help, like the other commands
 
 
 def test_nan_guard_of_rel_l2():
@@ -312,3 +314,83 @@ def test_sdpa_expansion_estimate_matches_the_h200_oom_messages():
     k_only = sdpa_expansion_bytes(128, 1, 128, 4096, 512, 64) * 576 // (2 * 512 + 64)
     assert k_only == 144 * 2**30
     assert sdpa_expansion_bytes(1, 1, 16, 1024, 512, 64) == 16 * 1024 * 1088 * 4
+
+
+# ------------------------------------------------------------------------------------------ CPU runs
+def test_bench_command_errors_are_one_line_before_anything_runs(tmp_path):
+    from typer.testing import CliRunner
+
+    from snapquant.cli import app
+
+    cases = [(["--timer", "cudagraph"], "--timer='cudagraph' needs a CUDA device"),
+             (["--timer", "stopwatch"], "--timer='stopwatch' is not valid"),
+             (["--shapes", "128x16x4096"], "--shapes: 128x16x4096 caches 524288 tokens"),
+             (["--append-tokens", "65536"], "--append-tokens=65536"),
+             (["--dims", "512"], "--dims='512'"), (["--budget-s", "0"], "--budget-s=0"),
+             (["--priority", "5"], "--priority=5"), (["--variants", "nope*"], "variant 'nope*' matches nothing"),
+             (["--device", "tpu"], "--device='tpu'")]
+    for args, msg in cases:
+        out = tmp_path / args[0].strip("-")
+        res = CliRunner().invoke(app, ["bench", "--device", "cpu", "--out", str(out), *args])
+        lines = res.output.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], (
+            args, res.output)
+        assert not out.exists()  # nothing ran, nothing was written
+
+
+def test_cpu_runs_pick_cpu_sized_defaults():
+    from snapquant.bench.runner import CPU_APPEND_TOKENS, CPU_DIMS, plan
+    from snapquant.bench.shapes import CPU_SHAPES
+
+    p = plan(BenchOptions(device="cpu"))
+    assert p.shapes == list(CPU_SHAPES) and (p.r, p.d) == CPU_DIMS and p.timer == "wall"
+    assert p.append_tokens == CPU_APPEND_TOKENS <= 64 and p.budget_s == 400
+    assert max(s.tokens for s in p.shapes) <= 256
+    assert plan(BenchOptions(device="cpu", quick=True)).budget_s == 170
+    # explicit choices win; the ds_v32 layout's 128-channel blocks fit the CPU default width
+    assert (plan(BenchOptions(device="cpu", dims="64,16")).r, CPU_DIMS[0] % 128) == (64, 0)
+    assert plan(BenchOptions(device="cpu", append=False, append_tokens=10**6)).append_tokens == 10**6
+
+
+def test_a_measurement_that_would_not_fit_the_budget_is_not_started(monkeypatch):
+    """Fake time: every measurement takes 30 s. With 100 s the run measures at 0, 30 and 60 s and
+    skips the rest, ending at 90 s; starting a fourth at 90 s (10 s left) would end at 120 s."""
+    import types
+
+    now = {"s": 0.0}
+    monkeypatch.setattr(harness, "time", types.SimpleNamespace(perf_counter=lambda: now["s"]))
+
+    class SlowTimer(FakeTimer):
+        def __call__(self, fns, est_us=None):
+            now["s"] += 30.0
+            return super().__call__(fns, est_us)
+
+    variants = [BY_NAME[n] for n in ("bf16", "snapmla", "snapmla_kv_only", "torch", "snapmla+balanced")]
+    spec = tiny_spec(variants, shapes=[uniform_shape(2, 4, 70)])
+    rows = run(spec, SlowTimer(), log=lambda m: None, budget=Budget(100.0, clock=lambda: now["s"]))
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok", "skipped", "skipped"]
+    assert now["s"] == 90.0 <= 100.0
+
+
+def test_wall_timer_takes_no_more_samples_than_fit():
+    t = WallTimer(runs=5)
+    assert t.within(2.5, est_us=1e6, n_sets=1).runs == 2  # 1 s per sample
+    assert t.within(2.5, est_us=0.5e6, n_sets=2).runs == 2  # 2 calls per sample
+    assert t.within(0.1, est_us=1e6, n_sets=1).runs == 1  # always one sample
+    assert t.within(100.0, est_us=1.0, n_sets=1).runs == 5  # never more than asked
+
+
+def test_snapquant_bench_on_cpu_uses_the_cpu_defaults(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from snapquant.bench import runner
+    from snapquant.cli import app
+
+    monkeypatch.setattr(runner, "make_timer", lambda *a, **k: FakeTimer())
+    out = tmp_path / "b"
+    res = CliRunner().invoke(app, ["bench", "--device", "cpu", "--variants", "bf16", "--no-append", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((out / "bench_cpu.json").read_text())
+    resolved = meta["options"]["resolved"]
+    assert resolved["dims"] == [128, 16] and resolved["shapes"] == ["2x4x64", "mixed3x4"]
+    assert resolved["timer"] == "wall" and meta["counts"] == {"ok": 2, "mismatch": 0, "error": 0, "skipped": 0}

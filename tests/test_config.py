@@ -151,3 +151,98 @@ def test_semantic_properties():
     assert sq.PRESETS["per_tensor_fp8"].causal_consistent  # static scale: frozen
     assert not sq.PRESETS["per_tensor_fp8_dynamic"].causal_consistent
     assert not sq.PRESETS["int4_kivi"].causal_consistent
+
+
+def test_an_unknown_keyword_gets_the_same_error_as_the_dict_form():
+    with pytest.raises(ConfigError) as kw:
+        KVQuantConfig(nope_dtyp="int8")
+    with pytest.raises(ConfigError) as d:
+        KVQuantConfig.from_dict({"nope_dtyp": "int8"})
+    assert str(kw.value) == str(d.value)
+    assert "did you mean 'nope_dtype'" in str(kw.value) and "token_group" in str(kw.value)
+
+
+def test_an_unknown_preset_lookup_names_the_valid_ones_and_the_nearest():
+    with pytest.raises(ConfigError) as e:
+        sq.PRESETS["snapmlaa"]
+    msg = str(e.value)
+    assert "did you mean 'snapmla'" in msg and "int4_kivi" in msg and "ds_v32" in msg
+    assert isinstance(e.value, KeyError)  # `except KeyError` around a lookup still works
+    assert sq.PRESETS.get("snapmlaa") is None and "snapmlaa" not in sq.PRESETS
+
+
+# (preset, change, the knob that then does nothing)
+INERT = [
+    ("snapmla", {"token_group": 32}, "token_group"),  # fp8 per-token latent: no per-channel part
+    ("snapmla", {"block_size": 64}, "block_size"),  # no per_token_block part
+    ("snapmla", {"nope_scale": 1.0}, "nope_scale"),  # dynamic per-token scales
+    ("snapmla", {"rope_scale": 1.0}, "rope_scale"),  # pre-scaled RoPE has no scale of its own
+    ("snapmla", {"rope_granularity": "per_channel"}, "rope_granularity"),  # ... nor a granularity
+    ("bf16", {"nope_granularity": "per_channel"}, "nope_granularity"),  # 16-bit latent: no scales at all
+    ("bf16", {"scale_format": "pow2"}, "scale_format"),
+    ("int4_kivi", {"nope_dtype": "bf16", "rope_dtype": "bf16", "nope_granularity": "per_token",
+                   "rope_granularity": "per_token"}, "token_group"),  # the preset's token_group now reads nothing
+]
+
+
+@pytest.mark.parametrize("preset, change, knob", INERT)
+def test_a_knob_the_chosen_formats_never_read_is_an_error(preset, change, knob):
+    with pytest.raises(ConfigError, match=rf"^{knob}=\S+ has no effect in this config: it is read only with"):
+        sq.PRESETS[preset].replace(**change)
+    with pytest.raises(ConfigError, match=knob):  # every construction path
+        KVQuantConfig.from_dict({**sq.PRESETS[preset].to_dict(), **change})
+
+
+def test_all_knobs_that_do_nothing_are_named_at_once():
+    with pytest.raises(ConfigError) as e:
+        KVQuantConfig(nope_dtype="bf16", rope_prescale=False, nope_granularity="per_channel", token_group=8)
+    assert "nope_granularity='per_channel' has no effect" in str(e.value)
+    assert "token_group=8 has no effect" in str(e.value)
+
+
+def test_every_knob_of_the_scope_table_is_tested_and_accepted_where_read():
+    from snapquant.config import KNOB_SCOPE
+
+    covered = {knob for _, _, knob in INERT}
+    assert covered == set(KNOB_SCOPE)
+    # the same knobs where the formats read them
+    assert sq.PRESETS["int4_kivi"].replace(token_group=48).token_group == 48
+    assert sq.PRESETS["ds_v32"].replace(block_size=64).block_size == 64
+    assert sq.PRESETS["per_tensor_fp8"].replace(nope_scale=2.0, rope_scale=3.0).rope_scale == 3.0
+    assert sq.PRESETS["rope_fp8_per_token"].replace(rope_granularity="per_channel").rope_granularity == "per_channel"
+    assert sq.PRESETS["snapmla"].replace(scale_format="pow2").scale_format == "pow2"
+    # a knob left at its default is never an error, whatever the format
+    assert sq.PRESETS["bf16"].replace(block_size=128, token_group=None) == sq.PRESETS["bf16"]
+
+
+def test_every_shipped_sweep_config_still_expands(tmp_path):
+    from pathlib import Path
+
+    import yaml
+
+    from snapquant.sweep import SweepSpec, expand
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert len(configs) >= 4
+    for p in configs:
+        d = yaml.safe_load(p.read_text())
+        d.update(model="embedded", output_dir=str(tmp_path / p.stem))
+        ex = expand(SweepSpec.from_dict(d))
+        assert len(ex.cells) >= 2, p
+        assert not [why for _, why in ex.skipped if "has no effect" in why], p
+
+
+def test_grid_base_knobs_apply_only_to_the_cells_that_read_them(tmp_path):
+    from snapquant.sweep import SweepSpec, expand
+
+    base = {"nope_dtype": "fp8_e4m3", "rope_dtype": "bf16", "rope_prescale": False, "query": "bf16", "pv": "bf16",
+            "block_size": 64}
+    d = {"name": "g", "model": "embedded", "tasks": ["sq_code_completion"], "presets": ["bf16"], "fidelity": False,
+         "output_dir": str(tmp_path), "grid": {"base": base, "axes": {"nope_granularity": ["per_token", "per_token_block"],
+                                                                      "rope_granularity": ["per_token", "per_channel"]}}}
+    ex = expand(SweepSpec.from_dict(d))
+    grid = {c.axes["nope_granularity"]: c.config for c in ex.cells if c.source == "grid"}
+    assert grid["per_token_block"].block_size == 64 and grid["per_token"].block_size == 128
+    # an axis value that does nothing (RoPE granularity of a BF16 RoPE) is skipped, naming the knob
+    assert len(ex.cells) == 3 and len(ex.skipped) == 2
+    assert all("rope_granularity='per_channel' has no effect" in why for _, why in ex.skipped)

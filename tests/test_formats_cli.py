@@ -3,6 +3,7 @@
 import json
 
 import pandas as pd
+import pytest
 from typer.testing import CliRunner
 
 from snapquant.cli import app
@@ -38,3 +39,31 @@ def test_formats_cli_names_a_bad_preset():
                                    "--rope-dim", "16"])
     assert res.exit_code == 2
     assert "snapmlaa" in res.output and "did you mean 'snapmla'" in res.output
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--tokens", "0"], "--tokens=0"), (["--tokens", "-5"], "--tokens=-5"), (["--heads", "0"], "--heads=0"),
+    (["--kv-lora-rank", "0"], "--kv-lora-rank=0"), (["--rope-dim", "-1"], "--rope-dim=-1"),
+    (["--out", "f.xlsx"], ".csv, .md, .json"),
+])
+def test_formats_cli_rejects_bad_values_in_one_line_before_computing(args, option, tmp_path, monkeypatch):
+    import snapquant.quant.report as report
+
+    def never(*a, **k):
+        raise AssertionError("format_report ran on invalid arguments")
+
+    monkeypatch.setattr(report, "format_report", never)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["formats", *args])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and option in lines[0], res.output
+    assert not (tmp_path / "f.xlsx").exists()
+
+
+def test_formats_cli_tiny_contexts_run_and_a_misfit_preset_is_named():
+    small = ["--kv-lora-rank", "64", "--rope-dim", "16", "--heads", "1"]
+    res = CliRunner().invoke(app, ["formats", "-p", "snapmla", "-p", "int4_kivi", "--tokens", "1", *small])
+    assert res.exit_code == 0, res.output  # one token: the ragged second row is one token too, never empty
+    res = CliRunner().invoke(app, ["formats", "-p", "ds_v32", "--tokens", "8", *small])
+    assert res.exit_code == 2 and "preset 'ds_v32': block_size=128" in res.output

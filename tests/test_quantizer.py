@@ -89,7 +89,8 @@ def test_snapmla_quantizer_is_bit_exact(seed, dtype):
 def test_lengths_zero_and_one(T):
     latent, rope = torch.randn(2, T, 64), torch.randn(2, T, 16)
     for cfg in sq.PRESETS.values():
-        cfg = cfg.replace(block_size=32)  # DeepSeek's 128-channel blocks do not divide width 64
+        if cfg.nope_granularity == "per_token_block":
+            cfg = cfg.replace(block_size=32)  # DeepSeek's 128-channel blocks do not divide width 64
         kv = sq.quantize_kv(latent, rope, cfg)
         assert kv.num_tokens == T
         lat, rp = kv.dequantize()
@@ -113,7 +114,9 @@ def test_zero_token_gets_unit_scale_and_exact_zero():
 
 @pytest.mark.parametrize("name", sorted(sq.PRESETS))
 def test_extreme_finite_input_never_gives_nan_or_inf(name):
-    cfg = sq.PRESETS[name].replace(block_size=32)
+    cfg = sq.PRESETS[name]
+    if cfg.nope_granularity == "per_token_block":
+        cfg = cfg.replace(block_size=32)
     latent = torch.tensor([3e38, -3e38, 1e-45, 0.0] * 16).reshape(1, 1, 64).repeat(1, 4, 1)
     latent[0, 1] = 1e-44  # a token of subnormals only
     rope = torch.tensor([3e38, -1e-45, 7.0, 0.0] * 4).reshape(1, 1, 16).repeat(1, 4, 1)
@@ -257,8 +260,12 @@ def test_round_trip_error_bounds(dtype, gran, scale_format, T, log_mag, outliers
         x[..., 3] *= 300.0
     if dtype == "fp16":
         x = x.clamp(-6e4, 6e4)
-    cfg = KVQuantConfig(nope_dtype=dtype, nope_granularity=gran, scale_format=scale_format, block_size=16,
-                        token_group=token_group, rope_prescale=False, rope_dtype="bf16")
+    knobs = {} if dtype in ("bf16", "fp16") else {"nope_granularity": gran, "scale_format": scale_format}
+    if knobs and gran == "per_token_block":  # set only the knobs this format reads
+        knobs["block_size"] = 16
+    if knobs and gran == "per_channel":
+        knobs["token_group"] = token_group
+    cfg = KVQuantConfig(nope_dtype=dtype, rope_prescale=False, rope_dtype="bf16", **knobs)
     kv = sq.quantize_kv(x, torch.zeros(2, T, 8), cfg)
     deq = kv.latent.dequantize()
     if kv.latent.scale is None:

@@ -93,3 +93,50 @@ def test_per_task_metadata_reaches_the_task(tiny_ckpt, tmp_path):
         r = d["lm_eval"]["sq_passkey"]["results"]["sq_passkey"]
         assert r["512,none"] != -1 and r["1024,none"] == -1  # only 512-token documents were built
         assert len(d["samples"]["sq_passkey"]) == 2
+
+
+def test_no_progress_sweep_prints_only_our_output(tiny_ckpt, tmp_path):
+    """`--no-progress`: no lm-eval log chatter and no tqdm bars (lm-eval's request loops, transformers'
+    weight loading) in what the user sees; the table still prints."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from snapquant.cli import app
+
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "name": "quiet", "model": str(tiny_ckpt), "dtype": "float32", "device": "cpu", "batch_size": 4,
+        "tasks": [{"name": "sq_code_ppl", "limit": 1},
+                  {"name": "sq_code_completion", "limit": 1, "gen_kwargs": {"max_gen_toks": 2}}],
+        "presets": ["bf16", "snapmla"], "bootstrap_iters": 0, "fidelity": False,
+        "output_dir": str(tmp_path / "out")}))
+    res = CliRunner().invoke(app, ["sweep", str(cfg), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "| snapmla |" in out and "2 cells run" in out
+    for chatter in ("it/s]", "s/it]", "%|", "Running loglikelihood", "Loading weights", "[Task:",
+                    "Passed an already-initialized model", "model kwarg is not of type", "Custom kwargs"):
+        assert chatter not in out, (chatter, out)
+
+
+def test_quiet_libraries_silences_inside_and_restores_after():
+    import io
+    import logging
+
+    import tqdm
+    import tqdm.auto
+
+    from snapquant.sweep.quiet import quiet_libraries
+
+    lm_eval_logger = logging.getLogger("lm_eval")
+    level = lm_eval_logger.level
+    init = tqdm.std.tqdm.__init__
+    with quiet_libraries():
+        assert lm_eval_logger.getEffectiveLevel() == logging.ERROR
+        for cls in (tqdm.tqdm, tqdm.auto.tqdm):
+            buf = io.StringIO()
+            assert sum(cls(range(3), file=buf, disable=False)) == 3 and buf.getvalue() == ""
+    assert lm_eval_logger.level == level and tqdm.std.tqdm.__init__ is init
+    buf = io.StringIO()
+    list(tqdm.tqdm(range(3), file=buf))
+    assert "3/3" in buf.getvalue()

@@ -114,9 +114,12 @@ def sqnr_db(signal_power: torch.Tensor, noise_power: torch.Tensor) -> torch.Tens
 
 def part_config(dtype: str, granularity: str, block_size: int) -> KVQuantConfig:
     """A config quantizing both parts with the same element format and granularity, RoPE not pre-scaled."""
-    return KVQuantConfig(nope_dtype=dtype, rope_dtype=dtype, nope_granularity=granularity,
-                         rope_granularity=granularity, block_size=block_size, rope_prescale=False,
-                         query="bf16", pv="bf16", name=f"{dtype}/{granularity}")
+    scaled = get_element_format(dtype).is_quantized
+    knobs = {"nope_granularity": granularity, "rope_granularity": granularity} if scaled else {}
+    if scaled and granularity == "per_token_block":  # the only granularity that reads block_size
+        knobs["block_size"] = block_size
+    return KVQuantConfig(nope_dtype=dtype, rope_dtype=dtype, rope_prescale=False, query="bf16", pv="bf16",
+                         name=f"{dtype}/{granularity}", **knobs)
 
 
 def quant_schemes(dtypes: Sequence[str], granularities: Sequence[str]) -> list[tuple[str, str]]:

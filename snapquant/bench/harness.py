@@ -36,6 +36,9 @@ from .variants import Variant
 LAYOUT_CONFIG = {"bf16": PRESETS["bf16"], "snapmla": PRESETS["snapmla"], "ds_v32": PRESETS["ds_v32"]}
 PAGE = 64
 APPEND_CHUNK = 1 << 20  # tokens per quantize-append launch when filling a cache
+# The interpreter's cost is per program: filling a CPU cache 16 tokens per program is ~20x faster than
+# the small-append default of one (same bits either way).
+CPU_FILL_TOKENS_PER_PROGRAM = 16
 
 
 # ------------------------------------------------------------------------------------------ budget
@@ -116,7 +119,8 @@ def build_shape_data(shape: DecodeShape, layouts: set[str], device: torch.device
         cache = PagedMLACache(c.latent, c.scale, c.rope, bt, lengths, cfg)
         for lo in range(0, n_tok, APPEND_CHUNK):
             hi = min(n_tok, lo + APPEND_CHUNK)
-            quantize_append(latent[lo:hi], rope[lo:hi], cache, slots[lo:hi], check_bounds=False)
+            quantize_append(latent[lo:hi], rope[lo:hi], cache, slots[lo:hi], check_bounds=False,
+                            tokens_per_program=None if device.type == "cuda" else CPU_FILL_TOKENS_PER_PROGRAM)
         base[layout] = cache
     q_shape = (shape.batch, shape.q_tokens, shape.heads, r + d)
     q_bytes = math.prod(q_shape) * 2
@@ -258,9 +262,14 @@ def finish_row(row: dict[str, Any], t: Timing) -> dict[str, Any]:
     return row
 
 
-def time_fns(timer: Any, fns: list[Callable[[], Any]], device: torch.device, log: Callable[[str], None]) -> Timing:
-    """Time with `timer`; a failed CUDA-graph capture falls back to eager event timing."""
+def time_fns(timer: Any, fns: list[Callable[[], Any]], device: torch.device, log: Callable[[str], None],
+             time_left: Callable[[], float] | None = None) -> Timing:
+    """Time with `timer`; a failed CUDA-graph capture falls back to eager event timing. `time_left()`
+    (seconds left in the budget, asked once the per-call estimate is known) bounds a wall-clock
+    timer's samples."""
     est = estimate_us(fns, device)
+    if time_left is not None and isinstance(timer, WallTimer):
+        timer = timer.within(time_left(), est, len(fns))
     try:
         return timer(fns, est)
     except Exception as e:  # capture can fail for a library call that syncs; time eagerly instead
@@ -272,9 +281,10 @@ def time_fns(timer: Any, fns: list[Callable[[], Any]], device: torch.device, log
 
 
 def measure_decode(v: Variant, data: ShapeData, timer: Any, num_sms: int,
-                   log: Callable[[str], None] = print, keep_output: bool = True) -> dict[str, Any]:
+                   log: Callable[[str], None] = print, keep_output: bool = True,
+                   time_left: Callable[[], float] | None = None) -> dict[str, Any]:
     """Time `v` on `data`; every failure becomes the row's status and error. `keep_output` keeps the
-    first call's output for the variants that check against this one."""
+    first call's output for the variants that check against this one; `time_left` bounds the timing."""
     dev = data.device
     t0 = time.perf_counter()
     row = {"op": "decode", "shape": data.shape.name, "label": data.shape.label, "variant": v.name}
@@ -301,7 +311,7 @@ def measure_decode(v: Variant, data: ShapeData, timer: Any, num_sms: int,
             row["error"] = "non-finite output" if not finite else f"rel-L2 vs {v.check_vs} above tol {v.tol:g}"
         if keep_output and row["status"] == "ok":
             data.outputs[v.name] = out.detach().clone()
-        finish_row(row, time_fns(timer, prep.fns, dev, log))
+        finish_row(row, time_fns(timer, prep.fns, dev, log, time_left))
     except VariantSkipped as e:
         row["status"] = "skipped"
         row["error"] = str(e)[:400]
@@ -325,7 +335,8 @@ APPEND_VARIANTS: tuple[tuple[str, str, int | None], ...] = (
 
 def measure_append(name: str, layout: str, tpp: int | None, tokens: int, timer: Any, device: torch.device, *,
                    r: int = acc.R, d: int = acc.D, seed: int = 1, rotate_factor: float = 4.0,
-                   log: Callable[[str], None] = print) -> dict[str, Any]:
+                   log: Callable[[str], None] = print, time_left: Callable[[], float] | None = None,
+                   ) -> dict[str, Any]:
     """Quantize-and-append of `tokens` bf16 tokens into a fresh cache; bits checked against the
     validated one-token-per-program kernel."""
     from ..kernels import PagedMLACache, quantize_append
@@ -366,7 +377,7 @@ def measure_append(name: str, layout: str, tpp: int | None, tokens: int, timer: 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         row["first_call_s"] = round(time.perf_counter() - t0, 3)
-        finish_row(row, time_fns(timer, fns, device, log))
+        finish_row(row, time_fns(timer, fns, device, log, time_left))
     except Exception as e:
         row.update(status="error", error=f"{type(e).__name__}: {e}"[:400])
         log(traceback.format_exc(limit=3))
@@ -439,6 +450,10 @@ def run(spec: RunSpec, timer: Any, *, log: Callable[[str], None] = print,
     dense_of = {s.name: any(v.impl != "kernel" and v.applies(s) for v in spec.variants) for s in spec.shapes}
     priorities = sorted({v.priority for v in spec.variants})
     referenced = {v.check_vs for v in spec.variants if v.check_vs}
+    last_s: dict[str, float] = {}  # seconds of the latest measurement per shape name, "any" and "append"
+
+    def time_left() -> float:
+        return budget.left() - spec.reserve_s
     for prio in priorities:
         for shape in spec.shapes:
             vs = [v for v in spec.variants if v.priority == prio and v.applies(shape)
@@ -460,10 +475,13 @@ def run(spec: RunSpec, timer: Any, *, log: Callable[[str], None] = print,
                                   error=f"building inputs: {type(e).__name__}: {e}"[:400]) for v in vs]
                     continue
             for v in vs:
-                if not budget.ok(spec.reserve_s):
+                # the shape's previous measurement (else the run's) predicts this one: start none that cannot fit
+                if not budget.ok(spec.reserve_s + last_s.get(shape.name, last_s.get("any", 0.0))):
                     rows.append(skipped_row(shape, v, "time budget", spec))
                     continue
-                row = measure_decode(v, data, timer, num_sms, log, keep_output=v.name in referenced)
+                row = measure_decode(v, data, timer, num_sms, log, keep_output=v.name in referenced,
+                                     time_left=time_left)
+                last_s[shape.name] = last_s["any"] = row.get("seconds", 0.0)
                 rows.append(row)
                 log(_describe(row))
                 if row["status"] == "error" and _sticky_cuda_error(row["error"]):
@@ -473,12 +491,13 @@ def run(spec: RunSpec, timer: Any, *, log: Callable[[str], None] = print,
                 on_progress(rows)
         if prio == priorities[0] and spec.append:
             for name, layout, tpp in spec.append_variants:
-                if not budget.ok(spec.reserve_s):
+                if not budget.ok(spec.reserve_s + last_s.get("append", last_s.get("any", 0.0))):
                     rows.append({"op": "append", "shape": f"append{spec.append_tokens}", "variant": name,
                                  "layout": layout, "status": "skipped", "error": "time budget"})
                     continue
                 row = measure_append(name, layout, tpp, spec.append_tokens, timer, dev, r=spec.r, d=spec.d,
-                                     rotate_factor=spec.rotate_factor, log=log)
+                                     rotate_factor=spec.rotate_factor, log=log, time_left=time_left)
+                last_s["append"] = row.get("seconds", 0.0)
                 rows.append(row)
                 log(_describe(row))
             if on_progress:

@@ -1,67 +1,154 @@
-"""Command line of the decode benchmark: `python scripts/bench_decode.py` = `snapquant bench`.
+"""The decode benchmark run behind `snapquant bench` (and `python scripts/bench_decode.py`, the same command).
 
-    python scripts/bench_decode.py --out results/bench            # the full run (~6-7 min on an H200)
-    python scripts/bench_decode.py --quick --out /tmp/b           # 4 shapes, 8 variants (~2-3 min)
-    python scripts/bench_decode.py --list                         # shapes and variants, then exit
-    python scripts/bench_decode.py --replot results/bench/decode_h200.csv   # figure + summary again
-    python scripts/bench_decode.py --compile-stats --out /tmp/cs  # no GPU needed: what the compiler
-                                                                  # makes of each variant (sm_90)
+    snapquant bench --out results/bench            # the full run (~6-7 min on an H200)
+    snapquant bench --quick --out /tmp/b           # 4 shapes, 8 variants (~2-3 min)
+    snapquant bench --list                         # shapes and variants, then exit
+    snapquant bench --replot results/bench/decode_h200.csv   # figure + summary again
+    snapquant bench --compile-stats --out /tmp/cs  # no GPU needed: what the compiler makes of each
+                                                   # variant (sm_90)
+    snapquant bench --device cpu --out /tmp/b      # a smoke run of every step in the Triton interpreter
 
-Files in --out (tag = h200 on an H200, else the GPU's name): decode_<tag>.csv (one row per
-measurement), decode_<tag>.md (targets and tables), decode_<tag>.png/.pdf (the figure),
+Files in --out (tag = h200 on an H200, else the GPU's name, cpu on CPU): decode_<tag>.csv (one row
+per measurement), decode_<tag>.md (targets and tables), decode_<tag>.png/.pdf (the figure),
 bench_<tag>.json (environment, options, timings of the run), bench_<tag>.log (progress lines).
 Each is written atomically and the CSV / markdown after every shape, so a run stopped by its time
-limit still leaves results. `--budget-s` bounds the measurements (default 400 s, quick 170 s);
-what the budget cuts is recorded as status "skipped".
+limit still leaves results. `--budget-s` bounds the measurements (default 400 s, quick 170 s): it is
+checked before every measurement, a measurement is not started when the previous one of its shape
+would not fit, and a wall-clock timer takes no more samples than fit; what the budget cuts is
+recorded as status "skipped".
+
+On CPU the kernels run in the Triton interpreter, thousands of times slower than on a GPU, so a CPU
+run defaults to tiny sizes (CPU_SHAPES, kv_lora_rank 128 and rope_dim 16, 16-token appends, the
+wall-clock timer) and refuses sizes the interpreter cannot get through within a budget.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
 import platform
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .shapes import BENCH_SHAPES, parse_shapes
+from ..errors import ConfigError, unknown_choice
+from .shapes import BENCH_SHAPES, CPU_SHAPES, DecodeShape, parse_shapes
 from .timing import TIMERS, make_timer
-from .variants import VARIANTS, select_variants
+from .variants import VARIANTS, Variant, select_variants
 
 DEFAULT_BUDGET_S, QUICK_BUDGET_S = 400.0, 170.0
+GPU_DIMS, CPU_DIMS = (512, 64), (128, 16)  # CPU: r = 128 still fits ds_v32's 128-channel blocks
+GPU_APPEND_TOKENS, CPU_APPEND_TOKENS = 65536, 16
+# Largest sizes a CPU run accepts: in the interpreter one decode call over 4096 cached tokens, or
+# one 512-token append, already takes seconds to tens of seconds, and a measurement makes several.
+CPU_MAX_CACHED_TOKENS, CPU_MAX_APPEND_TOKENS = 4096, 512
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench_decode", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--out", default="results/bench", help="output directory (default results/bench)")
-    p.add_argument("--quick", action="store_true", help="4 headline shapes, 8 variants, shorter budget")
-    p.add_argument("--shapes", default=None, help="comma list of shape names or BxHxL (default: every benchmark shape)")
-    p.add_argument("--variants", default=None, help="comma list of variant names or globs (default: all)")
-    p.add_argument("--priority", type=int, default=2, help="highest variant priority to run: 0 core, 1 variants, 2 sweeps")
-    p.add_argument("--budget-s", type=float, default=None, help="time budget of the measurements in seconds")
-    p.add_argument("--timer", default="cudagraph", choices=TIMERS, help="cudagraph (default), do_bench, events, wall")
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu (interpreter: tiny dims only)")
-    p.add_argument("--tag", default=None, help="file name tag (default: h200 on an H200, else the GPU name)")
-    p.add_argument("--no-append", action="store_true", help="skip the quantize-and-append measurements")
-    p.add_argument("--append-tokens", type=int, default=65536)
-    p.add_argument("--rotate", type=float, default=4.0, help="rotate inputs over this many L2 sizes (0: no rotation)")
-    p.add_argument("--dims", default="512,64", help="kv_lora_rank,rope_dim (CPU smoke runs use small ones)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--list", action="store_true", help="print the shapes and variants and exit")
-    p.add_argument("--replot", default=None, metavar="CSV", help="redraw the figure and summary from a CSV")
-    p.add_argument("--compile-stats", action="store_true",
-                   help="compile every selected variant for sm_90 (no GPU needed) and write compile_stats_<tag>.csv")
-    p.add_argument("--arch", type=int, default=90, help="compute capability for --compile-stats")
-    return p
+@dataclass
+class BenchOptions:
+    """What `snapquant bench` was asked for; None = the device's default (resolved by `plan`)."""
+
+    out: Path = Path("results/bench")
+    quick: bool = False
+    shapes: str | None = None
+    variants: str | None = None
+    priority: int = 2
+    budget_s: float | None = None
+    timer: str = "auto"
+    device: str = "auto"
+    tag: str | None = None
+    append: bool = True
+    append_tokens: int | None = None
+    rotate: float = 4.0
+    dims: str | None = None
+    seed: int = 0
+    list: bool = False
+    replot: Path | None = None
+    compile_stats: bool = False
+    arch: int = 90
+
+
+@dataclass
+class BenchPlan:
+    """The options resolved for the device: every value the run uses, checked."""
+
+    device: torch.device
+    shapes: list[DecodeShape]
+    variants: list[Variant]
+    r: int
+    d: int
+    timer: str
+    budget_s: float
+    append_tokens: int
+
+    def record(self) -> dict[str, Any]:
+        return {"device": str(self.device), "shapes": [s.name for s in self.shapes],
+                "variants": [v.name for v in self.variants], "dims": [self.r, self.d], "timer": self.timer,
+                "budget_s": self.budget_s, "append_tokens": self.append_tokens}
+
+
+def _parse_dims(dims: str) -> tuple[int, int]:
+    try:
+        r, d = (int(x) for x in dims.split(","))
+    except ValueError:
+        raise ConfigError(f"--dims={dims!r} is not valid; expected kv_lora_rank,rope_dim, e.g. 512,64") from None
+    if r < 1 or d < 1:
+        raise ConfigError(f"--dims={dims!r} is not valid; both widths must be positive")
+    return r, d
+
+
+def resolve_device(name: str) -> torch.device:
+    if not _DEVICE_RE.match(name):
+        raise ConfigError(f"--device={name!r} is not valid; allowed values: auto, cuda, cuda:N, cpu")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device={name!r} but CUDA is not available on this machine; use --device cpu")
+    return torch.device(name)
+
+
+def plan(opts: BenchOptions) -> BenchPlan:
+    """Check every option and resolve the device's defaults; raises ConfigError naming the option.
+    Nothing is written and nothing runs before this has passed."""
+    if opts.priority not in (0, 1, 2):
+        raise ConfigError(f"--priority={opts.priority} is not valid; allowed values: 0 (core), 1 (variants), 2 (sweeps)")
+    if opts.budget_s is not None and not 0 < opts.budget_s < float("inf"):
+        raise ConfigError(f"--budget-s={opts.budget_s} is not valid; expected a positive number of seconds")
+    if opts.append_tokens is not None and opts.append_tokens < 1:
+        raise ConfigError(f"--append-tokens={opts.append_tokens} is not valid; expected an integer >= 1")
+    if not opts.rotate >= 0:
+        raise ConfigError(f"--rotate={opts.rotate} is not valid; expected a number >= 0 (0: no rotation)")
+    if opts.timer != "auto" and opts.timer not in TIMERS:
+        raise unknown_choice("--timer", opts.timer, ("auto", *TIMERS))
+    device = torch.device("cuda") if opts.compile_stats else resolve_device(opts.device)
+    cpu = device.type != "cuda"
+    timer = opts.timer if opts.timer != "auto" else ("wall" if cpu else "cudagraph")
+    if cpu and timer != "wall":
+        raise ConfigError(f"--timer={timer!r} needs a CUDA device; use --timer wall (or auto) on cpu")
+    r, d = _parse_dims(opts.dims) if opts.dims else (CPU_DIMS if cpu else GPU_DIMS)
+    shapes = parse_shapes(opts.shapes, quick=opts.quick, cpu=cpu)
+    variants = select_variants(opts.variants, quick=opts.quick, max_priority=opts.priority)
+    append_tokens = opts.append_tokens or (CPU_APPEND_TOKENS if cpu else GPU_APPEND_TOKENS)
+    budget_s = opts.budget_s if opts.budget_s is not None else (QUICK_BUDGET_S if opts.quick else DEFAULT_BUDGET_S)
+    if cpu:  # sizes one interpreted measurement gets through in seconds, not hours
+        big = [s for s in shapes if s.tokens > CPU_MAX_CACHED_TOKENS]
+        if big:
+            raise ConfigError(f"--shapes: {big[0].name} caches {big[0].tokens} tokens; a CPU run (Triton interpreter) "
+                              f"takes at most {CPU_MAX_CACHED_TOKENS} per shape, e.g. "
+                              f"{','.join(s.name for s in CPU_SHAPES)} (the default); use a GPU for real shapes")
+        if opts.append and append_tokens > CPU_MAX_APPEND_TOKENS:
+            raise ConfigError(f"--append-tokens={append_tokens}: a CPU run (Triton interpreter) appends at most "
+                              f"{CPU_MAX_APPEND_TOKENS} tokens (default {CPU_APPEND_TOKENS}), or pass --no-append")
+    return BenchPlan(device, shapes, variants, r, d, timer, budget_s, append_tokens)
 
 
 # ------------------------------------------------------------------------------------------ environment
@@ -162,6 +249,9 @@ def replot(csv_path: Path, out: Path, tag: str | None) -> dict[str, Path]:
 
 
 def print_targets(targets: list[dict[str, Any]], log: Callable[[str], None]) -> None:
+    if all(t["value"] is None for t in targets):
+        log("\nTargets: none measured (no target shape in this run)")
+        return
     log("\nTargets:")
     for t in targets:
         v = "n/a" if t["value"] is None else f"{t['value']:.3g}"
@@ -169,43 +259,47 @@ def print_targets(targets: list[dict[str, Any]], log: Callable[[str], None]) -> 
         log(f"  [{mark}] {t['target']} ({t['shape']}, {t['pick']}): {v} vs {t['threshold']:g}  {t['variants']}")
 
 
-# ------------------------------------------------------------------------------------------ main
-def main(argv: list[str] | None = None, *, timer: Any = None) -> int:
-    args = build_parser().parse_args(argv)
-    out = Path(args.out)
-    if args.list:
-        for s in BENCH_SHAPES:
-            print(f"shape {s.name:14s} {s.label}")
+# ------------------------------------------------------------------------------------------ the run
+def run_bench(opts: BenchOptions, *, timer: Any = None, echo: bool = True) -> int:
+    """The whole benchmark (or --list / --replot / --compile-stats); returns the exit code: 0, or 1
+    when a measurement errored or mismatched. Bad options raise ConfigError before anything runs.
+    `timer` replaces the timer (tests inject a fake one)."""
+    out = Path(opts.out)
+    if opts.list:
+        for s in (*BENCH_SHAPES, *CPU_SHAPES):
+            print(f"shape {s.name:14s} {s.label}{'  (CPU runs)' if s in CPU_SHAPES else ''}")
         for v in VARIANTS:
             print(f"variant p{v.priority} {v.name:28s} {v.family:5s} {v.layout:8s} {v.mode} {v.knob_label}  {v.note}")
         return 0
-    if args.replot:
-        p = replot(Path(args.replot), out, args.tag)
+    if opts.replot:
+        csv_path = Path(opts.replot)
+        if not csv_path.is_file() or csv_path.suffix != ".csv":
+            raise ConfigError(f"--replot={str(csv_path)!r} is not a CSV file of an earlier run (decode_<tag>.csv)")
+        p = replot(csv_path, out, opts.tag)
         print(f"wrote {p['md']}, {p['png']}, {p['pdf']}")
         return 0
-    shapes = parse_shapes(args.shapes, quick=args.quick)
-    variants = select_variants(args.variants, quick=args.quick, max_priority=args.priority)
-    r, d = (int(x) for x in args.dims.split(","))
-    if args.compile_stats:
-        return run_compile_stats(shapes, variants, out, args.tag or f"sm{args.arch}", args.arch, r, d)
+    bp = plan(opts)
+    if opts.compile_stats:
+        return run_compile_stats(bp.shapes, bp.variants, out, opts.tag or f"sm{opts.arch}", opts.arch, bp.r, bp.d)
 
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = bp.device
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device.index)
+    timer = timer or make_timer(bp.timer, device, fast=opts.quick)
     env = environment(device)
-    tag = args.tag or tag_for(env, device)
+    tag = opts.tag or tag_for(env, device)
     p = paths(out, tag)
-    log = Log(p["log"])
-    budget_s = args.budget_s if args.budget_s is not None else (QUICK_BUDGET_S if args.quick else DEFAULT_BUDGET_S)
-    opts = {k: v for k, v in vars(args).items()}
-    log(json.dumps({"environment": env, "options": opts}, default=str))
-    log(f"{len(shapes)} shapes x {len(variants)} variants, budget {budget_s:.0f} s, timer {args.timer}")
+    log = Log(p["log"], echo=echo)
+    record = {**{k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(opts).items()},
+              "resolved": bp.record()}
+    log(json.dumps({"environment": env, "options": record}, default=str))
+    log(f"{len(bp.shapes)} shapes x {len(bp.variants)} variants, budget {bp.budget_s:.0f} s, timer {bp.timer}, "
+        f"dims r={bp.r} d={bp.d}" + ("" if device.type == "cuda" else " (CPU: Triton interpreter, tiny sizes)"))
     from .harness import RunSpec, run
 
-    spec = RunSpec(shapes=shapes, variants=variants, device=device, budget_s=budget_s,
-                   reserve_s=min(25.0, budget_s / 10), append=not args.no_append, append_tokens=args.append_tokens,
-                   r=r, d=d, seed=args.seed, rotate_factor=args.rotate)
-    timer = timer or make_timer(args.timer, device, fast=args.quick)
+    spec = RunSpec(shapes=bp.shapes, variants=bp.variants, device=device, budget_s=bp.budget_s,
+                   reserve_s=min(25.0, bp.budget_s / 10), append=opts.append, append_tokens=bp.append_tokens,
+                   r=bp.r, d=bp.d, seed=opts.seed, rotate_factor=opts.rotate)
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
 
@@ -222,7 +316,7 @@ def main(argv: list[str] | None = None, *, timer: Any = None) -> int:
         counts = {s: sum(rw.get("status") == s for rw in rows) for s in ("ok", "mismatch", "error", "skipped")}
         from .results import write_json
 
-        write_json(p["json"], {"environment": env, "options": opts, "budget_s": budget_s,
+        write_json(p["json"], {"environment": env, "options": record, "budget_s": bp.budget_s,
                                "seconds": round(time.perf_counter() - t0, 1), "counts": counts, "targets": targets})
     print_targets(targets, log)
     log(f"\n{counts} in {time.perf_counter() - t0:.0f} s; wrote " + ", ".join(str(x) for x in p.values()))
@@ -259,6 +353,3 @@ def run_compile_stats(shapes: list, variants: list, out: Path, tag: str, arch: i
     print(f"wrote {path}")
     return 0 if not any("error" in row for row in rows) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

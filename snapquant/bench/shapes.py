@@ -1,4 +1,4 @@
-"""The decode benchmark's shapes and their parsing.
+"""The benchmark's decode shapes (the targets' shapes, and tiny ones for CPU runs) and their parsing.
 
 Each shape is (B, H, L): B requests of L cached tokens, H query heads, one query token each
 (DeepSeek dims r = 512, d = 64). `mixed` is one batch of mixed lengths: 64 requests whose lengths
@@ -76,17 +76,24 @@ HEADLINE = ("128x16x4096", "32x64x8192", "128x128x4096", "1x128x32768", "64x128x
 QUICK = ("128x16x4096", "32x64x8192", "128x128x4096", "1x128x32768")
 
 
+# CPU runs execute the kernels in the Triton interpreter (thousands of times slower than a GPU): one
+# tiny uniform batch and one tiny mixed batch whose lengths cross page boundaries (5, 130, 64 tokens).
+CPU_SHAPES: tuple[DecodeShape, ...] = (uniform_shape(2, 4, 64), DecodeShape("mixed3x4", 3, 4, (5, 130, 64)))
+
+
 def ordered_shapes(shapes: tuple[DecodeShape, ...] = BENCH_SHAPES) -> list[DecodeShape]:
     """Headline shapes first (a budget cut loses the least important ones), then the rest."""
     rank = {n: i for i, n in enumerate(HEADLINE)}
     return sorted(shapes, key=lambda s: rank.get(s.name, len(rank)))
 
 
-def parse_shapes(spec: str | None, quick: bool = False) -> list[DecodeShape]:
-    """`None` -> every benchmark shape (headline first); `quick` -> QUICK; otherwise a comma list of
-    names ("128x16x4096", "mixed64x16") or new BxHxL triples."""
-    by_name = {s.name: s for s in BENCH_SHAPES}
+def parse_shapes(spec: str | None, quick: bool = False, cpu: bool = False) -> list[DecodeShape]:
+    """`None` -> every target shape (headline first), `quick` -> QUICK, `cpu` -> CPU_SHAPES; otherwise
+    a comma list of names ("128x16x4096", "mixed64x16") or new BxHxL triples."""
+    by_name = {s.name: s for s in (*BENCH_SHAPES, *CPU_SHAPES)}
     if not spec:
+        if cpu:
+            return list(CPU_SHAPES)
         return ordered_shapes(tuple(s for s in BENCH_SHAPES if not quick or s.name in QUICK))
     out = []
     for item in (x.strip() for x in spec.split(",") if x.strip()):

@@ -76,6 +76,13 @@ class WallTimer:
     def __init__(self, runs: int = 5, min_calls: int = 1, device: torch.device | str = "cpu") -> None:
         self.runs, self.min_calls, self.device = runs, min_calls, torch.device(device)
 
+    def within(self, seconds: float, est_us: float, n_sets: int) -> WallTimer:
+        """This timer with no more samples than fit in `seconds` at `est_us` per call (at least one):
+        on a slow device (the CPU interpreter) one sample can take seconds, and a budget must hold."""
+        per_sample_s = max(self.min_calls, n_sets) * max(est_us, 0.0) / 1e6
+        fit = int(seconds // per_sample_s) if per_sample_s > 0 else self.runs
+        return WallTimer(runs=max(1, min(self.runs, fit)), min_calls=self.min_calls, device=self.device)
+
     def __call__(self, fns: Sequence[Callable[[], object]], est_us: float | None = None) -> Timing:
         calls = max(self.min_calls, len(fns))
         samples = []

@@ -34,6 +34,7 @@ def fidelity(
     try:
         configs = [resolve_config(p) for p in (preset or ["snapmla", "per_tensor_fp8"])]
         modes = tuple(mode or MODES)
+        _check_arguments(model, text, seq_len, num_sequences, prompt_len, modes, backend, model_dtype, device, out)
         m, tok = load_model(model, dtype=model_dtype, device=device)
         ids = fidelity_tokens(tok, text, seq_len, num_sequences)
         ref = fidelity_reference(m, ids)
@@ -53,3 +54,33 @@ def fidelity(
         atomic_write_text(out / "fidelity.csv", df.to_csv(index=False))
         atomic_write_text(out / "fidelity.md", md)
         typer.echo(f"wrote {out / 'fidelity.csv'} and {out / 'fidelity.md'}", err=True)
+
+
+def _check_arguments(model: str, text: Path | None, seq_len: int, num_sequences: int, prompt_len: int,
+                     modes: tuple[str, ...], backend: str, model_dtype: str, device: str, out: Path | None) -> None:
+    """Every option, before the model loads (ConfigError naming the option)."""
+    from ..attention.backends import BACKEND_CHOICES
+    from ..errors import ConfigError
+    from ..fidelity import MODES
+    from ._checks import (
+        MODEL_DTYPES,
+        check_choices,
+        check_device,
+        check_int,
+        check_model,
+        check_out_dir,
+        check_text,
+    )
+
+    check_choices("--mode", modes, MODES)
+    check_choices("--backend", [backend], BACKEND_CHOICES)
+    check_choices("--model-dtype", [model_dtype], MODEL_DTYPES)
+    check_int("--seq-len", seq_len, minimum=3)  # a next-token KL needs a context and two targets
+    check_int("--num-sequences", num_sequences, minimum=1)
+    if "decode" in modes and not 1 <= prompt_len <= seq_len - 2:  # decode steps through >= 2 tokens after it
+        raise ConfigError(f"--prompt-len={prompt_len} is not valid for --seq-len={seq_len}; expected an integer "
+                          f"in [1, {seq_len - 2}] (decode prefills the prompt, then steps through the rest)")
+    check_model("--model", model)
+    check_text("--text", text)
+    check_device("--device", device)
+    check_out_dir("--out", out)

@@ -8,6 +8,8 @@ import typer
 
 from ._app import app
 
+OUT_SUFFIXES = (".csv", ".md", ".json")
+
 
 @app.command("formats")
 def formats(
@@ -17,7 +19,7 @@ def formats(
     rope_dim: int = typer.Option(64, help="RoPE width (DeepSeek: 64)."),
     heads: int = typer.Option(16, help="Query heads."),
     seed: int = typer.Option(0, help="Seed of the synthetic cache and queries."),
-    out: Path = typer.Option(None, help="Also write the table here (.csv, .md or .json)."),
+    out: Path = typer.Option(None, help="Also write the table here (.csv, .md or .json, chosen by the suffix)."),
 ) -> None:
     """Every KV format: bytes/token and its error on a synthetic latent with RoPE-like outlier channels."""
     from rich.console import Console
@@ -25,13 +27,18 @@ def formats(
 
     from ..errors import ConfigError
     from ..quant.report import format_report
+    from ._checks import check_int, check_suffix
 
     console = Console(width=None if Console().is_terminal else 120)
     try:
+        for option, value in (("--tokens", tokens), ("--kv-lora-rank", kv_lora_rank), ("--rope-dim", rope_dim),
+                              ("--heads", heads)):
+            check_int(option, value, minimum=1)
+        check_suffix("--out", out, OUT_SUFFIXES)
         with console.status("quantizing and decoding every preset..."):
             df = format_report(preset or None, tokens, kv_lora_rank, rope_dim, heads, seed=seed)
     except ConfigError as e:
-        console.print(f"[red]error:[/red] {e}")
+        typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
 
     table = Table(title=f"KV formats on a synthetic MLA cache (r={kv_lora_rank}, d={rope_dim}, T={tokens}, "
@@ -58,7 +65,7 @@ def formats(
         elif out.suffix == ".md":
             atomic_write_text(out, df.to_markdown(index=False, floatfmt=".4g") + "\n\n```json\n"
                               + json.dumps(meta, indent=1) + "\n```\n")
-        else:
+        else:  # .json (the suffix was checked before computing)
             atomic_write_text(out, json.dumps({**meta, "rows": df.to_dict(orient="records")}, indent=2))
         if out.suffix == ".csv":
             atomic_write_text(out.with_suffix(".meta.json"), json.dumps(meta, indent=2))

@@ -23,7 +23,7 @@ def sensitivity(
     model_dtype: str = typer.Option("float32", help="auto | float32 | bfloat16 | float16."),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N."),
     out: Path = typer.Option(Path("results/sensitivity"), help="Output directory (CSVs, summary.md, figures)."),
-    no_plots: bool = typer.Option(False, help="Skip the figures."),
+    no_plots: bool = typer.Option(False, "--no-plots", help="Skip the figures."),
 ) -> None:
     """NoPE vs RoPE: absmax/std/kurtosis/outliers per channel, MSE/SQNR per dtype x granularity, attention error."""
     from ..analysis.sensitivity import (
@@ -37,8 +37,10 @@ def sensitivity(
     from ..sweep.model import load_model
 
     try:
-        m, tok = load_model(model, dtype=model_dtype, device=device)
+        _check_arguments(model, text, seq_len, num_sequences, dtype, granularity, scheme, block_size, outlier_sigma,
+                         model_dtype, device, out)
         texts = load_texts(text) if text else default_texts()
+        m, tok = load_model(model, dtype=model_dtype, device=device)
         ids = token_batches(tok, texts, seq_len, num_sequences)
         rep = sensitivity_report(m, ids, dtypes=dtype or DEFAULT_DTYPES, granularities=granularity or DEFAULT_GRANULARITIES,
                                  schemes=scheme or DEFAULT_SCHEMES, block_size=block_size, outlier_sigma=outlier_sigma,
@@ -53,6 +55,39 @@ def sensitivity(
         plot_sensitivity(rep, out)
     typer.echo(rep.to_markdown())
     typer.echo(f"wrote {len(files)} tables{'' if no_plots else ' and figures'} to {out}", err=True)
+
+
+def _check_arguments(model: str, text: Path | None, seq_len: int, num_sequences: int, dtypes: list[str] | None,
+                     granularities: list[str] | None, schemes: list[str] | None, block_size: int,
+                     outlier_sigma: float, model_dtype: str, device: str, out: Path) -> None:
+    """Every option, before the model loads (ConfigError naming the option)."""
+    from ..analysis.sensitivity import DEFAULT_GRANULARITIES
+    from ..presets import resolve_config
+    from ..quant.dtypes import ELEMENT_FORMATS
+    from ._checks import (
+        MODEL_DTYPES,
+        check_choices,
+        check_device,
+        check_int,
+        check_model,
+        check_out_dir,
+        check_positive,
+        check_text,
+    )
+
+    check_choices("--dtype", dtypes, ELEMENT_FORMATS)
+    check_choices("--granularity", granularities, DEFAULT_GRANULARITIES)
+    for s in schemes or ():
+        resolve_config(s)
+    check_choices("--model-dtype", [model_dtype], MODEL_DTYPES)
+    check_int("--seq-len", seq_len, minimum=2)
+    check_int("--num-sequences", num_sequences, minimum=1)
+    check_int("--block-size", block_size, minimum=1)
+    check_positive("--outlier-sigma", outlier_sigma)
+    check_model("--model", model)
+    check_text("--text", text)
+    check_device("--device", device)
+    check_out_dir("--out", out)
 
 
 def default_texts() -> list[str]:

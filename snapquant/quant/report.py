@@ -13,6 +13,7 @@ import pandas as pd
 import torch
 
 from ..config import KVQuantConfig
+from ..errors import ConfigError
 from ..presets import PRESETS, resolve_config
 from ..reference.decode import mla_decode_reference
 from ..reference.oracle import attention_fp64
@@ -39,9 +40,13 @@ def format_report(
     seed: int = 0,
 ) -> pd.DataFrame:
     """One row per preset: bytes/token, NoPE/RoPE SQNR, score and output error vs exact attention."""
+    for name, v in (("num_tokens", num_tokens), ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim),
+                    ("num_heads", num_heads), ("batch", batch)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{name}={v!r} is not valid; expected a positive integer")
     latent, rope = synthetic_latent_rope(num_tokens, kv_lora_rank, rope_dim, batch=batch, seed=seed)
     q = synthetic_queries(latent, rope, num_heads, seed=seed + 1)
-    lengths = torch.tensor([num_tokens - 17 * i for i in range(batch)])  # ragged batch
+    lengths = torch.tensor([max(1, num_tokens - 17 * i) for i in range(batch)])  # ragged batch, never empty
     exact_out, exact_lse = attention_fp64(q, latent, rope, lengths)
     rows = []
     for spec in presets if presets is not None else PRESETS:
@@ -50,7 +55,10 @@ def format_report(
             cfg.nope_scale is None or cfg.rope_scale is None
         ):
             cfg = calibrate(cfg, latent, rope)
-        kv = quantize_kv(latent, rope, cfg)
+        try:
+            kv = quantize_kv(latent, rope, cfg)
+        except ConfigError as e:  # e.g. a block size that does not divide these widths: say which preset
+            raise ConfigError(f"preset {cfg.label()!r}: {e}") from None
         lat_hat, rope_hat = kv.dequantize()
         out, lse = mla_decode_reference(q, kv, lengths)
         diff = out.double() - exact_out

@@ -17,7 +17,7 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
-from ..config import KVQuantConfig
+from ..config import KVQuantConfig, without_inert_knobs
 from ..errors import ConfigError
 from ..presets import PRESETS
 from .schema import SweepSpec, stable_hash
@@ -61,13 +61,19 @@ def expand(spec: SweepSpec) -> Expansion:
     for name in spec.presets:
         add(name, PRESETS[name], "preset")
     if spec.grid is not None:
-        base = PRESETS[spec.grid.base] if isinstance(spec.grid.base, str) else KVQuantConfig.from_dict(spec.grid.base)
+        # The base is shared by every cell: a knob of it that a cell's formats never read (the base's
+        # block_size in a per_token cell) is reset for that cell; an axis value that does nothing is an error.
+        if isinstance(spec.grid.base, str):
+            base = PRESETS[spec.grid.base].to_dict()
+        else:
+            KVQuantConfig.from_dict(without_inert_knobs(spec.grid.base))  # errors of the base itself, by name
+            base = dict(spec.grid.base)
         names = list(spec.grid.axes)
         for combo in itertools.product(*(spec.grid.axes[a] for a in names)):
             values = dict(zip(names, combo, strict=True))
             label = grid_label(values)
             try:
-                cfg = base.replace(**values, name=None)
+                cfg = KVQuantConfig(**without_inert_knobs({**base, **values, "name": None}, keep=values))
             except ConfigError as e:
                 skipped.append((label, str(e)))
                 continue

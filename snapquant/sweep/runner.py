@@ -22,6 +22,7 @@ from ..presets import PRESETS
 from ..quant.layout import bytes_per_token
 from .env import environment
 from .grid import Cell, Expansion, expand
+from .quiet import quiet_libraries
 from .schema import SweepSpec
 from .store import CELL_SCHEMA, ResultStore
 
@@ -132,9 +133,10 @@ def run_sweep(
     if not todo:
         return report
 
-    model_info = evaluator.setup(spec)
+    with quiet_libraries():  # our display only: no lm-eval chatter, no tqdm bars (also with --no-progress)
+        model_info = evaluator.setup(spec)
     env = environment()
-    with _progress(show_progress, console) as prog:
+    with _progress(show_progress, console) as prog, quiet_libraries():
         cell_bar = prog.add_task("cells", total=len(cells), completed=len(report.already_done))
         sample_bar = _CellBar(prog)  # one row, reset per phase of each cell
         for cell in todo:
