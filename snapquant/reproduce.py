@@ -131,6 +131,18 @@ JOBS: tuple[Job, ...] = (
         ("pytest_gpu_h200.txt",), "the GPU test suite", stdout="pytest_gpu_h200.txt"),
     Job("results/kernels", "gpu", ("-m", "pytest", "-m", "gpu", "-rfEs", "-q", "tests/test_kernels_gluon.py"),
         ("pytest_gpu_gluon_h200.txt",), "the Gluon kernels' GPU tests", stdout="pytest_gpu_gluon_h200.txt"),
+    # The redesign's GPU check (scripts/device_check.sh runs these three in one device call, with timeouts).
+    Job("results/gpu_check", "gpu", ("scripts/check_kernels_gpu.py", "--no-bench", "--out", "results/gpu_check"),
+        ("check_h200.log",), "every kernel against the reference (the device call's 200 s limit cut the last five "
+        "model checks at 7c2f294)", stdout="check_h200.log"),
+    Job("results/gpu_check", "gpu", ("-m", "pytest", "-m", "gpu", "-rfEs", "-q"),
+        ("pytest_gpu_h200.txt",), "the GPU test suite", stdout="pytest_gpu_h200.txt"),
+    Job("results/gpu_check", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/gpu_check", "--no-append", "--budget-s", "80", "--shapes",
+         "128x16x4096,32x16x16384,8x16x32768,32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768",
+         "--variants", "bf16,snapmla,snapmla+gluon+fp8mma"),
+        ("decode_h200.*", "bench_h200.*"), "the decode benchmark at the headline shapes (defaults and the opt-in "
+        "native FP8 kernel)"),
     Job("results/research_model", "gpu", ("scripts/train_research_model.py", "all", "--out", "results/research_model"),
         ("README.md", "*.json", "*.jsonl", "*.csv", "*.png", "*.pdf", "device_call*.log"),
         "the research-scale model at DeepSeek-V2-Lite attention dims: data, training, card, activation study, "
