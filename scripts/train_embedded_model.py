@@ -144,7 +144,10 @@ def _save_bf16(model, tokenizer_dir: Path, out: Path) -> Path:
             src = model.get_submodule(name)
             mod.weight.data = src.weight.data.detach().float().clone()
             mod.e_score_correction_bias.data = src.e_score_correction_bias.data.detach().float().clone()
+    # Training runs without a cache; the shipped model must generate with one (generation_config.json is
+    # derived from the training config, and a patched model's generate reads its quantized cache).
     half.config.use_cache = True
+    half.generation_config.use_cache = True
     half.save_pretrained(out, max_shard_size=SHARD_BYTES)
     for f in tokenizer_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):

@@ -88,7 +88,9 @@ def load_tokenizer(path: Path | str = EMBEDDED_PATH):
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json in {path}")
-    return AutoTokenizer.from_pretrained(str(path))
+    # Left padding, whatever an older tokenizer_config.json says: the model is decoder-only, so batched
+    # `generate` must continue every row right after its last real token.
+    return AutoTokenizer.from_pretrained(str(path), padding_side="left")
 
 
 def load_embedded(dtype: Any = "bfloat16", device: Any = "cpu", path: Path | str = EMBEDDED_PATH,

@@ -159,7 +159,9 @@ class DecodeGraph:
     the device lengths marking the valid rows. With a graph the returned logits are a static buffer
     overwritten by the next replay (clone to keep them). `replay()` re-runs the step on the current
     static input ids; `rewind(n)` removes the last n positions of every layer (as `crop(-n)`, with no
-    host sync when they were all decode steps).
+    host sync when they were all decode steps). The step always runs the absorbed pipeline; an identity
+    config with `prefill: bf16` on the reference backend decodes eagerly through the stock attention instead
+    (bit-exact to the unpatched model), so there the step differs from eager decode by bf16 rounding.
 
     What may change between replays: the token ids (copied into the static buffer by `step`), the
     cache's contents and lengths (each step's append, rewind / crop, eager forwards of one token per

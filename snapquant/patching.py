@@ -6,7 +6,8 @@ How (the seams of models/registry.py, per attention module, all reversible):
    model built, then calls the family's own forward with a cache proxy in place of the cache;
 2. the proxy's `update(latent, k_rot, layer_idx)` quantizes and stores the new tokens in the layer's
    `LatentLayer` (creating one in any HF cache, or a throwaway one when there is no cache);
-3. decode steps (S == 1) and, with `prefill: quantized`, every call run *absorbed*: the module sees a
+3. decode steps (S == 1; not identity configs on the reference backend, below) and, with
+   `prefill: quantized`, every call run *absorbed*: the module sees a
    config copy whose `_attn_implementation` is snapquant's registered attention function, and its
    `expand_kv` skips kv_b_proj; that function absorbs W_UK into the query, runs the decode backend
    over the stored codes and scales, and applies W_UV;
@@ -24,10 +25,17 @@ padding + causal case needs only per-request lengths. Any other visibility (DSA 
 packed sequences, custom 4D masks) is detected by comparison and runs the gather path of
 snapquant.attention.absorbed (each query's visible rows, as a sparse kernel reads them).
 
-Identity configs (`bf16`): the cache keeps the activations in the model's dtype and decode runs with
-`round_16bit = (activations are 16-bit)`, so an fp32 model is reproduced to fp32 rounding and a bf16
-model gets exactly the 1152 B/token bf16 cache with bf16 query and P. Quantized configs always round
-a `bf16` query / P to bf16, as a kernel does.
+Identity configs (`bf16`): the cache keeps the activations in the model's dtype (in a bf16 model exactly
+the 1152 B/token bf16 cache). With `prefill: bf16` on the reference backend every call, decode steps too,
+runs the stock attention over that exact cache, so the patched model reproduces the unpatched one bit for
+bit in any dtype. The Triton kernels, DecodeGraph's static step and `prefill: quantized` run the absorbed
+pipeline with `round_16bit = (activations are 16-bit)`: an fp32 model to fp32 rounding, a bf16 model with
+bf16 query and P, as a BF16 MLA kernel rounds them (within bf16 rounding of the stock logits, so exact
+greedy ties can flip). Quantized configs always round a `bf16` query / P to bf16, as a kernel does.
+
+`generate` without a cache (`use_cache=False`, also from a model's generation_config) is refused unless the
+config quantizes prefill: every step would re-run the stock attention and silently give the unpatched
+model's output. Forward calls without a cache (scoring, teacher forcing) run as described above.
 
 Caches: `generate` on a patched model creates a `LatentCache` with the patch's config; `model(ids)`
 converts the empty DynamicCache HF creates in place; a `LatentCache` the caller passes keeps its own
@@ -187,7 +195,8 @@ class _MLAHook:
             mode = "absorbed"
         else:
             valid = token_validity(a.get("attention_mask"), B, S, layer.get_seq_length()).to(hidden.device)
-            mode = "absorbed" if (S == 1 or cfg.prefill == "quantized") else "stock"
+            stock = (S > 1 and cfg.prefill != "quantized") or self._exact_identity(cfg, hidden.device)
+            mode = "stock" if stock else "absorbed"
         call = _Call(layer, valid, mode, temporary, static=static)
         a[self.cache_param] = _CacheProxy(cache, self, call)
         self.call = call
@@ -198,6 +207,15 @@ class _MLAHook:
         finally:
             m.config = self.original_config
             self.call = None
+
+    def _exact_identity(self, cfg: KVQuantConfig, device: torch.device) -> bool:
+        """An identity config (nothing quantized, `prefill: bf16`) on the reference backend decodes through the
+        stock attention over the exact cache: the unpatched model's own operation order and dtypes are then the
+        reference, so it is reproduced bit for bit in any dtype (the absorbed pipeline rounds its bf16 query
+        and P elsewhere, which moves a bf16 model's logits by an ulp and flips greedy ties). The kernels and
+        DecodeGraph's static step run the absorbed BF16 pipeline; `prefill: quantized` asks for it eagerly."""
+        return (cfg.is_identity and cfg.prefill == "bf16"
+                and resolve_backend(self.state.backend, cfg, device).name == "reference")
 
     def expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor):
         expand = type(self.module).expand_kv
@@ -423,18 +441,46 @@ def patched_config(model: nn.Module) -> KVQuantConfig | None:
     return None if state is None else state.config
 
 
+def _check_generation_uses_cache(model: nn.Module, state: PatchState, generation_config, model_kwargs) -> None:
+    """Refuse a `generate` that would never read the quantized cache.
+
+    Without a cache, HF's generate re-runs the whole sequence every step (S > 1), and with `prefill: bf16`
+    every such call is the stock attention on fresh activations: the output would be the unpatched
+    model's, silently. With `prefill: quantized` those calls attend to the quantized latent (for
+    causal-consistent formats exactly what cached decode gives), so they are allowed. Forward calls
+    without a cache (lm-eval loglikelihood scoring, teacher-forced fidelity) never reach this check.
+    """
+    if generation_config is None or generation_config.use_cache is not False:
+        return
+    kw = model_kwargs or {}
+    given = [c for c in (kw.get("cache"), kw.get("past_key_values")) if isinstance(c, LatentCache)]
+    config = given[0].kv_config if given else state.config  # a LatentCache passed in keeps its own config
+    if config.prefill == "quantized":
+        return
+    default = getattr(getattr(model, "generation_config", None), "use_cache", None) is False
+    source = "the model's generation_config has use_cache=False" if default else "use_cache=False was passed"
+    raise ConfigError(
+        f"use_cache: generate on a model patched with {config.label()!r} would not read the quantized "
+        f"cache ({source}; without a cache every step re-runs the stock attention, so the output is the "
+        f"unpatched model's); pass use_cache=True, or patch with prefill: quantized"
+    )
+
+
 def _hook_generate(model: nn.Module, state: PatchState) -> None:
-    """Let `generate` build a LatentCache where it would build its default DynamicCache."""
+    """Let `generate` build a LatentCache where it would build its default DynamicCache, and refuse a
+    `generate` without a cache where it would bypass the quantized one."""
     original = getattr(model, "_prepare_cache_for_generation", None)
     if original is None:
         return
     from transformers.cache_utils import DynamicCache
 
     def prepare(*args, **kwargs):
-        result = original(*args, **kwargs)
         model_kwargs = kwargs.get("model_kwargs")
         if model_kwargs is None:
             model_kwargs = next((a for a in args if isinstance(a, dict)), {})
+        _check_generation_uses_cache(model, state, kwargs.get("generation_config", args[0] if args else None),
+                                     model_kwargs)
+        result = original(*args, **kwargs)
         for key in ("cache", "past_key_values"):
             c = model_kwargs.get(key)
             if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False) and c.get_seq_length() == 0:

@@ -43,3 +43,23 @@ def test_build_bpe_is_deterministic(tmp_path):
     save_hf_tokenizer(a, tmp_path / "tok", model_max_length=128)
     tok = load_tokenizer(tmp_path / "tok")
     assert tok.model_max_length == 128 and tok.decode(tok(SAMPLES[0])["input_ids"]) == SAMPLES[0]
+
+
+def test_tokenizers_pad_on_the_left(tmp_path):
+    """Decoder-only model: batched generate needs left padding, from the saved config and from load_tokenizer."""
+    from transformers import AutoTokenizer
+
+    save_hf_tokenizer(build_bpe(SAMPLES * 20, vocab_size=300), tmp_path / "tok")
+    for path in (tmp_path / "tok", EMBEDDED_PATH):  # what the trainer writes, and the shipped files
+        plain = AutoTokenizer.from_pretrained(str(path))
+        assert plain.padding_side == "left", path
+    legacy = tmp_path / "legacy"  # a folder written before padding_side was saved still loads left-padded
+    legacy.mkdir()
+    for f in (tmp_path / "tok").iterdir():
+        legacy.joinpath(f.name).write_bytes(f.read_bytes())
+    cfg = legacy / "tokenizer_config.json"
+    cfg.write_text(cfg.read_text().replace('"padding_side": "left"', '"padding_side": "right"'))
+    assert AutoTokenizer.from_pretrained(str(legacy)).padding_side == "right"
+    tok = load_tokenizer(legacy)
+    batch = tok(["x = 1\n", SAMPLES[0]], padding=True)
+    assert tok.padding_side == "left" and batch["attention_mask"][0][0] == 0 and batch["attention_mask"][0][-1] == 1

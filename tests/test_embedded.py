@@ -96,3 +96,45 @@ def test_shipped_artefacts_and_quality_bar():
     assert scores["sq_kv_retrieval_1k"] >= 0.9 and scores["sq_kv_retrieval_2k"] >= 0.9
     assert scores["sq_kv_retrieval_4k"] >= 0.7
     assert "sq_kv_retrieval_4k" in (EMBEDDED_PATH / "README.md").read_text()
+
+
+@needs_weights
+def test_shipped_model_generates_with_its_cache():
+    """generation_config.json must not switch the cache off: a patched model's generate reads it."""
+    from transformers import GenerationConfig
+
+    assert GenerationConfig.from_pretrained(EMBEDDED_PATH).use_cache is True
+    model, _ = load_embedded(dtype="float32")
+    assert model.generation_config.use_cache is True
+
+
+@needs_weights
+def test_batched_generate_pads_left_without_a_warning():
+    from log_capture import transformers_warnings
+
+    model, tok = load_embedded(dtype="float32")
+    enc = tok(["def main():\n", "import os\nimport sys\n"], return_tensors="pt", padding=True)
+    with transformers_warnings() as logged:
+        out = model.generate(**enc, max_new_tokens=2, do_sample=False)
+    assert out.shape == (2, enc.input_ids.shape[1] + 2)
+    assert not [m for m in logged if "padding" in m], logged
+
+
+def test_long_texts_are_tokenized_without_the_model_length_warning():
+    """Fidelity/sensitivity cut rows from whole documents and the tasks count tokens of long documents:
+    neither feeds the model more than its context, so transformers' length warning is not printed."""
+    from log_capture import transformers_warnings
+
+    from snapquant.analysis.text import token_batches
+    from snapquant.tasks.sq_utils import token_counter
+
+    long_text = "def f(x):\n    return x + 1\n\n\n" * 800  # > 4096 tokens
+    with transformers_warnings() as logged:
+        tok = load_tokenizer()
+        assert len(tok(long_text)["input_ids"]) > tok.model_max_length  # a plain call does warn ...
+    assert [m for m in logged if "Token indices sequence length" in m]
+    with transformers_warnings() as logged:
+        rows = token_batches(load_tokenizer(), [long_text, "x = 1\n"], seq_len=128, num_sequences=40)
+        n = token_counter(load_tokenizer())(long_text)
+    assert rows.shape == (40, 128) and n > 4096
+    assert not [m for m in logged if "Token indices sequence length" in m], logged  # ... these do not

@@ -82,3 +82,22 @@ def test_tiny_train_export_install(tmp_path):
     assert state2["steps"] == 4 and state2["init_from"] == str(inst)
     log2 = (tmp_path / "run2" / "training_log.jsonl").read_text().splitlines()
     assert [json.loads(x)["event"] for x in log2].count("start") == 2
+
+
+def test_saved_model_generates_with_a_cache(tmp_path):
+    """Training runs without a cache; the saved model must not carry that into generation_config.json
+    (a patched model's generate would then never read its quantized cache)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from snapquant.embedded import TINY_ARCH, embedded_config
+
+    config = embedded_config(TINY_ARCH)
+    config.use_cache = False  # as cmd_train builds the model
+    model = DeepseekV3ForCausalLM(config)
+    assert model.generation_config.use_cache is False
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(EMBEDDED_PATH, tok_dir, ignore=lambda _d, names: [
+        n for n in names if not n.startswith(("tokenizer", "special_tokens"))])
+    out = _script()._save_bf16(model, tok_dir, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True
+    assert json.loads((out / "generation_config.json").read_text()).get("use_cache", True) is True

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..data.tokenizer import encode_text
 from ..errors import ConfigError
 
 
@@ -43,7 +44,7 @@ def token_batches(tokenizer: Any, texts: list[str], seq_len: int, num_sequences:
     eos = getattr(tokenizer, "eos_token_id", None)
     need = seq_len * num_sequences
     for t in texts:
-        ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
+        ids.extend(encode_text(tokenizer, t))  # whole documents: rows are cut from the stream below
         if eos is not None:
             ids.append(eos)
         if len(ids) >= need:

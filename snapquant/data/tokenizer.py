@@ -50,6 +50,7 @@ def save_hf_tokenizer(tok, out_dir: Path | str, model_max_length: int = 4096) ->
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
+        "padding_side": "left",  # a decoder-only model: batched generate continues after the last real token
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     (out_dir / "special_tokens_map.json").write_text(json.dumps(
@@ -68,3 +69,13 @@ def load_fast_tokenizer(path: Path | str):
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file {path} not found")
     return Tokenizer.from_file(str(path))
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` of any length, without special tokens (`tokenizer`: any transformers tokenizer).
+
+    For callers that cut, window or only count the ids (never one model input longer than the model's
+    context): transformers' "longer than the specified maximum sequence length" warning compares the whole
+    text with the tokenizer's `model_max_length` and does not apply to them, so it is not asked for.
+    """
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]

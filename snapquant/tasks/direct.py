@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..data.tokenizer import encode_text
 from . import sq_utils
 
 
@@ -33,7 +34,7 @@ def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: in
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # Keep the last tokens that fit with the continuation, as lm-eval's HFLM does.
     keep = model.config.max_position_embeddings - max_new_tokens
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"][-keep:] for p in prompts]
+    encoded = [encode_text(tokenizer, p)[-keep:] for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))  # similar lengths per batch
     out: list[str] = [""] * len(prompts)
     for b in range(0, len(order), batch_size):
@@ -103,7 +104,7 @@ def score_code_ppl(model, tokenizer, max_length: int = 4096, texts: Sequence[str
     texts = list(texts)[:max_files] if max_files else list(texts)
     total_ll, words, nbytes, ntok = 0.0, 0, 0, 0
     for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = encode_text(tokenizer, text)  # the whole file, scored below in windows of max_length
         seq = [tokenizer.eos_token_id, *ids]
         # Window k predicts tokens [start, end) given the previous token(s) of the same window.
         for start in range(1, len(seq), max_length):

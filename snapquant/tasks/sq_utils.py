@@ -21,6 +21,7 @@ from typing import Any
 
 from snapquant.data.corpus import load_heldout
 from snapquant.data.synthetic import kv_retrieval_example, passkey_example, seed_rng
+from snapquant.data.tokenizer import encode_text
 from snapquant.errors import ConfigError
 
 DEFAULT_SEED = 1234
@@ -52,8 +53,8 @@ def get_tokenizer(name: str | None = None):
 
 
 def token_counter(tokenizer):
-    def count(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    def count(text: str) -> int:  # documents longer than any one model's context are counted too
+        return len(encode_text(tokenizer, text))
 
     return count
 
