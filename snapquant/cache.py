@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
-from .attention.storage import DenseLatentStore
+from .attention.storage import DenseLatentStore, LatentStore
 from .config import KVQuantConfig
 from .errors import ConfigError, ShapeError
 from .presets import resolve_config
@@ -55,7 +55,7 @@ class LatentLayer(_MaxCacheLen, CacheLayerMixin):
                                           or max_cache_len < 1):
             raise ShapeError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
         self._max_len = max_cache_len  # HF positions (padding included), as in HF's StaticCache
-        self.store: DenseLatentStore | None = None
+        self.store: LatentStore | None = None
         self.seen = 0  # HF positions so far (padding included)
         # [B, seen] bool: HF positions that hold a stored token, kept as a materialized prefix plus a count
         # of trailing positions stored for every request (the graph-safe decode step only bumps the count).

@@ -6,29 +6,33 @@
     segments() -> [Segment]                              what the decode backend reads (QuantizedKV views)
     dequantize() -> (latent [B,L,r], rope [B,L,d])       ragged rows in fp32 (prefill on a non-empty cache)
     nbytes(), truncate(new_lengths), index_select(idx)   bytes, crop, beam reorder / batch select / repeat
+    append_static, static_reason, rewind                 the fixed-shape (CUDA-graph) decode step
 
 so a paged store (pages of 64 tokens + block table) can replace `DenseLatentStore` without touching the
 attention code. Rows are *ragged*: request b keeps exactly its `lengths[b]` valid tokens at rows
 `[0, lengths[b])`; padding tokens are never stored (as in a serving engine), so decode needs only
 per-request lengths.
 
-What is stored, per `KVQuantConfig` (docs/numerics.md, "What the cache stores"):
-- per_token / per_token_block parts: codes + one scale row per token (the paper's 644 B/token layout).
-- identity configs (`config.is_identity`): the activations in the model's own dtype, unrounded, so a
-  patched fp32 model reproduces the stock one; in a bf16 model this is exactly the 1152 B/token cache.
-- per_tensor_static: codes + the config's scale. per_tensor_dynamic and per_channel without token
-  groups are not causal-consistent (the scale would drift as tokens arrive): the scale is computed
+What is stored, per `KVQuantConfig` (docs/numerics.md, "What the cache stores"), is decided per part by
+the policies of snapquant.attention.store_policies (one small class each, as HF's cache layers):
+- identity configs (`config.is_identity`): `PassThrough` of the activations in the model's own dtype,
+  unrounded, so a patched fp32 model reproduces the stock one; in a bf16 model this is exactly the
+  1152 B/token cache. 16-bit parts of quantized configs are `PassThrough` too.
+- per_token / per_token_block parts: `RowScales`, codes + one scale row per token (the paper's 644 B/token).
+- per_tensor_static, and per_tensor_dynamic / per_channel without token groups: `FrozenScales`. The
+  latter two are not causal-consistent (the scale would drift as tokens arrive): the scale is computed
   once from the first append (the prefill; padding excluded) and then frozen, as HF's QuantizedCache
   does; later tokens are quantized with it and saturate if they exceed it.
-- per_channel with `token_group` G (KIVI): tokens wait in a residual window in the model's dtype until G
-  of them (per request) are there, then the group is quantized with one scale per channel. Decode
-  reads two segments (quantized groups, raw residual); attention merges them by their LSE.
+- per_channel with `token_group` G (KIVI): `GroupScales`, plus a `KiviWindow` where tokens wait in the
+  model's dtype until G of them (per request) are there, then the group is quantized with one scale per
+  channel. Decode reads two segments (quantized groups, raw window); attention merges them by their LSE.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -38,12 +42,19 @@ from ..quant.dtypes import ELEMENT_FORMATS, ElementFormat
 from ..quant.quantizer import QuantizedKV, quantize_kv
 from ..quant.scales import get_scale_format
 from ..quant.tensor import QuantizedTensor
+from .store_policies import (
+    PAGE_ROWS,
+    GroupScales,
+    KiviWindow,
+    PartPolicy,
+    PassThrough,
+    part_policy,
+    select_rows,
+)
 
 # Unregistered passthrough format for fp32 activations: identity configs keep an fp32 model's latent
 # exactly (configs cannot name it, so it never appears in sweeps).
 FP32_PASSTHROUGH = ElementFormat("fp32", "passthrough", 32, torch.float32)
-
-_MIN_CAPACITY = 64  # rows are allocated in multiples of a 64-token page
 
 
 def native_format(dtype: torch.dtype) -> ElementFormat:
@@ -69,110 +80,37 @@ class Segment:
     offset: torch.Tensor
 
 
-class _Part:
-    """Codes and scales of one cache part (latent or RoPE) over ragged rows `[B, capacity, ...]`.
+@runtime_checkable
+class LatentStore(Protocol):
+    """What the attention code and `LatentLayer` need from a layer's store (see the module docstring)."""
 
-    layout: "none" (16-bit, no scale), "row" (scale row per token), "shared" (one frozen scale
-    tensor, broadcast over tokens), "group" (one scale row per `group` tokens).
-    """
+    config: KVQuantConfig
+    capacity: int | None
+    lengths: torch.Tensor | None  # [B] stored tokens per request
 
-    def __init__(self, fmt: ElementFormat, layout: str, width: int, granularity: str, scale_fmt, group: int = 1):
-        self.fmt, self.layout, self.width, self.granularity = fmt, layout, width, granularity
-        self.scale_fmt = scale_fmt
-        self.group = group
-        self.codes: torch.Tensor | None = None
-        self.scale: torch.Tensor | None = None  # row: [B, cap, nb]; group: [B, cap/G, w]; shared: [1|B, 1, nb]
+    @property
+    def batch_size(self) -> int: ...
 
-    # ------------------------------------------------------------------ allocation
-    def ensure(self, batch: int, capacity: int, like_codes: torch.Tensor, like_scale: torch.Tensor | None,
-               fixed: int | None = None) -> None:
-        """Grow the row buffers to `capacity` tokens (keeping what is stored).
+    @property
+    def max_length(self) -> int: ...
 
-        fixed: a preallocated store's capacity: the buffers get exactly that many rows at the first call
-        and are never reallocated (`capacity` beyond it is the caller's error to report)."""
-        if self.codes is None:
-            rows = 0 if fixed is None else fixed
-            self.codes = like_codes.new_zeros(batch, rows, like_codes.shape[-1])
-            if self.layout in ("row", "group") and like_scale is not None:
-                srows = rows if self.layout == "row" else math.ceil(rows / self.group)
-                self.scale = like_scale.new_zeros(batch, srows, like_scale.shape[-1])
-        if fixed is not None:
-            return
-        if self.codes.shape[1] < capacity:
-            self.codes = _grow(self.codes, capacity)
-            if self.layout == "row":
-                self.scale = _grow(self.scale, capacity)
-            elif self.layout == "group":
-                self.scale = _grow(self.scale, capacity // self.group)
+    def append(self, latent: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor | None = None) -> None: ...
 
-    # ------------------------------------------------------------------ views
-    def view(self, n_rows: int) -> QuantizedTensor:
-        batch = self.codes.shape[0]
-        data = self.codes[:, :n_rows]
-        if self.layout == "none":
-            return QuantizedTensor(data, None, self.fmt, None, self.granularity, self.width, token_group=1)
-        if self.layout == "row":
-            return QuantizedTensor(data, self.scale[:, :n_rows], self.fmt, self.scale_fmt, self.granularity,
-                                   self.width, token_group=1)
-        if self.layout == "group":
-            n_groups = math.ceil(n_rows / self.group)
-            return QuantizedTensor(data, self.scale[:, :n_groups], self.fmt, self.scale_fmt, self.granularity,
-                                   self.width, token_group=self.group)
-        scale = self.scale
-        if scale.shape[0] not in (1, batch):
-            raise ShapeError(f"frozen scale of shape {tuple(scale.shape)} does not match batch {batch}")
-        return QuantizedTensor(data, scale, self.fmt, self.scale_fmt, self.granularity, self.width, token_group=None)
+    def append_static(self, latent: torch.Tensor, rope: torch.Tensor) -> None: ...
 
-    def nbytes(self, lengths: torch.Tensor) -> int:
-        """Bytes held for `lengths[b]` tokens per request (capacity slack is not counted)."""
-        if self.codes is None:
-            return 0
-        tokens = int(lengths.sum())
-        n = tokens * self.codes.shape[-1] * self.codes.element_size()
-        if self.layout == "row":
-            n += tokens * self.scale.shape[-1] * self.scale.element_size()
-        elif self.layout == "group":
-            groups = int((lengths // self.group).sum())
-            n += groups * self.scale.shape[-1] * self.scale.element_size()
-        elif self.layout == "shared" and self.scale is not None:
-            n += self.scale.numel() * self.scale.element_size()
-        return n
+    def static_reason(self) -> str | None: ...
 
-    def index_select(self, idx: torch.Tensor, in_place: bool = False) -> None:
-        if self.codes is None:
-            return
-        self.codes = _select_rows(self.codes, idx, in_place)
-        if self.scale is not None and (self.layout != "shared" or self.scale.shape[0] > 1):
-            self.scale = _select_rows(self.scale, idx, in_place)
+    def segments(self, static: bool = False) -> list[Segment]: ...
 
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-def _select_rows(t: torch.Tensor, idx: torch.Tensor, in_place: bool) -> torch.Tensor:
-    picked = t.index_select(0, idx.to(t.device))
-    if in_place and picked.shape == t.shape:  # a preallocated buffer keeps its memory (CUDA graphs read it)
-        return t.copy_(picked)
-    return picked
+    def nbytes(self) -> int: ...
 
+    def truncate(self, new_lengths: torch.Tensor) -> None: ...
 
-def _grow(t: torch.Tensor, capacity: int) -> torch.Tensor:
-    cap = max(_MIN_CAPACITY, t.shape[1])
-    while cap < capacity:
-        cap *= 2
-    cap = math.ceil(cap / _MIN_CAPACITY) * _MIN_CAPACITY
-    out = t.new_zeros(t.shape[0], cap, *t.shape[2:])
-    out[:, : t.shape[1]] = t
-    return out
+    def rewind(self, n: int) -> None: ...
 
-
-def _part_layout(config: KVQuantConfig, part: str) -> str:
-    fmt = config.part_format(part)
-    if not fmt.is_quantized or (part == "rope" and config.rope_prescale):
-        return "none"
-    gran = config.part_granularity(part)
-    if gran in ("per_token", "per_token_block"):
-        return "row"
-    if gran == "per_channel" and config.token_group is not None:
-        return "group"
-    return "shared"  # per_tensor_static / per_tensor_dynamic / per_channel over the whole sequence
+    def index_select(self, idx: torch.Tensor) -> None: ...
 
 
 class DenseLatentStore:
@@ -191,7 +129,7 @@ class DenseLatentStore:
         self.config = config
         # Preallocated stores: rows per request, a multiple of the 64-token page; allocated at the first
         # append and never reallocated (lengths and buffers keep their memory: CUDA graphs read them).
-        self.capacity = None if capacity is None else math.ceil(capacity / _MIN_CAPACITY) * _MIN_CAPACITY
+        self.capacity = None if capacity is None else math.ceil(capacity / PAGE_ROWS) * PAGE_ROWS
         self._static: dict = {}  # cached index tensors / kernel views of the static append path
         # append_static through the fused Triton kernel: None = on CUDA when the layout allows (True also
         # runs it in the Triton interpreter on CPU, for tests).
@@ -200,21 +138,18 @@ class DenseLatentStore:
         self.act_dtype = act_dtype
         self.identity = config.is_identity
         self.lengths: torch.Tensor | None = None  # [B] stored tokens per request
+        widths = (("nope", self.r), ("rope", self.d))
+        self.parts: dict[str, PartPolicy]
         if self.identity:
             fmt = native_format(act_dtype)
-            self.parts = {p: _Part(fmt, "none", w, "per_token", None) for p, w in (("nope", self.r), ("rope", self.d))}
+            self.parts = {p: PassThrough(fmt, w, "per_token") for p, w in widths}
         else:
             sfmt = get_scale_format(config.scale_format)
-            self.parts = {}
-            for p, w in (("nope", self.r), ("rope", self.d)):
-                layout = _part_layout(config, p)
-                group = config.token_group if layout == "group" else 1
-                self.parts[p] = _Part(config.part_format(p), layout, w, config.part_granularity(p),
-                                      sfmt if layout != "none" else None, group)
-        layouts = {p.layout for p in self.parts.values()}
-        self.group = config.token_group if "group" in layouts else None
+            self.parts = {p: part_policy(config, p, w, sfmt) for p, w in widths}
+        grouped = any(isinstance(p, GroupScales) for p in self.parts.values())
+        self.group = config.token_group if grouped else None
         # KIVI residual window: the last `lengths % group` tokens of each request, in the model's dtype.
-        self.residual: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.window = KiviWindow(self.group, act_dtype) if grouped else None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -313,15 +248,11 @@ class DenseLatentStore:
             if self.identity:
                 q = self._quantize(latent, rope)
             else:
-                frozen = {p: self._frozen_scale(p) for p in ("nope", "rope")}
-                q = quantize_kv(latent, rope, self.config, check_finite=False, nope_scale=frozen["nope"],
-                                rope_scale=frozen["rope"])
+                q = quantize_kv(latent, rope, self.config, check_finite=False,
+                                nope_scale=self.parts["nope"].frozen_scale(), rope_scale=self.parts["rope"].frozen_scale())
             b_idx = self._arange(B).view(B, 1).expand(B, S)
             for name, qt in (("nope", q.latent), ("rope", q.rope)):
-                part = self.parts[name]
-                part.codes[b_idx, rows] = qt.data
-                if part.layout == "row":
-                    part.scale[b_idx, rows] = qt.scale
+                self.parts[name].write(qt.data, qt.scale, (b_idx, rows))
         self.lengths.add_(S)
 
     def _arange(self, n: int) -> torch.Tensor:
@@ -351,15 +282,15 @@ class DenseLatentStore:
         if kernel_mismatch(kv, self.config) is None and nope.layout in ("none", "row") and all(
                 t is None or t.is_contiguous() for t in (nope.codes, nope.scale, rp.codes)):
             B, cap = self.batch_size, self.capacity
-            pages = B * cap // _MIN_CAPACITY
+            pages = B * cap // PAGE_ROWS
             scale = None
             if nope.scale is not None:
-                scale = nope.scale.view(pages, _MIN_CAPACITY, nope.scale.shape[-1])
+                scale = nope.scale.view(pages, PAGE_ROWS, nope.scale.shape[-1])
                 if scale.shape[-1] == 1:
-                    scale = scale.view(pages, _MIN_CAPACITY)
+                    scale = scale.view(pages, PAGE_ROWS)
             dev = self.lengths.device
             view = PagedMLACache(
-                nope.codes.view(pages, _MIN_CAPACITY, self.r), scale, rp.codes.view(pages, _MIN_CAPACITY, self.d),
+                nope.codes.view(pages, PAGE_ROWS, self.r), scale, rp.codes.view(pages, PAGE_ROWS, self.d),
                 torch.zeros(B, 1, dtype=torch.int32, device=dev), torch.zeros(B, dtype=torch.int32, device=dev),
                 self.config,
             )
@@ -375,14 +306,8 @@ class DenseLatentStore:
                 QuantizedTensor(rope.to(fmt.storage_dtype), None, fmt, None, "per_token", self.d, 1),
                 self.config,
             )
-        frozen = {p: self._frozen_scale(p) for p in ("nope", "rope")}
-        return quantize_kv(latent, rope, self.config, nope_scale=frozen["nope"], rope_scale=frozen["rope"])
-
-    def _frozen_scale(self, part: str) -> torch.Tensor | None:
-        p = self.parts[part]
-        if p.layout != "shared" or p.scale is None:
-            return None
-        return p.scale_fmt.decode(p.scale)
+        return quantize_kv(latent, rope, self.config, nope_scale=self.parts["nope"].frozen_scale(),
+                           rope_scale=self.parts["rope"].frozen_scale())
 
     def _write_rows(self, latent: torch.Tensor, rope: torch.Tensor, counts: torch.Tensor, start: torch.Tensor) -> None:
         """Quantize `latent [B,N,r]` (first counts[b] rows valid) and write them at rows start[b]..."""
@@ -398,51 +323,21 @@ class DenseLatentStore:
         for name, qt in (("nope", q.latent), ("rope", q.rope)):
             part = self.parts[name]
             part.ensure(B, need, qt.data, qt.scale, self.capacity)
-            part.codes[b_idx, t_idx] = qt.data[b_idx, k_idx]
-            if part.layout == "row":
-                part.scale[b_idx, t_idx] = qt.scale[b_idx, k_idx]
-            elif part.layout == "shared" and part.scale is None:
-                part.scale = qt.scale.clone()  # frozen from the first append (the prefill)
+            part.write(qt.data, qt.scale, (b_idx, t_idx), (b_idx, k_idx))
 
     def _append_grouped(self, latent: torch.Tensor, rope: torch.Tensor, counts: torch.Tensor) -> None:
-        """KIVI: pending = residual ++ new tokens; quantize every complete group of G, keep the rest raw."""
+        """KIVI: pending = window ++ new tokens; quantize every complete group of G, keep the rest raw."""
         B, G = latent.shape[0], self.group
-        dev = latent.device
-        res_count = self.lengths % G
-        if self.residual is None:
-            self.residual = (latent.new_zeros(B, G, self.r).to(self.act_dtype),
-                             rope.new_zeros(B, G, self.d).to(self.act_dtype))
-        total = res_count + counts
-        p_max = int(total.max()) if B else 0
-        pend_l = latent.new_zeros(B, max(p_max, 1), self.r, dtype=self.act_dtype)
-        pend_r = rope.new_zeros(B, max(p_max, 1), self.d, dtype=self.act_dtype)
-        cols = torch.arange(max(p_max, 1), device=dev).view(1, -1)
-        old = cols < res_count.view(B, 1)
-        b_o, k_o = old.nonzero(as_tuple=True)
-        pend_l[b_o, k_o] = self.residual[0][b_o, k_o]
-        pend_r[b_o, k_o] = self.residual[1][b_o, k_o]
-        new = (cols >= res_count.view(B, 1)) & (cols < total.view(B, 1))
-        b_n, k_n = new.nonzero(as_tuple=True)
-        src = k_n - res_count[b_n]
-        pend_l[b_n, k_n] = latent[b_n, src].to(self.act_dtype)
-        pend_r[b_n, k_n] = rope[b_n, src].to(self.act_dtype)
-
+        held = self.lengths % G
+        pend_l, pend_r, total = self.window.pending(latent, rope, counts, held)
         full = total // G
         n_full = int(full.max()) if B else 0
         if n_full:
             rows = n_full * G
-            # Group-aligned start: the quantized rows end at lengths - res_count (a multiple of G).
-            start = self.lengths - res_count
+            # Group-aligned start: the quantized rows end at lengths - held (a multiple of G).
+            start = self.lengths - held
             self._write_group_rows(pend_l[:, :rows], pend_r[:, :rows], full * G, start)
-        rem = total - full * G
-        res_l, res_r = self.residual
-        res_l.zero_()
-        res_r.zero_()
-        keep = torch.arange(G, device=dev).view(1, G) < rem.view(B, 1)
-        b_k, k_k = keep.nonzero(as_tuple=True)
-        src = full[b_k] * G + k_k
-        res_l[b_k, k_k] = pend_l[b_k, src]
-        res_r[b_k, k_k] = pend_r[b_k, src]
+        self.window.keep(pend_l, pend_r, full * G, total - full * G)
 
     def _write_group_rows(self, latent: torch.Tensor, rope: torch.Tensor, counts: torch.Tensor, start: torch.Tensor):
         """Quantize whole groups: `latent [B, F*G, r]` (first counts[b] rows valid, a multiple of G)."""
@@ -463,15 +358,7 @@ class DenseLatentStore:
             part = self.parts[name]
             data = qt.data.reshape(B, rows, qt.data.shape[-1])
             part.ensure(B, need, data, qt.scale, self.capacity)
-            part.codes[b_idx, t_idx] = data[b_idx, k_idx]
-            if part.layout == "row":
-                scale = qt.scale.reshape(B, rows, qt.scale.shape[-1])
-                part.scale[b_idx, t_idx] = scale[b_idx, k_idx]
-            elif part.layout == "group":
-                scale = qt.scale.reshape(B, F, qt.scale.shape[-1])  # [B*F, 1, w] -> [B, F, w]
-                part.scale[gb, g_dest] = scale[gb, gk]
-            elif part.layout == "shared" and part.scale is None:
-                part.scale = qt.scale.clone()  # frozen from the first complete groups
+            part.write_grouped(data, qt.scale, (b_idx, t_idx), (b_idx, k_idx), (gb, g_dest), (gb, gk))
 
     # ------------------------------------------------------------------ views
     def segments(self, static: bool = False) -> list[Segment]:
@@ -503,11 +390,7 @@ class DenseLatentStore:
             res_len = self.lengths - q_len
             fmt = native_format(self.act_dtype)
             n = int(res_len.max()) if res_len.numel() else 0
-            res_kv = QuantizedKV(
-                QuantizedTensor(self.residual[0][:, :n], None, fmt, None, "per_token", self.r, 1),
-                QuantizedTensor(self.residual[1][:, :n], None, fmt, None, "per_token", self.d, 1),
-                self.config,
-            )
+            res_kv = QuantizedKV(*self.window.view(n, fmt), self.config)
             segs.append(Segment(res_kv, res_len, q_len))
         return segs
 
@@ -547,9 +430,8 @@ class DenseLatentStore:
             return 0
         q_len = self.quantized_lengths()
         n = sum(part.nbytes(q_len) for part in self.parts.values())
-        if self.group is not None and self.residual is not None:
-            res = int((self.lengths - q_len).sum())
-            n += res * (self.r + self.d) * self.residual[0].element_size()
+        if self.window is not None:
+            n += self.window.nbytes(int((self.lengths - q_len).sum()))
         return n
 
     def truncate(self, new_lengths: torch.Tensor) -> None:
@@ -591,9 +473,9 @@ class DenseLatentStore:
         fixed = self.capacity is not None
         for part in self.parts.values():
             part.index_select(idx, in_place=fixed)
-        if self.residual is not None:
-            self.residual = tuple(t.index_select(0, idx) for t in self.residual)
-        self.lengths = _select_rows(self.lengths, idx, fixed)
+        if self.window is not None:
+            self.window.index_select(idx)
+        self.lengths = select_rows(self.lengths, idx, fixed)
 
 
 def _compact(latent: torch.Tensor, rope: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor):
