@@ -260,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16")
     p.add_argument("--presets", default="bf16,snapmla")
-    p.add_argument("--backend", default="auto", help="snapquant decode backend: auto | reference | triton")
+    p.add_argument("--backend", default="auto", help="snapquant decode backend: auto, reference, triton or another "
+                                                    "registered one")
+    p.add_argument("--kernel-options", default=None,
+                   help="the decode kernels' knobs passed to snapquant.patch: key=value,... (e.g. num_splits=8)")
     p.add_argument("--graphs", action="store_true",
                    help="also time DecodeGraph steps: captured CUDA graphs on CUDA, the same fixed-shape step on CPU")
     p.add_argument("--no-stock", action="store_true", help="skip stock transformers")
@@ -269,6 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--out", default="results/bench_e2e.json")
     args = p.parse_args(argv)
+
+    from snapquant.attention.backends import check_kernel_options, kernel_options_from_text
+    from snapquant.errors import ConfigError
+
+    try:  # bad options are one line before any model is built
+        kernel_options = kernel_options_from_text(args.kernel_options) if args.kernel_options else None
+        check_kernel_options(args.backend, kernel_options)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     from transformers import DynamicCache
 
@@ -289,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
         "layers": args.layers, "batch": args.batch, "steps": args.steps, "backend": args.backend,
+        "kernel_options": kernel_options or {},
         "graphs": args.graphs, "budget_gib": args.budget_gib,
         "model": "DeepSeek-V2-Lite attention dims (H=16, r=512, d=64, dn=128, dv=128), dense MLP, random weights",
         "seeds": {"weights": 0, "cache": 1}, "contexts": contexts, "presets": presets,
@@ -339,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             del cache
         bf16_ms: dict[str, float] = {}
         for preset in presets:
-            snapquant.patch(model, preset, backend=args.backend)
+            snapquant.patch(model, preset, backend=args.backend, kernel_options=kernel_options)
             cache_kw = {"max_cache_len": L + 64} if args.graphs else {}
             cache = fill_cache(LatentCache(preset, model, **cache_kw), model, args.batch, L, dtype, device)
             t = time_eager(model, cache, args.batch, L, args.steps, args.warmup, device)

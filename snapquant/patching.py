@@ -49,15 +49,16 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from .attention.absorbed import absorbed_attention
-from .attention.backends import check_backend_name, resolve_backend, static_backend
+from .attention.backends import check_backend_name, check_kernel_options, resolve_backend, static_backend
 from .attention.masks import hf_visibility, indices_visibility, standard_visibility, token_validity
 from .cache import LatentCache, LatentLayer, latent_layer_for
 from .config import KVQuantConfig
@@ -73,10 +74,18 @@ _STATE_ATTR = "_snapquant_patch"
 # ---------------------------------------------------------------------------------------------- state
 @dataclass
 class PatchState:
+    """What `patch` installed on a model (read it with `patch_state(model)`)."""
+
     config: KVQuantConfig
     backend: str
     hooks: list[_MLAHook] = field(default_factory=list)
     generate_hooked: bool = False
+    kernel_options: Any = None  # as the caller gave them (None: the kernels' defaults)
+    parsed_options: dict[str, Any] = field(default_factory=dict)  # backend name -> its validated options
+
+    def options_for(self, backend: str) -> Any:
+        """The validated kernel options for `backend` (None: none given, or it takes none)."""
+        return self.parsed_options.get(backend)
 
 
 @dataclass
@@ -304,12 +313,14 @@ class _MLAHook:
         layer, call = self.call.layer, self.call
         cfg = layer.config
         backend = resolve_backend(self.state.backend, cfg, query.device)
+        options = self.state.options_for(backend.name)
         round_16bit = query.dtype in (torch.bfloat16, torch.float16) if cfg.is_identity else True
         w_uk, w_uv = self.weights()
         tau = scaling if scaling is not None else float(self.module.qk_head_dim) ** -0.5
         return absorbed_attention(
             query, w_uk, w_uv, layer.store.segments(static=static), call.positions, softmax_scale=tau,
-            config=cfg, backend=static_backend(backend) if static else backend.fn, round_16bit=round_16bit,
+            config=cfg, backend=static_backend(backend, options) if static else backend.bind(options),
+            round_16bit=round_16bit,
             visibility=visibility, sinks=kwargs.get("s_aux"),
         )
 
@@ -372,30 +383,36 @@ def check_transformers_version() -> None:
         )
 
 
-def patch(model: nn.Module, config: KVQuantConfig | str | dict = "snapmla", *, backend: str = "auto") -> nn.Module:
+def patch(model: nn.Module, config: KVQuantConfig | str | dict = "snapmla", *, backend: str = "auto",
+          kernel_options: Mapping[str, Any] | Any | None = None) -> nn.Module:
     """Make every MLA attention of `model` read and write the quantized latent cache. Returns `model`.
 
-    config: a preset name, dict, file path or `KVQuantConfig`. backend: auto | reference | triton
-    (the decode kernel seam; see snapquant.attention.backends). Patching a patched model re-configures it.
+    config: a preset name, dict, file path or `KVQuantConfig`. backend: auto | reference | triton, or any
+    name registered with `snapquant.attention.backends.register_backend` (the decode kernel seam).
+    kernel_options: the decode kernels' knobs (a mapping, or the kernels' typed options), validated here and
+    passed to every decode launch of the backend that takes them; with backend="auto" they apply when the
+    kernels run and are ignored by the reference fallback. Patching a patched model re-configures it.
     """
     check_transformers_version()
     cfg = resolve_config(config)
     check_backend_name(backend)
+    parsed = check_kernel_options(backend, kernel_options)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"patch expects a transformers model (nn.Module), got {type(model).__name__}")
     found = list(find_mla_modules(model))  # raises for non-MLA models and unknown families
     for _, module, adapter in found:
         adapter.validate(module)
         cfg.check_dims(*adapter.dims(module))
-    if backend == "triton":  # an explicit request fails now, not at the first decode step
+    if backend != "auto":  # an explicit request fails now, not at the first decode step
         device = next((p.device for p in found[0][1].parameters() if p.device.type != "meta"), torch.device("cpu"))
         resolve_backend(backend, cfg, device)
     _register_attention()
     state: PatchState | None = getattr(model, _STATE_ATTR, None)
     if state is not None:  # re-configure in place; hooks read the shared state
         state.config, state.backend = cfg, backend
+        state.kernel_options, state.parsed_options = kernel_options, parsed
         return model
-    state = PatchState(cfg, backend)
+    state = PatchState(cfg, backend, kernel_options=kernel_options, parsed_options=parsed)
     for _, module, adapter in found:
         hook = _MLAHook(module, adapter, state)
         hook.install()
@@ -418,22 +435,28 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 
 @contextmanager
-def patched(model: nn.Module, config: KVQuantConfig | str | dict = "snapmla", *, backend: str = "auto") -> Iterator[nn.Module]:
+def patched(model: nn.Module, config: KVQuantConfig | str | dict = "snapmla", *, backend: str = "auto",
+            kernel_options: Mapping[str, Any] | Any | None = None) -> Iterator[nn.Module]:
     """`with snapquant.patched(model, "snapmla"): ...` patches for the block and restores the previous state."""
     previous: PatchState | None = getattr(model, _STATE_ATTR, None)
-    prev_cfg = (previous.config, previous.backend) if previous is not None else None
-    patch(model, config, backend=backend)
+    prev = (previous.config, previous.backend, previous.kernel_options) if previous is not None else None
+    patch(model, config, backend=backend, kernel_options=kernel_options)
     try:
         yield model
     finally:
-        if prev_cfg is None:
+        if prev is None:
             unpatch(model)
         else:
-            patch(model, prev_cfg[0], backend=prev_cfg[1])
+            patch(model, prev[0], backend=prev[1], kernel_options=prev[2])
+
+
+def patch_state(model: nn.Module) -> PatchState | None:
+    """What `patch` installed on `model` (config, backend, kernel options, hooks); None when unpatched."""
+    return getattr(model, _STATE_ATTR, None)
 
 
 def is_patched(model: nn.Module) -> bool:
-    return getattr(model, _STATE_ATTR, None) is not None
+    return patch_state(model) is not None
 
 
 def patched_config(model: nn.Module) -> KVQuantConfig | None:

@@ -42,7 +42,7 @@ import torch
 from ..errors import ConfigError, unknown_choice
 from .shapes import BENCH_SHAPES, CPU_SHAPES, DecodeShape, parse_shapes
 from .timing import TIMERS, make_timer
-from .variants import VARIANTS, Variant, select_variants
+from .variants import VARIANTS, Variant, select_variants, with_kernel_options
 
 DEFAULT_BUDGET_S, QUICK_BUDGET_S = 400.0, 170.0
 GPU_DIMS, CPU_DIMS = (512, 64), (128, 16)  # CPU: r = 128 still fits ds_v32's 128-channel blocks
@@ -71,6 +71,7 @@ class BenchOptions:
     rotate: float = 4.0
     dims: str | None = None
     seed: int = 0
+    kernel_options: str | None = None  # "key=value,..." decode knobs: each core kernel variant runs again with them
     list: bool = False
     replot: Path | None = None
     compile_stats: bool = False
@@ -89,11 +90,12 @@ class BenchPlan:
     timer: str
     budget_s: float
     append_tokens: int
+    kernel_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
         return {"device": str(self.device), "shapes": [s.name for s in self.shapes],
                 "variants": [v.name for v in self.variants], "dims": [self.r, self.d], "timer": self.timer,
-                "budget_s": self.budget_s, "append_tokens": self.append_tokens}
+                "budget_s": self.budget_s, "append_tokens": self.append_tokens, "kernel_options": self.kernel_options}
 
 
 def _parse_dims(dims: str) -> tuple[int, int]:
@@ -137,6 +139,8 @@ def plan(opts: BenchOptions) -> BenchPlan:
     r, d = _parse_dims(opts.dims) if opts.dims else (CPU_DIMS if cpu else GPU_DIMS)
     shapes = parse_shapes(opts.shapes, quick=opts.quick, cpu=cpu)
     variants = select_variants(opts.variants, quick=opts.quick, max_priority=opts.priority)
+    kernel_options = _kernel_options(opts.kernel_options)
+    variants = with_kernel_options(variants, kernel_options)
     append_tokens = opts.append_tokens or (CPU_APPEND_TOKENS if cpu else GPU_APPEND_TOKENS)
     budget_s = opts.budget_s if opts.budget_s is not None else (QUICK_BUDGET_S if opts.quick else DEFAULT_BUDGET_S)
     if cpu:  # sizes one interpreted measurement gets through in seconds, not hours
@@ -148,7 +152,21 @@ def plan(opts: BenchOptions) -> BenchPlan:
         if opts.append and append_tokens > CPU_MAX_APPEND_TOKENS:
             raise ConfigError(f"--append-tokens={append_tokens}: a CPU run (Triton interpreter) appends at most "
                               f"{CPU_MAX_APPEND_TOKENS} tokens (default {CPU_APPEND_TOKENS}), or pass --no-append")
-    return BenchPlan(device, shapes, variants, r, d, timer, budget_s, append_tokens)
+    return BenchPlan(device, shapes, variants, r, d, timer, budget_s, append_tokens, kernel_options)
+
+
+def _kernel_options(text: str | None) -> dict[str, Any]:
+    """--kernel-options as the patch's triton backend validates them (ConfigError naming the option)."""
+    if not text:
+        return {}
+    from ..attention.backends import kernel_options_from_text, parse_kernel_options
+
+    options = kernel_options_from_text(text)
+    try:
+        parse_kernel_options("triton", options)
+    except ConfigError as e:
+        raise ConfigError(f"--kernel-options: {e}") from None
+    return options
 
 
 # ------------------------------------------------------------------------------------------ environment

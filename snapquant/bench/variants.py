@@ -21,7 +21,7 @@ variant is reported as status "mismatch".
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import triton
@@ -239,3 +239,17 @@ def select_variants(spec: str | None = None, *, quick: bool = False, max_priorit
     wanted.add(BASELINE)
     chosen = [v for v in registry if v.name in wanted and (v.priority <= max_priority or v.name == BASELINE)]
     return sorted(chosen, key=lambda v: v.priority)
+
+
+def with_kernel_options(variants: list[Variant], options: dict[str, Any]) -> list[Variant]:
+    """`variants` plus, beside each core kernel variant among them (priority 0: default knobs), a twin that
+    runs with `options` (the benchmark's `--kernel-options`): named `<name>+options`, checked against its
+    core variant within 1e-2 (relative L2: the loosest knob tolerance above, native FP8 MMA's), so an
+    option that changes the numbers more than any known knob is reported as a mismatch."""
+    if not options:
+        return variants
+    label = " ".join(f"{k}={v}" for k, v in sorted(options.items()))
+    twins = [replace(v, name=f"{v.name}+options", knobs=tuple(sorted(options.items())), check_vs=v.name, tol=1e-2,
+                     note=f"--kernel-options {label}")
+             for v in variants if v.impl == "kernel" and v.priority == 0]
+    return sorted([*variants, *twins], key=lambda v: v.priority)

@@ -29,6 +29,9 @@ def bench(
     rotate: float = typer.Option(4.0, help="Rotate inputs over this many L2 sizes (0: no rotation)."),
     dims: str = typer.Option(None, help="kv_lora_rank,rope_dim (default 512,64; 128,16 on CPU)."),
     seed: int = typer.Option(0, help="Seed of the random caches and queries."),
+    kernel_options: str = typer.Option(None, metavar="K=V,...", help="Also run each core kernel variant with these "
+                                       "decode knobs (e.g. num_splits=8,fp8_mma=qk), as <variant>+options, checked "
+                                       "against it."),
     list_: bool = typer.Option(False, "--list", help="Print the shapes and variants and exit."),
     replot: Path = typer.Option(None, metavar="CSV", help="Redraw the figure and summary from a run's CSV."),
     compile_stats: bool = typer.Option(False, "--compile-stats", help="Compile every selected variant for --arch "
@@ -45,7 +48,7 @@ def bench(
 
     opts = BenchOptions(out=out, quick=quick, shapes=shapes, variants=variants, priority=priority, budget_s=budget_s,
                         timer=timer, device=device, tag=tag, append=append, append_tokens=append_tokens, rotate=rotate,
-                        dims=dims, seed=seed, list=list_, replot=replot, compile_stats=compile_stats, arch=arch)
+                        dims=dims, seed=seed, kernel_options=kernel_options, list=list_, replot=replot, compile_stats=compile_stats, arch=arch)
     try:
         rc = run_bench(opts)
     except ConfigError as e:

@@ -18,12 +18,16 @@ def fidelity(
     num_sequences: int = typer.Option(4, help="Sequences scored."),
     prompt_len: int = typer.Option(32, help="Decode mode: tokens prefilled before stepping."),
     mode: list[str] = typer.Option(None, "--mode", help="prefill and/or decode (default both)."),
-    backend: str = typer.Option("auto", help="Patch backend: auto | reference | triton."),
+    backend: str = typer.Option("auto", help="Decode backend: auto, reference, triton or another registered one."),
+    kernel_options: str = typer.Option(None, help="The decode kernels' knobs: key=value,... (e.g. num_splits=8)."),
     model_dtype: str = typer.Option("float32", help="auto | float32 | bfloat16 | float16."),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N."),
     out: Path = typer.Option(None, help="Write fidelity.csv and fidelity.md into this directory."),
 ) -> None:
     """Next-token KL (mean, p99), top-1 agreement and perplexity delta, with quantized prefill and in step-by-step decode."""
+    import functools
+
+    from ..attention.backends import check_kernel_options, kernel_options_from_text
     from ..errors import ConfigError, ShapeError
     from ..fidelity import MODES, fidelity_metrics, fidelity_reference, fidelity_table, fidelity_tokens
     from ..patching import patched
@@ -35,11 +39,14 @@ def fidelity(
         configs = [resolve_config(p) for p in (preset or ["snapmla", "per_tensor_fp8"])]
         modes = tuple(mode or MODES)
         _check_arguments(model, text, seq_len, num_sequences, prompt_len, modes, backend, model_dtype, device, out)
+        options = kernel_options_from_text(kernel_options) if kernel_options else None
+        check_kernel_options(backend, options)  # before any model loads, as the other options
+        patcher = functools.partial(patched, kernel_options=options) if options else patched
         m, tok = load_model(model, dtype=model_dtype, device=device)
         ids = fidelity_tokens(tok, text, seq_len, num_sequences)
         ref = fidelity_reference(m, ids)
         res = {c.label(): fidelity_metrics(m, ref, c, modes=modes, prompt_len=prompt_len, backend=backend,
-                                           patcher=patched) for c in configs}
+                                           patcher=patcher) for c in configs}
     except (ConfigError, ShapeError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -7,8 +7,9 @@
   which for per-token formats equals what step-by-step decode would see; docs/numerics.md, "Why
   per-token matters"). With
   `prefill: bf16` they reproduce the unquantized model, by design.
-- `get_model_info()` adds `snapquant_preset`, `snapquant_config` and `snapquant_backend`, so the
-  results JSON (`results["config"]`) records which scheme produced the numbers.
+- `get_model_info()` adds `snapquant_preset`, `snapquant_config`, `snapquant_backend` and
+  `snapquant_kernel_options`, so the results JSON (`results["config"]`) records which scheme produced
+  the numbers.
 
 Importing this module registers the model type `snapquant` with lm-eval, so after
 `import snapquant.eval.lm`, `lm_eval.simple_evaluate(model="snapquant",
@@ -35,11 +36,13 @@ class SnapquantLM(HFLM):
     """HFLM whose model runs MLA attention over the quantized latent cache of `kv_config`."""
 
     def __init__(self, pretrained: Any, kv_config: str | dict | KVQuantConfig = "snapmla", backend: str = "auto",
-                 **kwargs: Any) -> None:
+                 kernel_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(pretrained=pretrained, **kwargs)
         self.kv_config = resolve_config(kv_config)
         self.kv_backend = backend
-        patch(self.model, self.kv_config, backend=backend)  # raises for non-MLA models, naming the class
+        self.kv_kernel_options = dict(kernel_options or {})
+        # raises for non-MLA models, naming the class
+        patch(self.model, self.kv_config, backend=backend, kernel_options=self.kv_kernel_options)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
@@ -54,5 +57,6 @@ class SnapquantLM(HFLM):
             "snapquant_preset": self.kv_config.label(),
             "snapquant_config": self.kv_config.to_dict(),
             "snapquant_backend": self.kv_backend,
+            "snapquant_kernel_options": self.kv_kernel_options,
         })
         return info

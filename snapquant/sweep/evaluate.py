@@ -2,7 +2,7 @@
 
 Per worker: the model is loaded once (`setup`), the fidelity reference (the unpatched model's
 next-token distributions on the fidelity text) is computed once, and each cell then
-1. enters `snapquant.patched(model, config, backend=...)`,
+1. enters `snapquant.patched(model, config, backend=..., kernel_options=...)`,
 2. runs lm-eval task by task (own limit / few-shot / metadata each) through snapquant's HFLM
    subclass with `log_samples=True`, keeping per-sample metrics for the paired tests,
 3. runs the fidelity metrics (KL, top-1, perplexity delta; quantized prefill and step-by-step
@@ -12,6 +12,7 @@ and leaves the model unpatched again.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -206,6 +207,8 @@ class LmEvalEvaluator:
     # -------------------------------------------------------------- per cell
     def evaluate(self, cell: Cell, spec: SweepSpec, progress: Any) -> dict[str, Any]:
         patcher = self._patcher or default_patcher()
+        if spec.kernel_options:  # every patch of this cell (tasks and fidelity) runs with the kernel options
+            patcher = functools.partial(patcher, kernel_options=spec.kernel_options)
         timing: dict[str, float] = {}
         out: dict[str, Any] = {"tasks": {}, "samples": {}, "lm_eval": {}, "fidelity": None}
         with _patch(patcher, self.model, cell.config, spec.backend):
@@ -244,6 +247,8 @@ class LmEvalEvaluator:
             kw["kv_config"] = cell.config
             if spec.backend is not None:
                 kw["backend"] = spec.backend
+            if spec.kernel_options and "kernel_options" in params:
+                kw["kernel_options"] = spec.kernel_options
         return cls(**kw)
 
     def _run_task(self, lm: Any, task: Any, spec: SweepSpec, progress: Any) -> dict[str, Any]:

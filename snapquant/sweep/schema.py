@@ -11,6 +11,8 @@ Shape of a sweep file (every key but `model`, `tasks` and one of `presets`/`grid
     dtype: float32                 # auto | float32 | bfloat16 | float16
     device: auto                   # auto | cpu | cuda | cuda:N
     device_map: null               # "auto" for models larger than one GPU
+    backend: auto                  # the decode backend: auto | reference | triton | any registered name
+    kernel_options: {}             # the decode kernels' knobs, e.g. {num_splits: 8} (see snapquant.patch)
     tasks:
       - sq_code_ppl                # a bare name, or a mapping:
       - {name: sq_passkey, limit: 16, num_fewshot: 0, metric: acc}
@@ -118,6 +120,8 @@ class SweepSpec:
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     backend: str | None = None
     """Patch backend passed to snapquant.patch (None = its default)."""
+    kernel_options: dict[str, Any] = field(default_factory=dict)
+    """The decode kernels' knobs passed to snapquant.patch (empty: the kernels' defaults)."""
     batch_size: int = 8
     max_length: int | None = None
     seed: int = 1234
@@ -158,6 +162,8 @@ class SweepSpec:
         d = self.to_dict()
         keep = {k: d[k] for k in ("model", "tokenizer", "dtype", "device_map", "model_kwargs", "backend",
                                   "max_length", "seed", "tasks", "fidelity", "include_path")}
+        if d["kernel_options"]:  # only when set: sweeps written before the key existed keep their cell ids
+            keep["kernel_options"] = d["kernel_options"]
         return stable_hash(keep)[:8]
 
     # ---------------------------------------------------------------- loading
@@ -233,6 +239,7 @@ def _build(d: dict[str, Any], errs: list[str]) -> SweepSpec | None:
             errs.append(f"{k}: expected a mapping")
     if not isinstance(d.get("allow_code_execution", False), bool):
         errs.append("allow_code_execution: expected true or false")
+    kernel_options = _build_kernel_options(d.get("backend"), d.get("kernel_options"), errs)
 
     tasks = _build_tasks(d.get("tasks"), errs)
     presets = _build_presets(d.get("presets", ()), errs)
@@ -254,12 +261,32 @@ def _build(d: dict[str, Any], errs: list[str]) -> SweepSpec | None:
     return SweepSpec(
         model=model, tasks=tasks, presets=presets, grid=grid, name=name, tokenizer=d.get("tokenizer"),
         dtype=d.get("dtype", "auto"), device=device, device_map=dm, model_kwargs=dict(d.get("model_kwargs") or {}),
-        backend=d.get("backend"), batch_size=d.get("batch_size", 8), max_length=d.get("max_length"),
+        backend=d.get("backend"), kernel_options=kernel_options, batch_size=d.get("batch_size", 8),
+        max_length=d.get("max_length"),
         seed=d.get("seed", 1234), bootstrap_iters=d.get("bootstrap_iters", 1000), baseline=baseline,
         include_path=tuple(str(Path(p).resolve()) for p in include), fidelity=fidelity,
         allow_code_execution=d.get("allow_code_execution", False), output_dir=d.get("output_dir"),
         launcher=launcher,
     )
+
+
+def _build_kernel_options(backend: Any, raw: Any, errs: list[str]) -> dict[str, Any]:
+    """Check `backend` against the registered backends and `kernel_options` against what it accepts."""
+    from ..attention.backends import backend_choices, check_kernel_options
+
+    if backend is not None and backend not in backend_choices():
+        errs.append(_unknown("backend", backend, backend_choices()))
+        return {}
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        errs.append(f"kernel_options: expected a mapping of option: value, got {raw!r}")
+        return {}
+    try:
+        check_kernel_options(backend or "auto", raw)
+    except ConfigError as e:
+        errs.append(str(e))
+    return dict(raw)
 
 
 def _build_tasks(raw: Any, errs: list[str]) -> tuple[TaskSpec, ...]:
