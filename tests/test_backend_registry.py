@@ -255,3 +255,62 @@ def test_a_sweep_cell_patches_with_its_kernel_options_for_tasks_and_fidelity(fak
     assert out["fidelity"] == {"ok": True}
     assert patches == [("snapmla", "fake", {"alpha": 1})] * 2  # the tasks' patch, then fidelity's
     assert lms == [("fake", {"alpha": 1})]  # the lm-eval model re-patches with the same options
+
+
+# ---------------------------------------------------------------------------------------------- benchmarks
+def test_the_decode_benchmark_runs_each_core_kernel_variant_again_with_the_kernel_options():
+    from snapquant.bench.harness import RunSpec, run
+    from snapquant.bench.shapes import uniform_shape
+    from snapquant.bench.timing import Timing
+    from snapquant.bench.variants import BY_NAME, with_kernel_options
+
+    class OnceTimer:  # runs each callable once; timing itself is never measured by tests
+        name = "once"
+
+        def __call__(self, fns, est_us=None):
+            for f in fns:
+                f()
+            return Timing(100.0, 99.0, 101.0, 1, len(fns), self.name)
+
+    chosen = [BY_NAME["bf16"], BY_NAME["snapmla"], BY_NAME["torch"], BY_NAME["snapmla+balanced"]]
+    variants = with_kernel_options(chosen, {"num_splits": 3})
+    twins = [v for v in variants if v.name.endswith("+options")]
+    assert [v.name for v in twins] == ["bf16+options", "snapmla+options"]  # core kernel variants only
+    assert all(v.knobs == (("num_splits", 3),) and v.check_vs == v.name.removesuffix("+options") for v in twins)
+    spec = RunSpec(shapes=[uniform_shape(2, 4, 70)], variants=variants, device=torch.device("cpu"), budget_s=600,
+                   reserve_s=0, append=False, copy=False, r=64, d=16)
+    rows = {r["variant"]: r for r in run(spec, OnceTimer(), log=lambda m: None)}
+    for v in twins:
+        row = rows[v.name]
+        assert row["status"] == "ok", row.get("error")
+        assert "num_splits=3" in row["resolved"]  # the option reached the kernel's launch plan
+        assert "num_splits=3" not in rows[v.check_vs]["resolved"]
+        assert row["check_rel_l2"] <= 2e-3  # splits only reorder the fp32 sums (the knob variants' tolerance)
+
+
+def test_bad_kernel_options_stop_the_benchmarks_before_anything_runs(tmp_path, capsys):
+    from snapquant.bench.runner import main
+
+    assert main(["--device", "cpu", "--out", str(tmp_path / "b"), "--kernel-options", "num_split=8"]) == 2
+    assert "num_split" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", Path(__file__).resolve().parents[1] / "scripts" /
+                                                  "bench_e2e.py")
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    assert e2e.main(["--backend", "reference", "--kernel-options", "num_splits=8", "--out", str(tmp_path / "e")]) == 2
+    assert "takes no kernel options" in capsys.readouterr().err
+
+
+def test_the_fidelity_command_checks_backend_and_options_before_loading_a_model(fake):
+    from typer.testing import CliRunner
+
+    from snapquant.cli import app
+
+    res = CliRunner().invoke(app, ["fidelity", "--model", "/nonexistent", "--backend", "fake",
+                                   "--kernel-options", "gamma=1"])
+    assert res.exit_code == 2 and "'gamma'" in res.output and "/nonexistent" not in res.output
+    res = CliRunner().invoke(app, ["fidelity", "--model", "/nonexistent", "--backend", "tritn"])
+    assert res.exit_code == 2 and "backend='tritn' is not valid" in res.output and "fake" in res.output

@@ -247,3 +247,8 @@ def test_known_cycle_is_gone(graph, name):
                                        "KNOWN_KERNEL_IMPORTS entry when this passes")
 def test_known_kernel_import_is_gone(graph, name):
     assert KNOWN_KERNEL_IMPORTS[name] not in kernel_seam_imports(graph)
+
+
+def test_the_runtime_guards_are_a_leaf(graph):
+    """snapquant.runtime is what the kernels, the seam, the cache and the graph step share: it imports none."""
+    assert graph["snapquant.runtime"] <= {"snapquant.errors"}
