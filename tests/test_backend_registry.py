@@ -107,11 +107,15 @@ def test_importing_the_seam_the_patch_and_the_graph_step_imports_no_kernel():
 
 def test_a_backend_that_cannot_be_imported_is_one_clear_error():
     register_backend("ghost", "sq_no_such_module:decode", needs_cuda=False)
+    register_backend("typo", "snapquant.reference:mla_decode_referense", needs_cuda=False)
     try:
         with pytest.raises(ConfigError, match=r"backend='ghost' is not available: importing sq_no_such_module:decode"):
             resolve_backend("ghost", PRESETS["snapmla"], torch.device("cpu"))
+        with pytest.raises(ConfigError, match=r"backend='typo' is not available: .*no attribute 'mla_decode_referense'"):
+            resolve_backend("typo", PRESETS["snapmla"], torch.device("cpu"))
     finally:
         unregister_backend("ghost")
+        unregister_backend("typo")
 
 
 def test_auto_takes_the_first_auto_backend_that_supports_the_config_on_cuda_only(fake):

@@ -42,8 +42,8 @@ from ..runtime import allow_host_sync, lengths_trusted, stream_capturing, truste
 
 # The guards live in snapquant.runtime; importable from here too (the seam's users reach them here).
 __all__ = ["BACKEND_CHOICES", "Backend", "backend_choices", "check_backend_name", "check_kernel_options",
-           "kernel_options_from_text", "lengths_trusted", "parse_kernel_options", "register_backend", "resolve_backend", "static_backend",
-           "stream_capturing", "trusted_lengths", "unregister_backend"]
+           "kernel_options_from_text", "lengths_trusted", "parse_kernel_options", "register_backend",
+           "resolve_backend", "static_backend", "stream_capturing", "trusted_lengths", "unregister_backend"]
 
 AUTO = "auto"
 
@@ -84,7 +84,10 @@ def _load_ref(ref: Callable | str | None) -> Any:
     module, _, attr = ref.partition(":")
     obj: Any = importlib.import_module(module)
     for part in attr.split("."):
-        obj = getattr(obj, part)
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ImportError(f"{module} has no attribute {attr!r}") from None
     return obj
 
 
