@@ -292,11 +292,20 @@ def test_the_decode_benchmark_runs_each_core_kernel_variant_again_with_the_kerne
         assert row["check_rel_l2"] <= 2e-3  # splits only reorder the fp32 sums (the knob variants' tolerance)
 
 
-def test_bad_kernel_options_stop_the_benchmarks_before_anything_runs(tmp_path, capsys):
-    from snapquant.bench.runner import main
+def test_the_benchmarks_check_kernel_options_before_anything_runs(tmp_path, capsys):
+    from typer.testing import CliRunner
 
-    assert main(["--device", "cpu", "--out", str(tmp_path / "b"), "--kernel-options", "num_split=8"]) == 2
-    assert "num_split" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    from snapquant.bench.runner import BenchOptions, plan
+    from snapquant.cli import app
+
+    bp = plan(BenchOptions(device="cpu", variants="snapmla", kernel_options="num_splits=3,p_div=exact"))
+    assert bp.kernel_options == {"num_splits": 3, "p_div": "exact"}
+    assert [v.name for v in bp.variants] == ["bf16", "snapmla", "bf16+options", "snapmla+options"]
+    assert bp.record()["kernel_options"] == bp.kernel_options
+    res = CliRunner().invoke(app, ["bench", "--device", "cpu", "--out", str(tmp_path / "b"),
+                                   "--kernel-options", "num_split=8"])
+    assert res.exit_code == 2 and "--kernel-options" in res.output and "'num_split'" in res.output
+    assert not (tmp_path / "b").exists()
     import importlib.util
     from pathlib import Path
 
@@ -313,8 +322,47 @@ def test_the_fidelity_command_checks_backend_and_options_before_loading_a_model(
 
     from snapquant.cli import app
 
-    res = CliRunner().invoke(app, ["fidelity", "--model", "/nonexistent", "--backend", "fake",
-                                   "--kernel-options", "gamma=1"])
-    assert res.exit_code == 2 and "'gamma'" in res.output and "/nonexistent" not in res.output
-    res = CliRunner().invoke(app, ["fidelity", "--model", "/nonexistent", "--backend", "tritn"])
-    assert res.exit_code == 2 and "backend='tritn' is not valid" in res.output and "fake" in res.output
+    res = CliRunner().invoke(app, ["fidelity", "--backend", "fake", "--kernel-options", "gamma=1"])
+    assert res.exit_code == 2 and "'gamma'" in res.output  # the embedded model is not loaded: no traceback
+    res = CliRunner().invoke(app, ["fidelity", "--backend", "tritn"])
+    assert res.exit_code == 2 and "--backend='tritn' is not valid" in res.output and "fake" in res.output
+
+
+# ---------------------------------------------------------------------------------------------- the kernels
+@pytest.fixture
+def triton_on_cpu():
+    """Let backend='triton' run on CPU (the Triton interpreter) for this test; its registration is restored after."""
+    register_backend("triton", "snapquant.kernels:triton_backend", supports="snapquant.kernels:supports",
+                     needs_cuda=False)
+    yield
+    register_backend("triton", "snapquant.kernels:triton_backend", supports="snapquant.kernels:supports",
+                     needs_cuda=True)
+
+
+def test_triton_kernel_options_reach_every_kernel_launch(triton_on_cpu, monkeypatch):
+    import warnings
+
+    import snapquant.kernels.backend as kb
+    from snapquant.kernels import DecodeOptions
+
+    seen, launch = [], kb.launch_decode
+
+    def spy(*args, options=None, **kw):
+        seen.append(options)
+        return launch(*args, options=options, **kw)
+
+    monkeypatch.setattr(kb, "launch_decode", spy)
+    model = tiny_model("deepseek_v3", kv_lora_rank=64, qk_rope_head_dim=16)  # widths the kernels run
+    with pytest.raises(ConfigError, match=r"'num_split'.*valid options: .*num_splits"):
+        snapquant.patch(model, "snapmla", backend="triton", kernel_options={"num_split": 3})
+    snapquant.patch(model, "snapmla", backend="reference")
+    want = _steps(model, n_steps=2)
+    snapquant.patch(model, "snapmla", backend="triton", kernel_options={"num_splits": 3, "p_div": "exact"})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="snapquant triton backend")  # no silent fallback
+        got = _steps(model, n_steps=2)
+    assert len(seen) == 2 * len(patch_state(model).hooks)
+    assert set(seen) == {DecodeOptions(num_splits=3, p_div="exact")}
+    # fp32 model: the kernel and the reference read the same codes; bound as test_kernels_backend.py argues
+    assert (got - want).abs().max() <= 2e-3 * want.abs().max()
+    snapquant.unpatch(model)

@@ -21,15 +21,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "snapquant"
 # Layers above the kernels: the kernels are called by them and must not import them back.
 ABOVE_KERNELS = ("snapquant.attention", "snapquant.cache", "snapquant.patching", "snapquant.graphs")
 
-# Cycles and kernel imports that other work in progress removes (evaluation moving into eval/, the
-# kernels' restructuring). Each entry is a strict xfail: once the work lands and the cycle is gone its
-# test fails until the entry is deleted here. Keep this list short and delete entries, never add.
+# Cycles that work in progress removes (evaluation moving into eval/). Each entry is a strict xfail: once
+# the work lands and the cycle is gone its test fails until the entry is deleted here. Keep this list
+# short and delete entries, never add.
 KNOWN_CYCLES: dict[str, frozenset[str]] = {
     "evaluation": frozenset({"snapquant.fidelity", "snapquant.sweep.evaluate"}),
-    "kernels_paged": frozenset({"snapquant.kernels.paged", "snapquant.kernels.quantize_append"}),
-}
-KNOWN_KERNEL_IMPORTS: dict[str, tuple[str, str]] = {
-    "kernels_backend": ("snapquant.kernels.backend", "snapquant.attention.backends"),
 }
 
 
@@ -227,8 +223,7 @@ def test_no_import_cycle(graph):
 
 
 def test_kernels_import_nothing_from_the_layers_above_them(graph):
-    known = set(KNOWN_KERNEL_IMPORTS.values())
-    bad = sorted(kernel_seam_imports(graph) - known)
+    bad = sorted(kernel_seam_imports(graph))
     assert not bad, "snapquant/kernels/ imports from the layers above it:\n" + "\n".join(
         f"  {m} imports {t}" for m, t in bad)
 
@@ -240,13 +235,6 @@ def test_known_cycle_is_gone(graph, name):
     members = KNOWN_CYCLES[name]
     left = [c for c in cycles(graph) if set(c) & members]
     assert not left, f"{name}: " + "; ".join(_path_in(graph, c) for c in left)
-
-
-@pytest.mark.parametrize("name", sorted(KNOWN_KERNEL_IMPORTS))
-@pytest.mark.xfail(strict=True, reason="a kernels import that work in progress removes; delete its "
-                                       "KNOWN_KERNEL_IMPORTS entry when this passes")
-def test_known_kernel_import_is_gone(graph, name):
-    assert KNOWN_KERNEL_IMPORTS[name] not in kernel_seam_imports(graph)
 
 
 def test_the_runtime_guards_are_a_leaf(graph):

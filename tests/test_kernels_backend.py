@@ -130,12 +130,11 @@ def _register():
     register_backend("triton", triton_backend, supports=supports, needs_cuda=True)
 
 
-def test_registration_with_the_seam(monkeypatch):
-    """The seam registers `triton` from snapquant.kernels on first use (the kernels import nothing from it)."""
-    from snapquant.attention import backends
-
-    monkeypatch.delitem(backends._REGISTRY, "triton", raising=False)
-    monkeypatch.setattr(backends, "_KERNELS_TRIED", False)
+def test_registration_with_the_seam():
+    """The seam names `triton` by "module:attr" strings and loads them on first use (the kernels import nothing
+    from it)."""
+    register_backend("triton", "snapquant.kernels:triton_backend", supports="snapquant.kernels:supports",
+                     needs_cuda=True)
     cuda = torch.device("cuda")  # resolve_backend only looks at the device type
     assert resolve_backend("triton", PRESETS["snapmla"], cuda).fn is triton_backend
     assert resolve_backend("auto", PRESETS["ds_v32"], cuda).fn is triton_backend
