@@ -92,42 +92,120 @@ def test_softmax_scale_is_used():
 # ------------------------------------------------------------------ scale-fused PV, step by step
 
 
-def _literal_fused_decode(q_nope, q_rope, sigma, codes, s, rope_t, tau, L, block=64):
-    """numerics.md's SnapMLA decode for ONE head and ONE request, written out scalar-block by block
-    with explicit Python state, independent of the vectorised reference."""
-    m_old, l_sum, pi_old = -math.inf, 0.0, 1.0
-    acc = torch.zeros(codes.shape[-1])
-    for start in range(0, L, block):
-        c = codes[start:min(start + block, L)]
-        sj = s[start:min(start + block, L)]
-        r = rope_t[start:min(start + block, L)]
-        logit = tau * sigma * sj * (c @ q_nope + r @ q_rope)  # one fp32 accumulator, one rescale
-        x = logit * math.log2(math.e)
-        m_new = max(m_old, float(x.max()))
+U = 2.0**-24  # fp32 unit roundoff
+LN2 = math.log(2.0)
+
+
+def _e4m3(y: torch.Tensor) -> torch.Tensor:
+    """e4m3 rounding of float64 values (through fp32: both steps are monotone, so intervals map to intervals)."""
+    return y.float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
+
+
+def _literal_fused_decode(q_nope, q_rope, sigma, codes, s, rope_t, tau, L, ref_f_over_pi, ref_p, block=64):
+    """numerics.md's SnapMLA decode for ONE head and ONE request, written out block by block with explicit
+    Python state, independent of the vectorised reference. It runs in float64, so it is the formula itself
+    (to ~1e-16) whatever order it sums in, and next to every quantity the fp32 reference computes it
+    carries a first-order bound on the reference's error, from the standard model of fp32 arithmetic:
+    every operation is off by at most U = 2^-24 relative; an n-term sum, in ANY order (the CPU kernels'
+    order differs by ISA and thread count), by at most n U sum|terms|; exp2 / log2 by at most 1 ulp (2U).
+      logit  x = coef s_j (<q^, c^_j> + <q~r, r~_j>): 80-term sum, then 3 roundings (x s_j, coef = fp32(tau
+             log2 e) sigma, x coef): |dx_j| <= (80 + 5) U |coef| s_j (sum_k |q^_k c^_jk| + sum_i |q~r_i r~_ji|)
+      max    |dm| <= max_j |dx_j| (a maximum moves by at most the largest move of its arguments)
+      e      e_j = exp2(x_j - m): relative de_j <= ln2 (|dx_j| + |dm| + U |x_j - m|) + 2U
+      pi     max_j f_j / 448, f_j = e_j s_j: relative dpi <= max_j f_j (de_j + U) / max_j f_j + U
+      P      e4m3(f_j / pi), where f_j / pi carries dy_j = de_j + U + dpi + U: a rounding, so within dy_j of
+             an e4m3 midpoint either neighbour is right. The reference's own f/pi and codes (ref_f_over_pi,
+             ref_p) are checked against that band and the codes are then used here, so the output bound
+             below needs no allowance for a code that legitimately went the other way.
+      beta   exp2(m_old - m_new) pi_old / pi_new: ln2 (dm_old + dm_new + U |m_old - m_new|) + 2U + dpi_old
+             + dpi_new + 2U
+      acc    beta acc + P @ c: exact fp8 x fp8 products, an n-row sum (n U sum|P c|), 2 roundings
+      l      beta l + sum_j e_j / pi: the e_j's own errors weighted by e_j, an n-term sum, pi's error
+      out    acc / l;  lse = (m + log2(l pi)) ln2
+    Returns (out, lse, bound on |out_ref - out|, bound on |lse_ref - lse|, the scale sum_j w_j |P_j c_j| / l
+    that a fixed relative tolerance would have to be measured against)."""
+    q, qr, c_all, s_all, r_all = (t.double() for t in (q_nope, q_rope, codes, s, rope_t))
+    coef = tau * sigma * math.log2(math.e)
+    n_dot = q.numel() + qr.numel()
+    m_old, dm_old, pi_old, dpi_old = -math.inf, 0.0, 1.0, 0.0
+    acc, acc_err, acc_abs = (torch.zeros(c_all.shape[-1], dtype=torch.float64) for _ in range(3))
+    l_sum = l_err = 0.0
+    for b, start in enumerate(range(0, L, block)):
+        c, sj, r = c_all[start:min(start + block, L)], s_all[start:min(start + block, L)], r_all[start:min(start + block, L)]
+        n = c.shape[0]
+        x = coef * sj * (c @ q + r @ qr)
+        dx = (n_dot + 5) * U * abs(coef) * sj * (c.abs() @ q.abs() + r.abs() @ qr.abs())
+        m_new, dm_new = max(m_old, float(x.max())), max(dm_old, float(dx.max()))
+        assert float((x - m_new).min()) > -100  # e stays a normal fp32 number: relative bounds apply
         e = torch.exp2(x - m_new)
-        f = e * sj  # fold V's scale into P
+        de = LN2 * (dx + dm_new + U * (x - m_new).abs()) + 2 * U
+        f = e * sj
         pi_new = float(f.max()) / 448.0
-        p_hat = (f / pi_new).to(torch.float8_e4m3fn).float()
-        beta = 2.0 ** (m_old - m_new) * pi_old / pi_new if m_old != -math.inf else 0.0
-        acc = beta * acc + p_hat @ c
-        l_sum = beta * l_sum + float(e.sum()) / pi_new
-        m_old, pi_old = m_new, pi_new
-    return acc / l_sum, (m_old + math.log2(l_sum * pi_old)) * math.log(2)
+        dpi_new = float((f * (de + U)).max()) / float(f.max()) + U
+        y, dy = f / pi_new, de + U + dpi_new + U
+        assert float(dy.max()) < 1e-2  # first order is enough (and the band stays far narrower than a code step)
+        ref_y, p = ref_f_over_pi[b][:n].double(), ref_p[b][:n].double()
+        assert ((ref_y - y).abs() <= dy * y).all(), "the reference's f / pi is off the formula"
+        assert ((_e4m3(y * (1 - dy)) <= p) & (p <= _e4m3(y * (1 + dy)))).all(), "a P code no rounding of f / pi gives"
+        if m_old == -math.inf:
+            beta, dbeta = 0.0, 0.0
+        else:
+            beta = 2.0 ** (m_old - m_new) * pi_old / pi_new
+            dbeta = LN2 * (dm_old + dm_new + U * abs(m_old - m_new)) + 2 * U + dpi_old + dpi_new + 2 * U
+        pc_abs = p.abs() @ c.abs()
+        acc_err = beta * acc_err + (dbeta + 2 * U) * beta * acc_abs + (n + 1) * U * pc_abs
+        acc, acc_abs = beta * acc + p @ c, beta * acc_abs + pc_abs
+        e_sum = float(e.sum())
+        l_err = (beta * l_err + (dbeta + 2 * U) * beta * l_sum
+                 + (float((e * de).sum()) + (n * U + dpi_new + 2 * U) * e_sum) / pi_new)
+        l_sum = beta * l_sum + e_sum / pi_new
+        m_old, dm_old, pi_old, dpi_old = m_new, dm_new, pi_new, dpi_new
+    for b in range(len(range(0, L, block)), len(ref_p)):  # blocks past L are fully masked
+        assert not ref_p[b].any()
+    out = acc / l_sum
+    out_err = acc_err / l_sum + out.abs() * (l_err / l_sum + U)
+    log2_lpi = math.log2(l_sum * pi_old)
+    lse = (m_old + log2_lpi) * LN2
+    lse_err = (LN2 * dm_old + l_err / l_sum + dpi_old + U + 2 * U * LN2 * abs(log2_lpi)
+               + U * LN2 * abs(m_old + log2_lpi) + U * abs(lse))
+    slack = 1.01  # second-order terms: products of two relative errors, each < 1e-2
+    return out, lse, slack * out_err, slack * lse_err, acc_abs / l_sum
+
+
+class _RecordingFormat:
+    """Stands in for the e4m3 format that mla_decode_reference rounds P with; keeps what it rounds."""
+
+    def __init__(self, fmt):
+        self.fmt, self.qmax, self.rounded = fmt, fmt.qmax, []
+
+    def round_trip(self, x):
+        out = self.fmt.round_trip(x)
+        self.rounded.append((x.clone(), out.clone()))
+        return out
 
 
 @pytest.mark.parametrize("L", [1, 64, 100, 200])
-def test_scale_fused_pv_matches_the_formula_step_by_step(L):
+def test_scale_fused_pv_matches_the_formula_step_by_step(L, monkeypatch):
     latent, rope = synthetic_latent_rope(200, 64, 16, seed=L)
     q = synthetic_queries(latent, rope, 4, seed=L + 1)
     kv = sq.quantize_kv(latent, rope, sq.PRESETS["snapmla"])
+    p_fmt = _RecordingFormat(decode_module.get_element_format("fp8_e4m3"))
+    real = decode_module.get_element_format
+    monkeypatch.setattr(decode_module, "get_element_format", lambda name, *a: p_fmt if name == "fp8_e4m3" else real(name, *a))
     out, lse = sq.mla_decode_reference(q, kv, torch.tensor([L]))
+    monkeypatch.undo()
     q_nope, q_rope, sigma = sq.quantize_query(q, sq.PRESETS["snapmla"], 64)
     codes, s, rope_t = kv.latent.codes_f32()[0], kv.latent.scale_f32()[0, :, 0], kv.rope.codes_f32()[0]
     tau = 1 / math.sqrt(80)
     for h in range(4):
-        o_h, lse_h = _literal_fused_decode(q_nope[0, h], q_rope[0, h], float(sigma[0, h]), codes, s, rope_t, tau, L)
-        torch.testing.assert_close(out[0, h], o_h, rtol=2e-5, atol=1e-6)
-        assert abs(float(lse[0, h]) - lse_h) < 1e-5
+        ref_f_over_pi = [x[0, 0, h, :, 0] for x, _ in p_fmt.rounded]  # [B, S, H, n, nb] per block
+        ref_p = [p[0, 0, h, :, 0] for _, p in p_fmt.rounded]
+        o_h, lse_h, o_err, lse_err, scale = _literal_fused_decode(
+            q_nope[0, h], q_rope[0, h], float(sigma[0, h]), codes, s, rope_t, tau, L, ref_f_over_pi, ref_p)
+        # the bound is the fp32 arithmetic's, far below what a wrong formula moves (fp8 P alone: ~1e-2)
+        assert (o_err <= 5e-3 * scale).all() and lse_err < 5e-3
+        assert ((out[0, h].double() - o_h).abs() <= o_err).all(), float(((out[0, h].double() - o_h).abs() / o_err).max())
+        assert abs(float(lse[0, h]) - lse_h) <= lse_err
 
 
 def test_naive_pv_is_worse_than_scale_fused_on_a_long_tail():
