@@ -7,12 +7,24 @@ DynamicCache holding the raw latent. Every step it re-quantizes the whole raw ca
 `quantize_kv` (valid for causal-consistent formats), absorbs the query with `absorb_query`, runs
 `mla_decode_reference` per request (or per query row for DSA top-k selections) and projects with W_UV.
 Prefill (S > 1) with `prefill: bf16` runs plain eager attention on the expanded K/V.
+
+Comparing a patched model with its reference: run the patched model under `recording_attention_inputs`,
+then the reference under `replaying_attention_inputs`, so that every MLA attention of the reference reads
+exactly the hidden states the patched one read. Without that, the two models differ upstream of each
+attention by fp32 reassociation (~3e-7 relative: batched vs per-request decode, stock vs plain prefill;
+the exact bits depend on the CPU kernels, i.e. on the ISA and thread count), and a rounding to fp8 / bf16
+whose input lies that close to a rounding midpoint (the query's pre-scaled RoPE, a cache code, P) lands
+on a different code in the two models: one bf16 ulp of one query element moves the logits by ~1e-4 of
+their scale. With identical inputs both models quantize identical numbers, so they take every rounding
+decision alike and differ only by fp32 reassociation of what follows.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface
@@ -100,6 +112,60 @@ def reference_copy(model, config):
     if hasattr(ref.config, "get_text_config"):
         ref.config.get_text_config()._attn_implementation = REF_IMPL
     return ref
+
+
+def _mla_modules(model) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if hasattr(m, "kv_a_proj_with_mqa")}
+
+
+def _hidden_states(args, kwargs) -> torch.Tensor:
+    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+
+@contextmanager
+def recording_attention_inputs(model) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Yields {module name: [hidden_states of each call]} filled while the block runs."""
+    recorded: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for name, module in _mla_modules(model).items():
+        calls = recorded.setdefault(name, [])
+        handles.append(module.register_forward_pre_hook(
+            lambda m, args, kwargs, calls=calls: calls.append(_hidden_states(args, kwargs).detach().clone()),
+            with_kwargs=True))
+    try:
+        yield recorded
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def replaying_attention_inputs(model, recorded: dict[str, list[torch.Tensor]],
+                               select: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> Iterator[None]:
+    """Every MLA attention of `model` reads `select(recorded input)` of the same module and call instead of
+    its own hidden_states (same shape required); every recorded call must be replayed."""
+    handles, pending = [], {}
+    for name, module in _mla_modules(model).items():
+        pending[name] = iter(recorded[name])
+
+        def hook(m, args, kwargs, name=name):
+            own = _hidden_states(args, kwargs)
+            forced = next(pending[name], None)
+            assert forced is not None, f"{name}: more attention calls than were recorded"
+            forced = select(forced)
+            assert forced.shape == own.shape, f"{name}: recorded {tuple(forced.shape)}, now {tuple(own.shape)}"
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": forced}
+            return (forced, *args[1:]), kwargs
+
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    left = {name: sum(1 for _ in it) for name, it in pending.items()}
+    assert not any(left.values()), f"recorded attention calls never replayed: {left}"
 
 
 # ---------------------------------------------------------------------------------------------- runs
