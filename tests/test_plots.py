@@ -188,6 +188,15 @@ def test_task_deltas_make_a_zero_width_interval_visible(figs):
     assert caps  # interval caps drawn for the non-degenerate interval
 
 
+def test_accuracy_panel_names_the_zero_stderrs_it_cannot_draw(figs):
+    tab = _sweep_table()
+    tab.long["stderr"] = 0.0
+    tab.long["n_samples"] = 8
+    plots.plot_accuracy_vs_bytes(tab, "unused")
+    texts = [t.get_text() for t in figs[-1].axes[0].texts if t.get_gid() == "exact"]
+    assert texts == ["stderr 0: bf16 (n=8), snapmla (n=8), per_tensor_fp8 (n=8)"]
+
+
 # ---------------------------------------------------------------------- experiment figures
 def _pv_tables():
     pipes = ["snapmla", "snapmla_naive_pv", "snapmla_q_fp8", "snapmla_kv_only"]

@@ -1,7 +1,8 @@
 """Figures from sweep results (matplotlib, Agg backend, each saved as PNG and PDF).
 
 - `plot_accuracy_vs_bytes`: one panel per task, primary metric (± stderr) against cache bytes per
-  token per layer; the baseline is drawn as a horizontal reference line.
+  token per layer; the baseline is drawn as a horizontal reference line; zero stderrs, whose bars
+  cannot be seen, are listed in the panel ("stderr 0: bf16 (n=8), ...").
 - `plot_task_deltas`: per task, each cell's delta to the baseline with its paired-bootstrap 95% CI;
   filled markers are significant under the paired test, hollow ones are not. A delta that is
   exactly zero with a zero-width interval (no discordant sample) is labelled "0 (exact)".
@@ -84,35 +85,28 @@ def factor_styles(keys: list[tuple[str, str]]) -> dict[tuple[str, str], dict]:
     return out
 
 
-def reference_line(ax, y: float, label: str, *, orientation: str = "h", color: str = "0.35") -> None:
-    """Draw a baseline as a dashed line with its label; if it falls outside the current limits (set
-    them from the data first), the line stays off scale and an arrow at that edge gives its value."""
-    line = ax.axhline if orientation == "h" else ax.axvline
-    lim = ax.get_ylim() if orientation == "h" else ax.get_xlim()
-    line(y, color=color, ls="--", lw=1.0, label=label, gid="reference")
-    if orientation == "h":
-        ax.set_ylim(lim)  # axhline would otherwise widen the axis to include the baseline
-    else:
-        ax.set_xlim(lim)
+def reference_line(ax, y: float | list[float], label: str, *, color: str = "0.35") -> None:
+    """Draw a baseline (one value, or one per mode) as dashed horizontal lines with one label.
+
+    Set the axis limits from the data first: the lines never widen them. A baseline outside them
+    stays off scale, and the label, with an arrow at that edge, gives its value instead.
+    """
+    ys = sorted(set(y if isinstance(y, list) else [y]))
+    lim = ax.get_ylim()
+    for v in ys:
+        ax.axhline(v, color=color, ls="--", lw=1.0, gid="reference")
+    ax.set_ylim(lim)  # axhline would otherwise widen the axis to include the baseline
     lo, hi = min(lim), max(lim)
-    inverted = lim[0] > lim[1]
-    if lo <= y <= hi:
-        if orientation == "h":
-            ax.annotate(label, xy=(0.01, y), xycoords=("axes fraction", "data"), xytext=(0, 2),
-                        textcoords="offset points", fontsize=7, color=color, va="bottom")
-        else:
-            ax.annotate(label, xy=(y, 0.99), xycoords=("data", "axes fraction"), xytext=(2, 0),
-                        textcoords="offset points", fontsize=7, color=color, va="top", rotation=90)
+    off = [v for v in ys if not lo <= v <= hi]
+    if not off:
+        ax.annotate(label, xy=(0.01, ys[-1]), xycoords=("axes fraction", "data"), xytext=(0, 2),
+                    textcoords="offset points", fontsize=7, color=color, va="bottom", gid="reference_label")
         return
-    low_side = (y < lo) != inverted
-    arrow = "\u2193" if low_side else "\u2191"
-    pos = 0.02 if low_side else 0.98
-    if orientation == "h":
-        ax.annotate(f"{arrow} {label} (off scale)", xy=(0.01, pos), xycoords="axes fraction", fontsize=7,
-                    color=color, va="bottom" if low_side else "top")
-    else:
-        ax.annotate(f"{label} (off scale) {arrow}", xy=(pos, 0.98), xycoords="axes fraction", fontsize=7,
-                    color=color, ha="left" if low_side else "right", va="top")
+    low = (off[0] < lo) != (lim[0] > lim[1])  # below the visible range (an inverted axis swaps the edge)
+    arrow = "\u2193" if low else "\u2191"
+    ax.annotate(f"{arrow} {label} (off scale)", xy=(0.01, 0.02 if low else 0.98),
+                xycoords="axes fraction", fontsize=7, color=color, va="bottom" if low else "top",
+                gid="reference_label")
 
 
 def save_figure(fig, out_dir: str | Path, stem: str, points: list[dict] | None = None) -> list[Path]:
@@ -150,10 +144,11 @@ def plot_accuracy_vs_bytes(table: SweepTable, out_dir: str | Path, stem: str = "
     nr, nc = _grid(len(tasks))
     fig, axes = plt.subplots(nr, nc, figsize=(4.6 * nc, 3.6 * nr), squeeze=False)
     bpt = dict(zip(table.cells["label"], table.cells["bytes_per_token"], strict=True))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    cs = colors()
     points = []
     for ax, task in zip(axes.flat, tasks, strict=False):
         sel = table.long[table.long["task"] == task]
+        zero: list[str] = []
         for i, (_, row) in enumerate(sel.iterrows()):
             x = bpt.get(row["label"])
             if x is None or not math.isfinite(row["value"]):
@@ -162,10 +157,16 @@ def plot_accuracy_vs_bytes(table: SweepTable, out_dir: str | Path, stem: str = "
                            "value": row["value"], "stderr": row["stderr"]})
             se = row["stderr"] if math.isfinite(row["stderr"]) else 0.0
             marker = "s" if row["is_baseline"] else "o"
-            ax.errorbar([x], [row["value"]], yerr=[se], fmt=marker, color=colors[i % len(colors)], capsize=3,
+            ax.errorbar([x], [row["value"]], yerr=[se], fmt=marker, color=cs[i % len(cs)], capsize=4,
                         label=row["label"])
+            if se == 0 and math.isfinite(row["stderr"]):
+                n = row.get("n_samples")
+                zero.append(f"{row['label']}" + (f" (n={int(n)})" if _finite(n) else ""))
             if row["is_baseline"]:
                 ax.axhline(row["value"], color="grey", lw=0.8, ls="--")
+        if zero:  # a zero-width error bar cannot be seen: say it
+            ax.annotate("stderr 0: " + ", ".join(zero), xy=(0.01, 0.02), xycoords="axes fraction", fontsize=7,
+                        color="0.3", gid="exact")
         ax.set_title(f"{task}")
         ax.set_xlabel("cache bytes / token / layer")
         ax.set_ylabel(sel["metric"].iloc[0] if len(sel) else "")
@@ -270,15 +271,20 @@ def plot_fidelity_vs_bytes(table: SweepTable, out_dir: str | Path, stem: str = "
         t1 = [p["top1_agree"] for p in points if p["top1_agree"] is not None and math.isfinite(p["top1_agree"])]
         pad = max(0.1 * (max(t1) - min(t1)), 0.005)
         axes[1].set_ylim(min(t1) - pad, max(t1) + pad)
-    for label, mode, kl, top1 in base_rows:
-        tag = f"{label} baseline ({mode})"
-        if kl > 0:
-            reference_line(axes[0], kl, f"{tag}: KL {kl:.1e}")
+    for label in dict.fromkeys(lbl for lbl, *_ in base_rows):
+        rows = [r for r in base_rows if r[0] == label]
+        kls = [(mode, kl) for _, mode, kl, _ in rows]
+        if all(kl > 0 for _, kl in kls):
+            reference_line(axes[0], [kl for _, kl in kls],
+                           f"{label} baseline: KL " + ", ".join(f"{kl:.1e} ({mode})" for mode, kl in kls))
         else:
-            axes[0].annotate(f"\u2193 {tag}: KL 0 (off the log scale)", xy=(0.01, 0.02), xycoords="axes fraction",
-                             fontsize=7, color="0.35")
-        if top1 is not None and math.isfinite(top1):
-            reference_line(axes[1], top1, f"{tag}: {top1:.4g}")
+            axes[0].annotate(f"\u2193 {label} baseline: KL 0 (off the log scale)", xy=(0.01, 0.02),
+                             xycoords="axes fraction", fontsize=7, color="0.35", gid="reference_label")
+        tops = [(mode, t) for _, mode, _, t in rows if t is not None and math.isfinite(t)]
+        if tops:
+            same = len({t for _, t in tops}) == 1
+            reference_line(axes[1], [t for _, t in tops], f"{label} baseline: " + (
+                f"{tops[0][1]:.4g}" if same else ", ".join(f"{t:.4g} ({mode})" for mode, t in tops)))
     for ax in axes:
         ax.grid(alpha=0.3)
     handles, labels = axes[1].get_legend_handles_labels()
