@@ -212,20 +212,23 @@ def _pv_tables():
     return per_layer, table
 
 
-def test_pv_pipeline_points_with_intervals_on_linear_axes_from_zero(figs):
+def test_pv_pipeline_points_with_intervals_kl_from_zero_ratio_on_a_marked_log_axis(figs):
     per_layer, table = _pv_tables()
     experiment_plots.plot_pv_pipeline(per_layer, table, "unused")
     axes = figs[-1].axes
-    assert all(ax.get_yscale() == "linear" for ax in axes)
     assert not any(ax.patches for ax in axes)  # no bars
-    for ax, col in ((axes[1], "decode_kl_mean"), (axes[2], "kl_ratio_vs_snapmla")):
-        assert ax.get_ylim()[0] == 0
+    assert all(ax.get_yscale() == "linear" for ax in axes[:2]) and axes[2].get_yscale() == "log"
+    assert axes[1].get_ylim()[0] == 0 and "10^{-3}" in axes[1].get_ylabel()  # KL from 0, in units of 1e-3
+    for ax, col, scale, rows in ((axes[1], "decode_kl_mean", 1e-3, table), (axes[2], "kl_ratio_vs_snapmla", 1.0,
+                                                                             table.iloc[1:])):
         segs = [s for c in ax.collections for s in c.get_segments()]
-        assert len(segs) == 4  # one interval per pipeline, at the table's bounds
+        assert len(segs) == len(rows)  # one interval per pipeline (the ratio's reference row is the line at 1)
         got = sorted((float(s[:, 1].min()), float(s[:, 1].max())) for s in segs)
-        want = sorted(zip(table[f"{col}_ci_low"], table[f"{col}_ci_high"], strict=True))
+        want = sorted(zip(rows[f"{col}_ci_low"] / scale, rows[f"{col}_ci_high"] / scale, strict=True))
         np.testing.assert_allclose(got, want, rtol=1e-12)
     assert any(ln.get_gid() == "reference" and ln.get_ydata()[0] == 1.0 for ln in axes[2].get_lines())
+    lo, hi = axes[2].get_ylim()
+    assert lo < table["kl_ratio_vs_snapmla_ci_low"].min() and hi > table["kl_ratio_vs_snapmla_ci_high"].max()
 
 
 def test_granularity_kl_and_top1_carry_the_tables_intervals(figs):

@@ -24,6 +24,25 @@ def _yerr(df: pd.DataFrame, col: str) -> np.ndarray | None:
     return np.vstack([v - df[lo].to_numpy(dtype=float), df[hi].to_numpy(dtype=float) - v])
 
 
+def _points(ax, x: np.ndarray, table: pd.DataFrame, col: str, cs: list[str], fmt: str = "{:.2g}",
+            scale: float = 1.0, skip: tuple[int, ...] = ()) -> None:
+    """One marker per row with its interval (when the table has one), the numbers written beside it;
+    values are divided by `scale` (the axis unit), rows in `skip` are left out."""
+    err = _yerr(table, col)
+    for i in range(len(table)):
+        if i in skip:
+            continue
+        v = float(table[col].iloc[i])
+        e = None if err is None else err[:, i:i + 1] / scale
+        ax.errorbar([x[i]], [v / scale], yerr=e, fmt=MARKERS[i % len(MARKERS)], color=cs[i % len(cs)], ms=7,
+                    capsize=5, elinewidth=1.3)
+        txt = fmt.format(v / scale)
+        if e is not None:
+            txt += f"\n[{fmt.format(v / scale - e[0, 0])}, {fmt.format(v / scale + e[1, 0])}]"
+        ax.annotate(txt, xy=(x[i], v / scale), xytext=(7, 0), textcoords="offset points", fontsize=6.5,
+                    va="center", color=cs[i % len(cs)])
+
+
 def plot_pv_pipeline(per_layer: pd.DataFrame, table: pd.DataFrame, out_dir: str | Path,
                      stem: str = "pv_pipeline") -> list[Path]:
     """Kernel-level error per layer, decode KL per pipeline (with its interval) and the paired KL ratio.
@@ -45,30 +64,31 @@ def plot_pv_pipeline(per_layer: pd.DataFrame, table: pd.DataFrame, out_dir: str 
     axes[0].xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     axes[0].legend(fontsize=7)
     x = np.arange(len(pipelines))
-    err = _yerr(table, "decode_kl_mean")
-    for i in range(len(pipelines)):
-        axes[1].errorbar([x[i]], [table["decode_kl_mean"].iloc[i]], yerr=None if err is None else err[:, i:i + 1],
-                         fmt=MARKERS[i % len(MARKERS)], color=cs[i % len(cs)], ms=7, capsize=5, elinewidth=1.3)
-    axes[1].set_ylim(0, float(np.nanmax(table.get("decode_kl_mean_ci_high", table["decode_kl_mean"]))) * 1.15)
+    top = float(np.nanmax(table.get("decode_kl_mean_ci_high", table["decode_kl_mean"])))
+    exp = int(np.floor(np.log10(float(np.nanmax(table["decode_kl_mean"]))))) if top > 0 else 0
+    _points(axes[1], x, table, "decode_kl_mean", cs, scale=10.0**exp)
+    axes[1].set_ylim(0, top / 10.0**exp * 1.15)
     n = table.get("decode_kl_mean_n_positions")
-    axes[1].set(ylabel="mean KL (nats, linear from 0)",
-                title="decode next-token KL vs unquantized" + ("\n95% block-bootstrap CI" if err is not None else "")
-                + (f", n = {int(n.iloc[0])} positions" if n is not None else ""))
+    axes[1].set(ylabel=f"mean KL ($10^{{{exp}}}$ nats), linear from 0",
+                title="decode next-token KL vs unquantized" + ("\n95% block-bootstrap CI" if _yerr(
+                    table, "decode_kl_mean") is not None else "") + (f", n = {int(n.iloc[0])} positions"
+                                                                    if n is not None else ""))
     if has_ratio:
-        err = _yerr(table, "kl_ratio_vs_snapmla")
-        for i in range(len(pipelines)):
-            axes[2].errorbar([x[i]], [table["kl_ratio_vs_snapmla"].iloc[i]],
-                             yerr=None if err is None else err[:, i:i + 1], fmt=MARKERS[i % len(MARKERS)],
-                             color=cs[i % len(cs)], ms=7, capsize=5, elinewidth=1.3)
-        top = float(np.nanmax(table.get("kl_ratio_vs_snapmla_ci_high", table["kl_ratio_vs_snapmla"])))
-        axes[2].set_ylim(0, max(top, 1.0) * 1.15)
-        reference_line(axes[2], 1.0, "= scale-fused snapmla")
-        axes[2].set(ylabel="KL / KL(snapmla) (linear from 0)",
-                    title="paired ratio to scale-fused FP8 P\nsame positions, 95% paired block-bootstrap CI")
+        # a ratio reads on a log axis: x2 and /2 sit at the same distance from 1
+        ref = tuple(i for i, p in enumerate(pipelines) if p == "snapmla")  # 1 by definition: the line below
+        _points(axes[2], x, table, "kl_ratio_vs_snapmla", cs, fmt="{:.2f}", skip=ref)
+        axes[2].set_yscale("log", base=2)
+        lo = float(np.nanmin(table.get("kl_ratio_vs_snapmla_ci_low", table["kl_ratio_vs_snapmla"])))
+        hi = float(np.nanmax(table.get("kl_ratio_vs_snapmla_ci_high", table["kl_ratio_vs_snapmla"])))
+        axes[2].set_ylim(min(lo, 1.0) / 1.5, max(hi, 1.0) * 1.5)
+        axes[2].yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+        reference_line(axes[2], 1.0, "1 = scale-fused snapmla")
+        axes[2].set(ylabel="KL / KL(snapmla), log\u2082 scale",
+                    title="KL ratio to scale-fused snapmla\npaired on the same positions, 95% CI")
     for ax in axes[1:]:
         ax.set_xticks(x)
         ax.set_xticklabels(pipelines, rotation=20, fontsize=8, ha="right")
-        ax.set_xlim(-0.5, len(pipelines) - 0.5)
+        ax.set_xlim(-0.4, len(pipelines) - 0.2)  # room for the last point's numbers
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
