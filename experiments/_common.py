@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -12,17 +13,36 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
 
+OUTPUTS = """outputs: by default every table and figure goes to runs/{name}/ (relative to the working directory;
+runs/ is ignored by git), so a trial run never touches the committed results. The committed tables
+and figures in results/{name}/ are rewritten only when asked for by name: --out results/{name}
+(from the repository root). --replot redraws the figures from the tables already in --out."""
+
 
 def parser(description: str, name: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(description=description, epilog=OUTPUTS.format(name=name),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="embedded", help="'embedded' or a Hugging Face checkpoint directory")
     p.add_argument("--dtype", default="float32", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--text", default=None, help=".txt / .jsonl text (default: the held-out code)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--num-sequences", type=int, default=4)
-    p.add_argument("--out", type=Path, default=ROOT / "results" / name)
+    p.add_argument("--out", type=Path, default=Path("runs") / name,
+                   help=f"output directory (default: runs/{name}, ignored by git; the committed results: "
+                        f"--out results/{name})")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw the figures from the tables already in --out (no model run)")
     return p
+
+
+def read_table(out: Path, stem: str) -> pd.DataFrame:
+    """A table an earlier run wrote to `out` (for --replot); exits with one line if it is missing."""
+    f = out / f"{stem}.csv"
+    if not f.is_file():
+        print(f"error: --replot needs {f}; run the experiment with --out {out} first", file=sys.stderr)
+        raise SystemExit(2)
+    return pd.read_csv(f)
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:

@@ -6,7 +6,8 @@
    model per preset, at several context lengths. On a CPU this times the pure-PyTorch reference
    backend, which is a correctness oracle, not a fast path: read those numbers as relative costs of
    the simulation. With a GPU the `auto` backend runs the Triton kernels.
-Writes results/memory_throughput/: memory.md/.csv, throughput.md/.csv, memory_throughput.png/.pdf.
+Writes memory.md/.csv, throughput.md/.csv and memory_throughput.png/.pdf to runs/memory_throughput/
+(the committed copy: --out results/memory_throughput).
 
     python experiments/memory_throughput.py [--model embedded|PATH] [--contexts 256 1024 2048]
 """
@@ -18,10 +19,10 @@ import time
 
 import pandas as pd
 import torch
-from _common import parser, write
+from _common import parser, read_table, write
 
 from snapquant import PRESETS, ConfigError, bytes_per_token
-from snapquant.analysis.plots import plt, save_figure
+from snapquant.analysis.experiment_plots import plot_memory_throughput
 from snapquant.patching import patched
 from snapquant.sweep.model import load_model, model_info
 
@@ -76,6 +77,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
     args = p.parse_args()
+    if args.replot:
+        md = (args.out / "throughput.md").read_text() if (args.out / "throughput.md").is_file() else ""
+        dev = next((w.rsplit(" on ", 1)[1] for w in md.splitlines()[:1] if " on " in w), "?")
+        print(plot_memory_throughput(read_table(args.out, "memory"), read_table(args.out, "throughput"), dev, args.out))
+        return
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
     info = model_info(model)
     mem = memory_table(info)
@@ -105,19 +111,7 @@ def main() -> None:
           "2 warm-up steps. On CPU the patched model runs the pure-PyTorch reference backend (an exact simulation, "
           "not an optimized kernel): compare configs with each other, not with the unpatched model.",
           {"steps": args.steps, "device": str(dev)})
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    m = mem.dropna(subset=["bytes_per_token_layer"])
-    axes[0].barh(m["preset"], m["bytes_per_token_layer"], color="C0")
-    axes[0].invert_yaxis()
-    axes[0].set(xlabel="cache bytes / token / layer", title="KV-cache size per preset")
-    for name, grp in thr.groupby("config", sort=False):
-        axes[1].plot(grp["context"], grp["tokens_per_s"], marker="o", label=name)
-    axes[1].set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens / s", title=f"decode throughput ({dev})")
-    axes[1].legend(fontsize=7)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    save_figure(fig, args.out, "memory_throughput")
+    plot_memory_throughput(mem, thr, str(dev), args.out)
     print((args.out / "memory.md").read_text())
     print((args.out / "throughput.md").read_text())
 

@@ -5,21 +5,25 @@ Two levels, on the model's own activations:
    (`mla_decode_reference`, the oracle of the Triton kernels) over the SnapMLA FP8 cache, once per
    pipeline, against float64 attention on the UNQUANTIZED cache: output relative L2 (latent space)
    and LSE error, mean over layers;
-2. model level: next-token KL / top-1 / perplexity change in step-by-step decode (snapquant.patch).
-Writes results/pv_pipeline/: table.md/.csv, per_layer.csv and pv_pipeline.png/.pdf.
+2. model level: next-token KL / top-1 / perplexity change in step-by-step decode (snapquant.patch),
+   with 95% block-bootstrap intervals over the decode positions, and each pipeline's KL as a paired
+   ratio to scale-fused snapmla's on the same positions (snapquant.analysis.intervals).
+Writes table.md/.csv, per_layer.csv and pv_pipeline.png/.pdf to runs/pv_pipeline/ (the committed
+copy: --out results/pv_pipeline).
 
-    python experiments/pv_pipeline.py [--model embedded|PATH]
+    python experiments/pv_pipeline.py [--model embedded|PATH] [--out results/pv_pipeline]
 """
 
 from __future__ import annotations
 
 import pandas as pd
 import torch
-from _common import load, parser, write
+from _common import load, parser, read_table, write
 
 from snapquant import PRESETS, absorb_query, attention_fp64, mla_decode_reference, quantize_kv, split_kv_b
 from snapquant.analysis.capture import capture_mla
-from snapquant.analysis.plots import plt, save_figure
+from snapquant.analysis.experiment_plots import plot_pv_pipeline
+from snapquant.analysis.intervals import DEFAULT_BLOCK, block_mean_ci, paired_block_ci
 from snapquant.fidelity import fidelity_metrics, fidelity_reference
 from snapquant.patching import patched
 from snapquant.sweep.store import atomic_write_text
@@ -56,20 +60,31 @@ def kernel_level(model, ids) -> pd.DataFrame:
 def main() -> None:
     p = parser(__doc__.splitlines()[0], "pv_pipeline")
     p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="decode positions per bootstrap block")
     args = p.parse_args()
+    if args.replot:
+        print(plot_pv_pipeline(read_table(args.out, "per_layer"), read_table(args.out, "table"), args.out))
+        return
     model, _, ids = load(args)
     per_layer = kernel_level(model, ids)
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out / "per_layer.csv", per_layer.to_csv(index=False))
     ref = fidelity_reference(model, ids)
+    fids = {name: fidelity_metrics(model, ref, PRESETS[preset], modes=("decode",), prompt_len=args.prompt_len,
+                                   patcher=patched, keep_positions=True)["decode"]
+            for name, (preset, _, _) in PIPELINES.items()}
     rows = []
-    for name, (preset, q, pv) in PIPELINES.items():
-        k = per_layer[per_layer.pipeline == name]
-        fid = fidelity_metrics(model, ref, PRESETS[preset], modes=("decode",), prompt_len=args.prompt_len,
-                               patcher=patched)["decode"]
+    for name, (_, q, pv) in PIPELINES.items():
+        k, fid = per_layer[per_layer.pipeline == name], fids[name]
+        kl, top1 = fid["kl_positions"], fid["top1_positions"]
         rows.append({"pipeline": name, "query": q, "P": pv, "out_rel_l2": k["out_rel_l2"].mean(),
                      "out_rel_l2_worst_row": k["out_rel_l2_worst_row"].max(), "lse_abs_err_max": k["lse_abs_err_max"].max(),
-                     "decode_kl_mean": fid["kl_mean"], "decode_kl_p99": fid["kl_p99"], "top1_agree": fid["top1_agree"],
+                     **block_mean_ci(kl, args.block).to_dict("decode_kl_mean"),
+                     **paired_block_ci(fids["snapmla"]["kl_positions"], kl, "ratio", args.block).to_dict(
+                         "kl_ratio_vs_snapmla"),
+                     "decode_kl_p99": fid["kl_p99"],
+                     **{k2: v for k2, v in block_mean_ci(top1, args.block).to_dict("top1_agree").items()
+                        if not k2.endswith(("_n_positions", "_n_blocks"))},
                      "ppl_rel_delta": fid["ppl_rel_delta"]})
         print(rows[-1])
     df = pd.DataFrame(rows)
@@ -77,21 +92,13 @@ def main() -> None:
           "All rows share SnapMLA's cache (FP8 e4m3 latent, fp32 per-token scale, pre-scaled BF16 RoPE). "
           "Kernel level (exact reference decode of every layer's captured queries vs float64 attention on the "
           "unquantized cache): output relative L2 (mean over layers), worst query row, max LSE error. "
-          "Model level: step-by-step decode vs the unquantized model.", {"prompt_len": args.prompt_len})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for name in PIPELINES:
-        s = per_layer[per_layer.pipeline == name]
-        axes[0].plot(s["layer"], s["out_rel_l2"], marker="o", label=name)
-    axes[0].set(yscale="log", xlabel="layer", ylabel="output relative L2", title="reference decode vs fp64")
-    axes[1].bar(range(len(df)), df["decode_kl_mean"], color=[f"C{i}" for i in range(len(df))])
-    axes[1].set_xticks(range(len(df)))
-    axes[1].set_xticklabels(df["pipeline"], rotation=20, fontsize=8)
-    axes[1].set(yscale="log", ylabel="mean KL (nats)", title="decode next-token KL vs unquantized")
-    axes[0].legend(fontsize=7)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    save_figure(fig, args.out, "pv_pipeline")
+          "Model level: step-by-step decode vs the unquantized model; `_ci_low`/`_ci_high`: 95% BCa intervals of "
+          f"a block bootstrap over the decode positions ({args.block} consecutive positions per block, "
+          "n_positions / n_blocks given); kl_ratio_vs_snapmla: mean KL over scale-fused snapmla's on the same "
+          "positions, paired (the same blocks drawn for both).",
+          {"prompt_len": args.prompt_len, "block": args.block, "seq_len": args.seq_len,
+           "num_sequences": args.num_sequences})
+    plot_pv_pipeline(per_layer, df, args.out)
     print((args.out / "table.md").read_text())
 
 

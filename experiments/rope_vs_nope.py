@@ -2,7 +2,8 @@
 
 Per layer and channel: statistics of the cached latent and RoPE key; their FP8 quantization error
 (per-token and per-tensor scales); the attention-output error when only one part is quantized.
-Writes results/rope_vs_nope/: table.md/.csv (per layer), the sensitivity CSVs, heatmaps and lines.
+Writes table.md/.csv (per layer), the sensitivity CSVs, heatmaps and lines to runs/rope_vs_nope/
+(the committed copy: --out results/rope_vs_nope).
 
     python experiments/rope_vs_nope.py [--model embedded|PATH] [--seq-len 256 --num-sequences 4]
 """
@@ -10,15 +11,22 @@ Writes results/rope_vs_nope/: table.md/.csv (per layer), the sensitivity CSVs, h
 from __future__ import annotations
 
 import pandas as pd
-from _common import load, parser, write
+from _common import load, parser, read_table, write
 
-from snapquant.analysis.plots import plt, save_figure
-from snapquant.analysis.sensitivity import sensitivity_report
+from snapquant.analysis.experiment_plots import plot_rope_vs_nope
+from snapquant.analysis.sensitivity import SensitivityReport, sensitivity_report
 from snapquant.analysis.sensitivity_plots import plot_sensitivity
 
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0], "rope_vs_nope").parse_args()
+    if args.replot:
+        tables = {n: read_table(args.out, n) for n in ("channel_stats", "channel_error", "layer_error", "attn_error")}
+        meta = {"kv_lora_rank": int(tables["channel_stats"].query("part == 'nope'")["channel"].max()) + 1,
+                "rope_dim": int(tables["channel_stats"].query("part == 'rope'")["channel"].max()) + 1}
+        print(plot_sensitivity(SensitivityReport(**tables, meta=meta), args.out))
+        print(plot_rope_vs_nope(read_table(args.out, "table"), args.out))
+        return
     model, _, ids = load(args)
     rep = sensitivity_report(model, ids, dtypes=("fp8_e4m3", "fp8_e5m2", "int8"),
                              granularities=("per_tensor_dynamic", "per_token"),
@@ -49,20 +57,7 @@ def main() -> None:
           "FP8 e4m3 with per-token and per-tensor scales; relative L2 error of the layer's attention output "
           "with only the NoPE latent or only the RoPE key in FP8 per-token, and with SnapMLA's cache "
           "(FP8 latent, BF16 RoPE pre-divided by the latent scale).", rep.meta)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for part, c in (("nope", "C0"), ("rope", "C3")):
-        axes[0].plot(df["layer"], df[f"{part}_fp8_per_token_mse"], marker="o", color=c, label=f"{part} per-token")
-        axes[0].plot(df["layer"], df[f"{part}_fp8_per_tensor_dynamic_mse"], marker="s", ls="--", color=c,
-                     label=f"{part} per-tensor")
-        axes[1].plot(df["layer"], df[f"attn_err_fp8_only_{part}"], marker="o", color=c, label=f"only {part} in FP8")
-    axes[1].plot(df["layer"], df["attn_err_snapmla_cache"], marker="^", color="C2", label="SnapMLA cache")
-    axes[0].set(yscale="log", xlabel="layer", ylabel="MSE", title="FP8 e4m3 quantization MSE")
-    axes[1].set(yscale="log", xlabel="layer", ylabel="relative L2", title="attention-output error")
-    for ax in axes:
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    save_figure(fig, args.out, "rope_vs_nope")
+    plot_rope_vs_nope(df, args.out)
     print((args.out / "table.md").read_text())
 
 

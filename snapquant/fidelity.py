@@ -63,10 +63,13 @@ def fidelity_reference(model: Any, input_ids: torch.Tensor) -> FidelityReference
     return FidelityReference(input_ids.cpu(), torch.log_softmax(logits.float(), dim=-1).cpu())
 
 
-def compare_logprobs(ref: torch.Tensor, quant: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+def compare_logprobs(ref: torch.Tensor, quant: torch.Tensor, targets: torch.Tensor,
+                     keep_positions: bool = False) -> dict[str, Any]:
     """Per-position metrics between two [M, V] log-prob sets, with the true next tokens `targets` [M].
 
     Computed in float64: KL of near-identical distributions is a difference of close numbers.
+    `keep_positions` adds "kl_positions" and "top1_positions" ([M] float64 numpy), the per-position
+    values behind the means, for intervals over positions (snapquant.analysis.intervals).
     """
     if ref.shape != quant.shape or ref.dim() != 2 or targets.shape != ref.shape[:1]:
         raise ShapeError(f"ref {tuple(ref.shape)}, quant {tuple(quant.shape)} must be [M, V] and targets [M], "
@@ -78,7 +81,9 @@ def compare_logprobs(ref: torch.Tensor, quant: torch.Tensor, targets: torch.Tens
     nll_r = -r.gather(-1, targets[:, None]).squeeze(-1)
     nll_q = -q.gather(-1, targets[:, None]).squeeze(-1)
     ppl_r, ppl_q = math.exp(float(nll_r.mean())), math.exp(float(nll_q.mean()))
-    return {
+    extra = {"kl_positions": kl.numpy(), "top1_positions": (r.argmax(-1) == q.argmax(-1)).double().numpy()
+             } if keep_positions else {}
+    return {**extra,
         "kl_mean": float(kl.mean()), "kl_p99": float(torch.quantile(kl, 0.99)) if kl.numel() > 1 else float(kl.max()),
         "kl_max": float(kl.max()), "top1_agree": float((r.argmax(-1) == q.argmax(-1)).double().mean()),
         "ppl_ref": ppl_r, "ppl_quant": ppl_q, "ppl_delta": ppl_q - ppl_r, "ppl_rel_delta": ppl_q / ppl_r - 1.0,
@@ -147,12 +152,14 @@ def fidelity_metrics(
     patcher: Any = None,
     make_cache: Any = None,
     on_step: Any = None,
+    keep_positions: bool = False,
 ) -> dict[str, Any]:
     """Fidelity of `config` on `model` vs the cached unpatched reference; one dict per mode.
 
     `patcher(model, config[, backend=])` is a context manager (default `snapquant.patched`);
     `make_cache(model, config)` optionally builds the cache object decode should use;
-    `on_step(n)` is called after each forward pass (progress bars).
+    `on_step(n)` is called after each forward pass (progress bars); `keep_positions` adds each
+    mode's per-position KL and top-1 agreement as [N, positions] arrays (see `compare_logprobs`).
     """
     for m in modes:
         if m not in MODES:
@@ -175,7 +182,7 @@ def fidelity_metrics(
             on_step(1)
         V = lp.shape[-1]
         out["prefill"] = compare_logprobs(ref[:, :-1].reshape(-1, V), lp[:, :-1].reshape(-1, V),
-                                          ids[:, 1:].reshape(-1))
+                                          ids[:, 1:].reshape(-1), keep_positions)
     if "decode" in modes:
         with patch(config):
             cache = make_cache(model, config) if make_cache is not None else None
@@ -183,8 +190,11 @@ def fidelity_metrics(
         V = lp.shape[-1]
         # step t consumed token t and predicts token t + 1, for t in [prompt_len, T - 2]
         out["decode"] = compare_logprobs(ref[:, prompt_len:T - 1].reshape(-1, V), lp.reshape(-1, V),
-                                         ids[:, prompt_len + 1:].reshape(-1))
+                                         ids[:, prompt_len + 1:].reshape(-1), keep_positions)
         out["decode"]["prompt_len"] = prompt_len
+    for m in modes if keep_positions else ():
+        for k in ("kl_positions", "top1_positions"):  # rows = sequences, as the bootstrap blocks need
+            out[m][k] = out[m][k].reshape(N, -1)
     return out
 
 

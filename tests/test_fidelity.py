@@ -125,3 +125,19 @@ def test_fidelity_cli(tmp_path, monkeypatch):
     assert "| snapmla | decode |" in r.stdout and (tmp_path / "f" / "fidelity.csv").exists()
     r = CliRunner().invoke(app, ["fidelity", "--model", str(ck), "-p", "snapmal"])
     assert r.exit_code == 2 and "snapmla" in r.output
+
+
+def test_kept_positions_are_the_values_behind_the_means(model, ids):
+    import numpy as np
+
+    from snapquant.patching import patched
+
+    ref = fidelity_reference(model, ids)
+    out = fidelity_metrics(model, ref, PRESETS["per_tensor_fp8"], prompt_len=8, patcher=patched, keep_positions=True)
+    for mode, n_pos in (("prefill", 23), ("decode", 24 - 8 - 1)):
+        kl, top1 = out[mode]["kl_positions"], out[mode]["top1_positions"]
+        assert kl.shape == top1.shape == (2, n_pos) and kl.dtype == np.float64
+        assert kl.mean() == pytest.approx(out[mode]["kl_mean"], rel=1e-12) and kl.max() == out[mode]["kl_max"]
+        assert top1.mean() == out[mode]["top1_agree"] and set(np.unique(top1)) <= {0.0, 1.0}
+    plain = fidelity_metrics(model, ref, PRESETS["per_tensor_fp8"], modes=("decode",), prompt_len=8, patcher=patched)
+    assert "kl_positions" not in plain["decode"]  # cell JSONs stay as they were

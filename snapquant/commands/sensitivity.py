@@ -22,7 +22,9 @@ def sensitivity(
     outlier_sigma: float = typer.Option(6.0, help="Outlier threshold in units of the part's RMS."),
     model_dtype: str = typer.Option("float32", help="auto | float32 | bfloat16 | float16."),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N."),
-    out: Path = typer.Option(Path("results/sensitivity"), help="Output directory (CSVs, summary.md, figures)."),
+    out: Path = typer.Option(Path("runs/sensitivity"),
+                             help="Output directory (CSVs, summary.md, figures); the default runs/ is ignored by git, "
+                                  "results meant to be committed go under results/ only when named here."),
     no_plots: bool = typer.Option(False, "--no-plots", help="Skip the figures."),
 ) -> None:
     """NoPE vs RoPE: absmax/std/kurtosis/outliers per channel, MSE/SQNR per dtype x granularity, attention error."""

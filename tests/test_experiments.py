@@ -1,0 +1,121 @@
+"""Default outputs: the experiment scripts and `snapquant sensitivity` never write the committed
+results/ unless told to (their default is the git-ignored runs/); committed experiment tables can be
+re-plotted without the model."""
+
+from __future__ import annotations
+
+import runpy
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.py") if not p.stem.startswith("_"))
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """A random few-second checkpoint of the embedded architecture, with the embedded tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from snapquant.embedded import EMBEDDED_PATH, TINY_ARCH, embedded_config
+
+    if not (EMBEDDED_PATH / "tokenizer.json").is_file():
+        pytest.skip("no embedded tokenizer in this checkout")
+    ck = tmp_path_factory.mktemp("ck")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(embedded_config(TINY_ARCH)).save_pretrained(ck)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (EMBEDDED_PATH / f).is_file():
+            shutil.copy(EMBEDDED_PATH / f, ck / f)
+    return ck
+
+
+def _run(monkeypatch, name: str, *args: str) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *args])
+    runpy.run_path(str(ROOT / "experiments" / f"{name}.py"), run_name="__main__")
+
+
+def _snapshot(d: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()}
+
+
+def test_every_experiment_documents_where_it_writes(monkeypatch, capsys):
+    assert set(EXPERIMENTS) == {"granularity_ablation", "memory_throughput", "pv_pipeline", "rope_vs_nope"}
+    for name in EXPERIMENTS:
+        with pytest.raises(SystemExit) as e:
+            _run(monkeypatch, name, "--help")
+        assert e.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"runs/{name}" in text and "ignored by git" in text and f"--out results/{name}" in text, name
+        assert "--replot" in text
+
+
+def test_a_run_with_default_options_writes_under_runs_not_results(monkeypatch, tmp_path, tiny_ckpt):
+    # run from a scratch working directory, as from the repository root: the default is runs/<name>
+    monkeypatch.chdir(tmp_path)
+    before = _snapshot(ROOT / "results")
+    _run(monkeypatch, "memory_throughput", "--model", str(tiny_ckpt), "--device", "cpu", "--contexts", "8",
+         "--batch", "1", "--steps", "1")
+    out = tmp_path / "runs" / "memory_throughput"
+    assert {"memory.csv", "memory.md", "throughput.csv", "memory_throughput.png", "memory_throughput.pdf"} <= {
+        p.name for p in out.iterdir()}
+    assert not (tmp_path / "results").exists()
+    assert _snapshot(ROOT / "results") == before
+
+
+def test_runs_is_ignored_by_git():
+    import subprocess
+
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("runs/pv_pipeline/table.csv", "runs/sensitivity/summary.md"):
+        r = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, capture_output=True)
+        assert r.returncode == 0, f"{path} must be ignored by git (runs/ in .gitignore)"
+    r = subprocess.run(["git", "check-ignore", "-q", "results/pv_pipeline/table.csv"], cwd=ROOT, capture_output=True)
+    assert r.returncode == 1  # the committed results are not
+
+
+FIGURES = {"pv_pipeline": ["pv_pipeline"], "granularity_ablation": ["granularity"],
+           "memory_throughput": ["memory_throughput"],
+           "rope_vs_nope": ["rope_vs_nope", "layer_lines", "sqnr_heatmaps_fp8_e4m3", "channel_heatmaps"]}
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_committed_tables_replot_without_the_model(monkeypatch, tmp_path, name):
+    src = ROOT / "results" / name
+    if not src.is_dir():
+        pytest.skip(f"no committed {src}")
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.p[nd][gf]"):
+        f.unlink()
+    _run(monkeypatch, name, "--replot", "--out", str(dst))
+    for stem in FIGURES[name]:
+        assert (dst / f"{stem}.png").read_bytes()[:4] == b"\x89PNG"
+        assert (dst / f"{stem}.pdf").read_bytes()[:4] == b"%PDF"
+
+
+def test_replot_without_a_table_is_one_line_rc_2(monkeypatch, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        _run(monkeypatch, "pv_pipeline", "--replot", "--out", str(tmp_path / "none"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "per_layer.csv" in err
+
+
+def test_sensitivity_cli_default_output_is_under_runs(monkeypatch, tmp_path, tiny_ckpt):
+    from typer.testing import CliRunner
+
+    from snapquant.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["sensitivity", "--model", str(tiny_ckpt), "--seq-len", "16", "--num-sequences", "1",
+                                 "--dtype", "fp8_e4m3", "--granularity", "per_token", "--device", "cpu", "--no-plots"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "runs" / "sensitivity" / "layer_error.csv").is_file()
+    assert not (tmp_path / "results").exists()
