@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_patch_support import (
@@ -150,6 +152,37 @@ def test_quantized_presets_match_independent_reference(family, kw, config):
     assert torch.equal(ref_t, t)
     if config.prefill == "quantized":
         assert rel_diff(base_p[valid], p[valid], base_p) > 20 * TOL
+
+
+def test_replayed_attentions_read_the_recorded_inputs():
+    """The replay helper really feeds every MLA attention the recorded hidden states: a copy whose
+    embeddings differ (so its own attention inputs differ) reproduces the recorded run's attention
+    outputs bit for bit under replay, and not without it."""
+    model = tiny_model("deepseek_v3")
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.get_input_embeddings().weight.mul_(1.5)
+    ids, am = batch_inputs()
+
+    def attention_outputs(m, replay=None):
+        outs = []
+        mods = [x for x in m.modules() if hasattr(x, "kv_a_proj_with_mqa")]
+        hooks = [x.register_forward_hook(lambda _m, _a, out: outs.append(out[0].clone())) for x in mods]
+        try:
+            if replay is None:
+                greedy(m, ids, am, 2)
+            else:
+                with replaying_attention_inputs(m, replay):
+                    greedy(m, ids, am, 2)
+        finally:
+            for h in hooks:
+                h.remove()
+        return outs
+
+    with recording_attention_inputs(model) as inputs:
+        want = attention_outputs(model)
+    assert all(torch.equal(a, b) for a, b in zip(want, attention_outputs(other, inputs), strict=True))
+    assert not torch.equal(want[0], attention_outputs(other)[0])
 
 
 def test_bf16_model_cache_is_the_1152_byte_layout():

@@ -88,6 +88,12 @@ def compile_launch(launch: Any, arch: int = 90) -> Any:
             values[k] = v
         if k not in names or k == "num_warps":  # a Gluon kernel also reads num_warps as a constexpr
             options[k] = v
+    # FP fusion as the launch gets it (the launch passes no enable_fp_fusion, so Triton applies
+    # TRITON_DEFAULT_FP_FUSION: on in 3.9, off from 3.10). Asking for it explicitly compiles the same
+    # kernel without Triton 3.9's warning that the unset default will change.
+    default_fusion = getattr(triton.knobs.language, "default_fp_fusion", None) if hasattr(triton, "knobs") else None
+    if default_fusion is not None:
+        options.setdefault("enable_fp_fusion", bool(default_fusion))
     sig, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
         v = values[p.name] if p.name in values else p.default  # a constexpr left at its default
