@@ -19,7 +19,7 @@ from _common import load, parser, write
 from snapquant import KVQuantConfig, bytes_per_token
 from snapquant.analysis.plots import plt, save_figure
 from snapquant.analysis.sensitivity import sensitivity_report
-from snapquant.fidelity import fidelity_metrics, fidelity_reference
+from snapquant.eval.fidelity import fidelity_metrics, fidelity_reference
 from snapquant.patching import patched
 
 GRANS = ("per_tensor_dynamic", "per_channel", "per_token", "per_token_block")

@@ -20,9 +20,9 @@ from _common import load, parser, write
 from snapquant import PRESETS, absorb_query, attention_fp64, mla_decode_reference, quantize_kv, split_kv_b
 from snapquant.analysis.capture import capture_mla
 from snapquant.analysis.plots import plt, save_figure
-from snapquant.fidelity import fidelity_metrics, fidelity_reference
+from snapquant.atomic import atomic_write_text
+from snapquant.eval.fidelity import fidelity_metrics, fidelity_reference
 from snapquant.patching import patched
-from snapquant.sweep.store import atomic_write_text
 
 PIPELINES = {  # name -> (preset, query, P)
     "snapmla": ("snapmla", "fp8 q", "fp8 P, scale-fused"),
