@@ -47,8 +47,8 @@ def read_table(out: Path, stem: str) -> pd.DataFrame:
 
 def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """-> (model, tokenizer, input_ids [N, T])."""
-    from snapquant.fidelity import fidelity_tokens
-    from snapquant.sweep.model import load_model
+    from snapquant.eval.fidelity import fidelity_tokens
+    from snapquant.eval.model import load_model
 
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     ids = fidelity_tokens(tok, args.text, args.seq_len, args.num_sequences)
@@ -65,8 +65,8 @@ def md_table(df: pd.DataFrame, floatfmt: str = ".4g") -> str:
 
 def write(out: Path, stem: str, df: pd.DataFrame, title: str, notes: str = "", meta: dict | None = None) -> None:
     """table `stem`.md (with title, notes and run metadata) and `stem`.csv, written atomically."""
-    from snapquant.sweep.env import environment
-    from snapquant.sweep.store import atomic_write_text
+    from snapquant.atomic import atomic_write_text
+    from snapquant.environment import environment
 
     out.mkdir(parents=True, exist_ok=True)
     info = {"written": time.strftime("%Y-%m-%d %H:%M:%S"), **(meta or {})}

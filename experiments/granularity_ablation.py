@@ -22,7 +22,7 @@ from snapquant import KVQuantConfig, bytes_per_token
 from snapquant.analysis.experiment_plots import plot_granularity
 from snapquant.analysis.intervals import DEFAULT_BLOCK, block_mean_ci
 from snapquant.analysis.sensitivity import sensitivity_report
-from snapquant.fidelity import fidelity_metrics, fidelity_reference
+from snapquant.eval.fidelity import fidelity_metrics, fidelity_reference
 from snapquant.patching import patched
 
 GRANS = ("per_tensor_dynamic", "per_channel", "per_token", "per_token_block")

@@ -23,8 +23,8 @@ from _common import parser, read_table, write
 
 from snapquant import PRESETS, ConfigError, bytes_per_token
 from snapquant.analysis.experiment_plots import plot_memory_throughput
+from snapquant.eval.model import load_model, model_info
 from snapquant.patching import patched
-from snapquant.sweep.model import load_model, model_info
 
 SPEED_PRESETS = ("bf16", "snapmla", "snapmla_kv_only", "per_tensor_fp8", "ds_v32")
 
@@ -47,27 +47,22 @@ def memory_table(info: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-@torch.no_grad()
 def step_latency(model, ids: torch.Tensor, steps: int) -> float:
-    from snapquant.fidelity import _cache_kw, _returned_cache
+    """Median seconds of one greedy decode step after prefilling `ids` (two warm-up steps first)."""
+    from snapquant.models.stepping import decode_steps
 
-    kw = _cache_kw(model)
-    cache = _returned_cache(model(input_ids=ids, use_cache=True))
-    B, T = ids.shape
-    nxt = ids[:, -1:]
+    outputs = decode_steps(model, ids, greedy_steps=steps + 2)
+    next(outputs)  # the prefill
     times = []
-    for i in range(steps + 2):  # two warm-up steps
-        pos = torch.full((B, 1), T + i, dtype=torch.long, device=ids.device)
+    for i in range(steps + 2):
         if ids.is_cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = model(input_ids=nxt, position_ids=pos, use_cache=True, **{kw: cache})
+        next(outputs)  # one decode step (the next token was chosen before the previous step returned)
         if ids.is_cuda:
             torch.cuda.synchronize()
         if i >= 2:
             times.append(time.perf_counter() - t0)
-        cache = _returned_cache(out)
-        nxt = out.logits[:, -1:].argmax(-1)
     return statistics.median(times)
 
 

@@ -24,9 +24,9 @@ from snapquant import PRESETS, absorb_query, attention_fp64, mla_decode_referenc
 from snapquant.analysis.capture import capture_mla
 from snapquant.analysis.experiment_plots import plot_pv_pipeline
 from snapquant.analysis.intervals import DEFAULT_BLOCK, block_mean_ci, paired_block_ci
-from snapquant.fidelity import fidelity_metrics, fidelity_reference
+from snapquant.atomic import atomic_write_text
+from snapquant.eval.fidelity import fidelity_metrics, fidelity_reference
 from snapquant.patching import patched
-from snapquant.sweep.store import atomic_write_text
 
 PIPELINES = {  # name -> (preset, query, P)
     "snapmla": ("snapmla", "fp8 q", "fp8 P, scale-fused"),

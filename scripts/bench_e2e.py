@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from snapquant.atomic import atomic_save_figure, atomic_write_json, atomic_write_text
+from snapquant.models.stepping import decode_step
 
 R, D = 512, 64  # kv_lora_rank, qk_rope_head_dim (DeepSeek-V2-Lite)
 
@@ -86,23 +87,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _cache_kwarg(model) -> str:
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def time_eager(model, cache, batch: int, length: int, steps: int, warmup: int, device: str) -> list[float]:
     """Seconds per eager decode step at exactly `length` cached tokens (the cache is cropped back)."""
     ids = torch.full((batch, 1), 5, dtype=torch.long, device=device)
     pos = torch.full((batch, 1), length, dtype=torch.long, device=device)
-    kw = {_cache_kwarg(model): cache}
     out = []
     for i in range(warmup + steps):
         _sync(device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            model(input_ids=ids, position_ids=pos, use_cache=True, **kw)
+            decode_step(model, ids, pos, cache)
         _sync(device)
         dt = time.perf_counter() - t0
         cache.crop(-1)  # back to exactly `length` cached tokens
@@ -113,9 +107,8 @@ def time_eager(model, cache, batch: int, length: int, steps: int, warmup: int, d
 
 def eager_logits(model, cache, batch: int, length: int, device: str) -> torch.Tensor:
     ids = torch.full((batch, 1), 5, dtype=torch.long, device=device)
-    pos = torch.full((batch, 1), length, dtype=torch.long, device=device)
     with torch.no_grad():
-        out = model(input_ids=ids, position_ids=pos, use_cache=True, **{_cache_kwarg(model): cache})
+        out = decode_step(model, ids, length, cache)
     cache.crop(-1)
     return out.logits.float()
 
@@ -287,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import snapquant
     from snapquant.cache import LatentCache
-    from snapquant.sweep.env import environment
+    from snapquant.environment import environment
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     cuda = device.startswith("cuda")
@@ -309,10 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
     }
     print(json.dumps(env), flush=True)
-    from snapquant.bench.runner import git_commit
-
-    env["git_commit"] = git_commit()
-    env["environment"] = environment()  # python, package versions, hardware (into the JSON only)
+    recorded = environment()  # python, package versions, hardware, commit
+    env["git_commit"] = recorded["git_commit"]
+    env["environment"] = recorded  # into the JSON only
     out_path = Path(args.out)
     rows: list[dict] = []
     peaks: dict[str, list[tuple[int, float]]] = {}

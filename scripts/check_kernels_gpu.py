@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime as dt
 import json
 import math
-import platform
 import sys
 import time
 import traceback
@@ -39,32 +37,10 @@ from pathlib import Path
 import torch
 
 from snapquant.atomic import atomic_write_text
+from snapquant.environment import device_environment
 
 R, D = 512, 64  # DeepSeek kv_lora_rank, qk_rope_head_dim
 OUT_TOL, LSE_TOL, ORACLE_RATIO = 1e-3, 1e-3, 1.05
-
-
-def environment() -> dict:
-    import triton
-
-    import snapquant
-
-    env = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "python": platform.python_version(), "snapquant": snapquant.__version__,
-    }
-    try:
-        import transformers
-
-        env["transformers"] = transformers.__version__
-    except Exception:  # optional here
-        env["transformers"] = None
-    from snapquant.bench.runner import git_commit
-
-    env["git_commit"] = git_commit()  # SNAPQUANT_GIT_COMMIT overrides a copied tree's stale .git
-    return env
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -404,7 +380,7 @@ def main() -> int:
         return 2
     from snapquant import PRESETS
 
-    env = environment()
+    env = device_environment()  # date, GPU, versions (torch, triton, CUDA, transformers), commit
     print(json.dumps(env, indent=1), flush=True)
     t_start = time.perf_counter()
     rows: list[dict] = []

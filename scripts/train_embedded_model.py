@@ -192,7 +192,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from snapquant.data.build import load_corpus
     from snapquant.data.mixture import KIND_SYNTH, MixtureSpec
     from snapquant.embedded import EMBEDDED_ARCH, TINY_ARCH, embedded_config
-    from snapquant.tasks import direct
+    from snapquant.eval.tasks import direct
 
     out = Path(args.out)
     if out.exists() and not args.init_from and any(out.iterdir()) and not args.overwrite:
@@ -423,7 +423,7 @@ def write_card(model_dir: Path, cmeta: dict | None = None, lm_eval_scores: dict 
         f"{state['corpus']['train_tokens'] / 1e6:.2f}M tokens (CPython 3.11 standard library and pinned packages; "
         "full list with sha256 in `corpus_manifest.jsonl`, manifest sha256 "
         f"`{state['corpus']['manifest_sha256'][:16]}...`).",
-        "- Held-out files (never trained on, excluded by content hash): `snapquant/tasks/data/heldout_code.jsonl`.",
+        "- Held-out files (never trained on, excluded by content hash): `snapquant/eval/tasks/data/heldout_code.jsonl`.",
         "- Synthetic documents generated on the fly (seed namespace `train`; the evaluation tasks use `eval`): "
         "key-value lookups written as Python dicts with answered asserts, classic pass keys, and pass keys "
         "hidden in real code.",
@@ -495,7 +495,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from lm_eval.models.huggingface import HFLM
 
     from snapquant.embedded import EMBEDDED_PATH, load_embedded
-    from snapquant.tasks import task_manager
+    from snapquant.eval.tasks import task_manager
 
     path = Path(args.model or EMBEDDED_PATH)
     model, tok = load_embedded(dtype=getattr(torch, args.dtype), path=path)

@@ -103,7 +103,7 @@ class Run:
         return torch.device(self.args.device)
 
     def write_json(self, name: str, obj) -> Path:
-        from snapquant.sweep.store import atomic_write_text
+        from snapquant.atomic import atomic_write_text
 
         path = self.out / name
         atomic_write_text(path, json.dumps(obj, indent=1, default=_jsonable) + "\n")
@@ -134,13 +134,13 @@ def _env() -> dict:
     import torch
     import transformers
 
-    from snapquant.sweep.env import environment
+    from snapquant.environment import environment
 
     env = environment()
     return {"torch": torch.__version__, "transformers": transformers.__version__,
             "hardware": (env["hardware"]["gpus"][0]["name"] if env["hardware"]["gpus"]
                          else f"CPU x{env['hardware']['cpu_count']}"),
-            "commit": env.get("git", {}).get("commit") if isinstance(env.get("git"), dict) else env.get("commit")}
+            "commit": env["git_commit"]}
 
 
 def _load_model(path: Path, device, dtype: str = "bfloat16"):
@@ -406,7 +406,7 @@ def heldout_nll(model, tokens, window: int, max_windows: int, seed: int = 0) -> 
 
 def task_hits(model, tok, tok_path: str, task: str, length: int, n: int, batch: int, seed: int | None = None) -> list[int]:
     """Per-sample 0/1 exact matches of one offline task (direct harness, no lm-eval)."""
-    from snapquant.tasks import direct, sq_utils
+    from snapquant.eval.tasks import direct, sq_utils
 
     s = sq_utils.DEFAULT_SEED if seed is None else seed
     if task == "kv":
@@ -584,7 +584,7 @@ def analysis_configs(kv_lora_rank: int = 512) -> dict[str, dict]:
 
 def _decode_metrics(model, ids, prompt_len: int, cfg, backend: str, ref_lp):
     from snapquant.analysis.uncertainty import position_metrics
-    from snapquant.fidelity import decode_logprobs
+    from snapquant.eval.fidelity import decode_logprobs
     from snapquant.patching import patched
 
     with patched(model, cfg, backend=backend):
@@ -716,7 +716,7 @@ def _agreement(model, ids, P: int, dev, a) -> dict:
     import numpy as np
 
     from snapquant.analysis.uncertainty import position_metrics
-    from snapquant.fidelity import decode_logprobs
+    from snapquant.eval.fidelity import decode_logprobs
     from snapquant.patching import patched
     from snapquant.presets import resolve_config
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from .constants import PAGE_SIZE
 from .errors import ConfigError, unknown_choice
 from .quant.dtypes import ELEMENT_FORMATS, get_element_format
 from .quant.scales import SCALE_FORMATS
@@ -65,8 +66,8 @@ class KVQuantConfig:
     """bf16 | fp8_scale_fused (SnapMLA) | fp8_naive (P cast straight to FP8, V scale kept outside)."""
     prefill: str = "bf16"
     """bf16 (attend to fresh activations, as in serving) | quantized (attend to the quantized latent)."""
-    pv_block: int = 64
-    """Tokens per online-softmax block; P is quantized per row per block (64 = the page size)."""
+    pv_block: int = PAGE_SIZE
+    """Tokens per online-softmax block; P is quantized per row per block (default: the kernels' page size, 64)."""
     name: str | None = field(default=None, compare=False)
     """Label used in tables; presets set it. Not part of equality."""
 

@@ -81,8 +81,8 @@ def test_results_files_follow_the_umask(tmp_path, umask, mask, expected):
     """What a shared results directory gets: the cell JSONs, the manifest, the tables, the figures."""
     from snapquant.analysis import build_table
     from snapquant.analysis.plots import plot_all
+    from snapquant.results_io import CELL_SCHEMA
     from snapquant.sweep import ResultStore
-    from snapquant.sweep.store import CELL_SCHEMA
 
     umask(mask)
     st = ResultStore(tmp_path)
@@ -155,6 +155,6 @@ def test_no_other_atomic_write_helpers_remain():
             if rel not in allowed and pattern.search(f.read_text(encoding="utf-8")):
                 offenders.append(rel)
     assert offenders == []
-    from snapquant.sweep import store
+    import snapquant.sweep
 
-    assert store.atomic_write_text is atomic_write_text  # the name older callers import is this one
+    assert snapquant.sweep.atomic_write_text is atomic_write_text  # the name the sweep package exports

@@ -12,12 +12,12 @@ from snapquant.cli import app
 @pytest.fixture
 def no_model_loads(monkeypatch):
     import snapquant.embedded
-    import snapquant.sweep.model
+    import snapquant.eval.model
 
     def never(*a, **k):
         raise AssertionError("a model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(snapquant.sweep.model, "load_model", never)
+    monkeypatch.setattr(snapquant.eval.model, "load_model", never)
     monkeypatch.setattr(snapquant.embedded, "load_embedded", never)
 
 

@@ -2,8 +2,9 @@
 
 Triton and Gluon read a kernel's globals (constexprs) at compile time from the kernel's own module, so the
 test reads them there, in every kernel module, and compares them with what the quantizers and the reference
-decode use. A second test keeps the kernels from growing private copies: none of their sources may spell
-one of these numbers as a literal."""
+decode use. Outside the kernels, the quantizers, the reference decode, the config default and the benchmark
+harness take them from `snapquant.constants` by name. A last test keeps any module from growing a private
+copy: no source in snapquant/ but constants.py may spell one of these numbers as a literal."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from snapquant.quant.scales import SCALE_FLOOR
 from snapquant.reference import decode as reference_decode
 
 KERNELS_DIR = Path(snapquant.kernels.__file__).parent
+PKG = KERNELS_DIR.parent
 # what the reference pipeline computes with, looked up where it computes
 REFERENCE = {
     "E4M3_MAX": get_element_format("fp8_e4m3").qmax,  # the quantizers' and the query's scale rule
@@ -79,6 +81,15 @@ def test_the_decode_launch_passes_the_reference_page_size():
     assert plan.launches[0].kwargs["PAGE"] == REFERENCE["PAGE_SIZE"] and cache.latent.shape[1] == REFERENCE["PAGE_SIZE"]
 
 
+def test_the_modules_outside_the_kernels_take_them_from_the_constants_module():
+    from snapquant.bench import harness
+
+    assert SCALE_FLOOR is constants.SCALE_FLOOR
+    assert reference_decode.PI_REL_FLOOR is constants.PI_REL_FLOOR
+    assert reference_decode.PI_ABS_FLOOR is constants.PI_ABS_FLOOR
+    assert KVQuantConfig().pv_block == harness.PAGE == constants.PAGE_SIZE == 64
+
+
 def _literals(tree: ast.AST):
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
@@ -88,10 +99,11 @@ def _literals(tree: ast.AST):
             yield float(node.left.value) ** -node.right.operand.value, node.lineno  # 2.0**-40 and the like
 
 
-@pytest.mark.parametrize("path", sorted(KERNELS_DIR.rglob("*.py")), ids=lambda p: str(p.relative_to(KERNELS_DIR)))
-def test_no_kernel_source_spells_a_format_constant(path):
+@pytest.mark.parametrize("path", sorted(p for p in PKG.rglob("*.py") if p.name != "constants.py"),
+                         ids=lambda p: str(p.relative_to(PKG)))
+def test_no_source_spells_a_format_constant(path):
     """448, 2^-86, 2^-40, 2^-100, 1/448 and the bf16 maximum come from snapquant.constants only (64 is too
-    common a number to ban: the page size is checked through the launches above)."""
+    common a number to ban: the page size is checked through the launches and the users above)."""
     banned = {constants.E4M3_MAX, constants.E4M3_RCP, constants.BF16_MAX, constants.SCALE_FLOOR,
               constants.PI_REL_FLOOR, constants.PI_ABS_FLOOR}
     for value, line in _literals(ast.parse(path.read_text())):

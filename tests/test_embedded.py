@@ -126,7 +126,7 @@ def test_long_texts_are_tokenized_without_the_model_length_warning():
     from log_capture import transformers_warnings
 
     from snapquant.analysis.text import token_batches
-    from snapquant.tasks.sq_utils import token_counter
+    from snapquant.eval.tasks.sq_utils import token_counter
 
     long_text = "def f(x):\n    return x + 1\n\n\n" * 800  # > 4096 tokens
     with transformers_warnings() as logged:

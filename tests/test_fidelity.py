@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from snapquant import PRESETS, ConfigError, ShapeError
-from snapquant.fidelity import (
+from snapquant.eval.fidelity import (
     compare_logprobs,
     decode_logprobs,
     fidelity_metrics,

@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from snapquant import PRESETS, ConfigError
+from snapquant.results_io import CELL_SCHEMA, is_valid_cell
 from snapquant.sweep import ResultStore, SweepSpec, atomic_write_json, expand, run_sweep
 from snapquant.sweep.api import execute
-from snapquant.sweep.store import CELL_SCHEMA, is_valid_cell
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -70,7 +70,7 @@ def test_unknown_task_is_reported_with_the_rest(tmp_path):
 
 
 def test_code_executing_task_refused_without_permission(tmp_path):
-    from snapquant.sweep.evaluate import check_tasks
+    from snapquant.eval.catalog import check_tasks
 
     errs = check_tasks(["humaneval", "mbpp"], False, [])
     assert len(errs) == 2 and all("allow_code_execution: true" in e for e in errs)
@@ -80,7 +80,7 @@ def test_code_executing_task_refused_without_permission(tmp_path):
 
 
 def test_snapquant_task_names_checked_against_lm_eval_index():
-    from snapquant.sweep.evaluate import check_tasks
+    from snapquant.eval.catalog import check_tasks
 
     assert check_tasks(["sq_code_ppl"], False, []) == []
     errs = check_tasks(["sq_code_pp"], False, [])

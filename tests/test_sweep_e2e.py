@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate (pip install accelerate)")
 
+from snapquant.results_io import is_valid_cell
 from snapquant.sweep import SweepSpec, execute
-from snapquant.sweep.store import is_valid_cell
 
 
 @pytest.fixture(scope="module")

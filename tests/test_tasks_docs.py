@@ -5,8 +5,8 @@ import pytest
 from snapquant.data.corpus import load_heldout
 from snapquant.data.tokenizer import build_bpe, save_hf_tokenizer
 from snapquant.errors import ConfigError
-from snapquant.tasks import sq_utils
-from snapquant.tasks.sq_utils import ANSWER_RESERVE, get_tokenizer, token_counter
+from snapquant.eval.tasks import sq_utils
+from snapquant.eval.tasks.sq_utils import ANSWER_RESERVE, get_tokenizer, token_counter
 
 
 @pytest.fixture(scope="module")

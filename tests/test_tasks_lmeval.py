@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from snapquant.embedded import TINY_ARCH, embedded_config, has_weights, load_embedded, load_tokenizer
-from snapquant.tasks import direct, sq_utils, task_manager
+from snapquant.eval.tasks import direct, sq_utils, task_manager
 
 TASKS = ["sq_code_ppl", "sq_code_completion", "sq_kv_retrieval_1k", "sq_passkey", "sq_passkey_code"]
 RULER = ["sq_niah_single_1", "sq_niah_multikey_2", "sq_niah_multikey_3", "sq_ruler_cwe", "sq_ruler_fwe"]

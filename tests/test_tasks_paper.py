@@ -4,7 +4,7 @@ from pathlib import Path
 
 import yaml
 
-from snapquant.tasks import SQ_GROUPS, SQ_TASKS, task_manager
+from snapquant.eval.tasks import SQ_GROUPS, SQ_TASKS, task_manager
 
 PAPER = Path(__file__).resolve().parents[1] / "configs" / "paper" / "benchmarks.yaml"
 

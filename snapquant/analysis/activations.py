@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 
 from .capture import capture_mla
-from .sensitivity import _latent_terms, channel_statistics
+from .sensitivity import channel_statistics, latent_terms
 
 OUTLIER_SIGMA = 6.0
 
@@ -122,7 +122,7 @@ def attention_sinks(model: Any, input_ids: torch.Tensor, tokenizer: Any | None =
     for cap in caps:
         m = cap.module
         dn, dr = m.qk_nope_head_dim, m.qk_rope_head_dim
-        nope_scores, _ = _latent_terms(cap, cap.latent)
+        nope_scores, _ = latent_terms(cap, cap.latent)
         q = cap.f64["q"]
         scaling = cap.scaling if cap.scaling is not None else (dn + dr) ** -0.5
         scores = (nope_scores + torch.einsum("bhsd,btd->bhst", q[..., dn:], cap.rope.double())) * scaling

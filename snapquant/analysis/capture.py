@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import ShapeError
+from ..models.stepping import output_cache
 
 CAPTURE_IMPL = "snapquant_capture"
 
@@ -124,11 +125,3 @@ def capture_mla(model: Any, input_ids: torch.Tensor) -> list[LayerCapture]:
             q, scaling = m._snapquant_capture[-1] if m._snapquant_capture else (None, None)
             caps.append(LayerCapture(idx, keys[:, 0].float(), values[:, 0].float(), q, scaling, m))
     return caps
-
-
-def output_cache(out: Any) -> Any:
-    """The cache a forward returned: `cache` from transformers 5.2x, `past_key_values` before."""
-    keys = out.keys() if hasattr(out, "keys") else ()
-    if "cache" in keys:
-        return out["cache"]
-    return out["past_key_values"] if "past_key_values" in keys else None

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..sweep.store import CELL_SCHEMA, ResultStore, cell_problem
+from ..results_io import CELL_SCHEMA, ResultStore, cell_problem
 
 EXPECTED = (f"expected a sweep results directory (with cells/), a directory of cell result JSONs, or a cell "
             f"result JSON (schema {CELL_SCHEMA!r})")

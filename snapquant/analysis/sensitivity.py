@@ -28,12 +28,12 @@ from typing import Any
 import pandas as pd
 import torch
 
+from ..atomic import atomic_write_text
 from ..config import KVQuantConfig
 from ..errors import ConfigError, ShapeError
 from ..presets import resolve_config
 from ..quant.dtypes import get_element_format
 from ..quant.quantizer import quantize_kv, quantize_part
-from ..sweep.store import atomic_write_text
 from .capture import LayerCapture, capture_mla
 
 DEFAULT_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
@@ -143,10 +143,10 @@ def attention_output(cap: LayerCapture, latent: torch.Tensor, rope: torch.Tensor
     Mirrors the model's un-absorbed path: kv_b_proj expands the latent into per-head K_nope and V,
     the shared RoPE key is broadcast over heads, causal softmax with the layer's scaling.
     """
-    return _attend(cap, _latent_terms(cap, latent), rope)
+    return _attend(cap, latent_terms(cap, latent), rope)
 
 
-def _latent_terms(cap: LayerCapture, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def latent_terms(cap: LayerCapture, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the latent contributes: NoPE scores q_nope . k_nope [B, H, S, T] and V [B, H, T, dv] (float64).
 
     Split from `_attend` so the report reuses them across variants that share the latent.
@@ -252,11 +252,11 @@ def sensitivity_report(
                                   "mse": float(err.mean()), "sqnr_db": float(sqnr_db(sig.sum(), err.sum())),
                                   **layer_stats[part]})
         if attention:
-            exact = _latent_terms(cap, cap.latent)
+            exact = latent_terms(cap, cap.latent)
             ref = _attend(cap, exact, cap.rope)
             for label, cfg in full_schemes:
                 lat_q, rope_q = quantize_kv(cap.latent, cap.rope, cfg).dequantize(torch.float64)
-                quant = _latent_terms(cap, lat_q)
+                quant = latent_terms(cap, lat_q)
                 variants = {"nope": (quant, cap.rope), "rope": (exact, rope_q), "both": (quant, rope_q)}
                 for mode, (terms, rp) in variants.items():
                     rel, worst = _rel_errors(ref, _attend(cap, terms, rp))

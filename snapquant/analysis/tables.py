@@ -21,7 +21,7 @@ import pandas as pd
 
 from ..atomic import atomic_write_csv, atomic_write_text
 from ..errors import ConfigError
-from ..sweep.store import from_json_number
+from ..results_io import from_json_number
 from .results import baseline_of
 from .significance import PairedTest, pair_samples, paired_test
 

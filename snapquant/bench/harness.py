@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..constants import PAGE_SIZE
 from ..presets import PRESETS
 from . import accounting as acc
 from .shapes import DecodeShape
@@ -34,7 +35,7 @@ from .timing import CudaGraphTimer, EventTimer, Timing, WallTimer, estimate_us, 
 from .variants import Variant
 
 LAYOUT_CONFIG = {"bf16": PRESETS["bf16"], "snapmla": PRESETS["snapmla"], "ds_v32": PRESETS["ds_v32"]}
-PAGE = 64
+PAGE = PAGE_SIZE  # tokens per page of the benchmark's paged caches
 APPEND_CHUNK = 1 << 20  # tokens per quantize-append launch when filling a cache
 # The interpreter's cost is per program: filling a CPU cache 16 tokens per program is ~20x faster than
 # the small-append default of one (same bits either way).

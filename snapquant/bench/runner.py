@@ -25,12 +25,8 @@ wall-clock timer) and refuses sizes the interpreter cannot get through within a 
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
-import os
-import platform
 import re
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..environment import device_environment
 from ..errors import ConfigError, unknown_choice
 from .shapes import BENCH_SHAPES, CPU_SHAPES, DecodeShape, parse_shapes
 from .timing import TIMERS, make_timer
@@ -169,38 +166,6 @@ def _kernel_options(text: str | None) -> dict[str, Any]:
     return options
 
 
-# ------------------------------------------------------------------------------------------ environment
-def git_commit() -> str | None:
-    """HEAD of this checkout; SNAPQUANT_GIT_COMMIT overrides it (a copied tree whose .git is stale)."""
-    if os.environ.get("SNAPQUANT_GIT_COMMIT"):
-        return os.environ["SNAPQUANT_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent).stdout.strip()
-        return out if len(out) == 40 else None
-    except Exception:
-        return None
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    import triton
-
-    import snapquant
-
-    env: dict[str, Any] = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": str(device), "torch": torch.__version__, "triton": triton.__version__,
-        "cuda": torch.version.cuda, "python": platform.python_version(), "snapquant": snapquant.__version__,
-        "git_commit": git_commit(), "host": platform.node(),
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        env.update(gpu=props.name, sm_count=props.multi_processor_count,
-                   capability=f"{props.major}.{props.minor}", memory_gib=round(props.total_memory / 2**30, 1),
-                   l2_bytes=getattr(props, "L2_cache_size", None))
-    return env
-
-
 def tag_for(env: dict[str, Any], device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
@@ -304,7 +269,7 @@ def run_bench(opts: BenchOptions, *, timer: Any = None, echo: bool = True) -> in
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device.index)
     timer = timer or make_timer(bp.timer, device, fast=opts.quick)
-    env = environment(device)
+    env = device_environment(device)
     tag = opts.tag or tag_for(env, device)
     p = paths(out, tag)
     log = Log(p["log"], echo=echo)

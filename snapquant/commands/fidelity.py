@@ -27,13 +27,13 @@ def fidelity(
     """Next-token KL (mean, p99), top-1 agreement and perplexity delta, with quantized prefill and in step-by-step decode."""
     import functools
 
+    from ..atomic import atomic_write_text
     from ..attention.backends import check_kernel_options, kernel_options_from_text
     from ..errors import ConfigError, ShapeError
-    from ..fidelity import MODES, fidelity_metrics, fidelity_reference, fidelity_table, fidelity_tokens
+    from ..eval.fidelity import MODES, fidelity_metrics, fidelity_reference, fidelity_table, fidelity_tokens
+    from ..eval.model import load_model
     from ..patching import patched
     from ..presets import resolve_config
-    from ..sweep.model import load_model
-    from ..sweep.store import atomic_write_text
 
     try:
         configs = [resolve_config(p) for p in (preset or ["snapmla", "per_tensor_fp8"])]
@@ -68,7 +68,7 @@ def _check_arguments(model: str, text: Path | None, seq_len: int, num_sequences:
     """Every option, before the model loads (ConfigError naming the option)."""
     from ..attention.backends import BACKEND_CHOICES
     from ..errors import ConfigError
-    from ..fidelity import MODES
+    from ..eval.fidelity import MODES
     from ._checks import (
         MODEL_DTYPES,
         check_choices,

@@ -55,8 +55,8 @@ def formats(
     if out is not None:
         import json
 
-        from ..sweep.env import environment
-        from ..sweep.store import atomic_write_text
+        from ..atomic import atomic_write_text
+        from ..environment import environment
 
         meta = {"command": "snapquant formats", "parameters": dict(df.attrs), "environment": environment()}
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,11 +23,11 @@ def plot(
     from ..analysis import build_table
     from ..analysis.plots import plot_all
     from ..errors import ConfigError
-    from .table import _load, _parse_metrics
+    from .table import load_cells, parse_metrics
 
     try:
-        res = _load(results, all_runs, skip_corrupt)
-        tab = build_table(res, baseline, metrics=_parse_metrics(metric))
+        res = load_cells(results, all_runs, skip_corrupt)
+        tab = build_table(res, baseline, metrics=parse_metrics(metric))
         dest = out or ((results[0] if results[0].is_dir() else results[0].parent) / "plots")
         paths = plot_all(tab, dest)
     except (ConfigError, ValueError) as e:

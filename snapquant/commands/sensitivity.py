@@ -36,7 +36,7 @@ def sensitivity(
     )
     from ..analysis.text import load_texts, token_batches
     from ..errors import ConfigError, ShapeError
-    from ..sweep.model import load_model
+    from ..eval.model import load_model
 
     try:
         _check_arguments(model, text, seq_len, num_sequences, dtype, granularity, scheme, block_size, outlier_sigma,
@@ -95,9 +95,9 @@ def _check_arguments(model: str, text: Path | None, seq_len: int, num_sequences:
 def default_texts() -> list[str]:
     """The embedded model's held-out text (never trained on), shipped with the snapquant tasks."""
     from ..analysis.text import load_texts
+    from ..data.corpus import HELDOUT_FILE as p
     from ..errors import ConfigError
 
-    p = Path(__file__).resolve().parents[1] / "tasks" / "data" / "heldout_code.jsonl"
     if not p.is_file():
         raise ConfigError(f"no default text at {p}; pass --text FILE")
     return load_texts(p)

@@ -27,8 +27,8 @@ def table(
     from ..errors import ConfigError
 
     try:
-        metrics = _parse_metrics(metric)
-        res = _load(results, all_runs, skip_corrupt)
+        metrics = parse_metrics(metric)
+        res = load_cells(results, all_runs, skip_corrupt)
         tab = build_table(res, baseline, alpha=alpha, metrics=metrics)
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
@@ -39,7 +39,8 @@ def table(
     typer.echo("wrote " + ", ".join(str(p) for p in files.values()), err=True)
 
 
-def _parse_metrics(items: list[str] | None) -> dict[str, str]:
+def parse_metrics(items: list[str] | None) -> dict[str, str]:
+    """`--metric TASK=METRIC` options (of `table` and `plot`) -> {task: metric}."""
     from ..errors import ConfigError
 
     out = {}
@@ -53,7 +54,7 @@ def _parse_metrics(items: list[str] | None) -> dict[str, str]:
     return out
 
 
-def _load(results: list[Path], all_runs: bool, skip_corrupt: bool) -> list[dict]:
+def load_cells(results: list[Path], all_runs: bool, skip_corrupt: bool) -> list[dict]:
     """`load_results`, with each left-out corrupt file shown as a warning on stderr."""
     import warnings
 

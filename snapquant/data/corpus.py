@@ -3,7 +3,7 @@
 Sources are this machine's CPython standard library plus a pinned list of installed packages. The
 corpus is built once (on the development machine), recorded in a manifest (path, sha256, bytes,
 split) and shipped to the training machine already tokenized, so both machines see identical data
-whatever Python they have. Held-out evaluation files live in `snapquant/tasks/data/` and are
+whatever Python they have. Held-out evaluation files live in `snapquant/eval/tasks/data/` and are
 excluded from training by content hash, which also catches vendored copies of the same file.
 """
 
@@ -52,7 +52,7 @@ MAX_LINE_CHARS = 1000
 SKIP_PARTS = ("site-packages", "lib2to3/tests/data", "test/badsyntax", "test/tokenizedata", "__pycache__",
               "idlelib/idle_test", "test/test_lib2to3/data")
 
-HELDOUT_FILE = Path(__file__).resolve().parent.parent / "tasks" / "data" / "heldout_code.jsonl"
+HELDOUT_FILE = Path(__file__).resolve().parent.parent / "eval" / "tasks" / "data" / "heldout_code.jsonl"
 
 
 @dataclass(frozen=True)

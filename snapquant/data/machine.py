@@ -6,7 +6,7 @@ roots and `/usr/lib/python3*`). Steps:
 
 1. list candidate files (size filter; symlinked / nested roots visited once; this repository and
    `exclude` folders skipped);
-2. held-out split: the shipped held-out code (`snapquant/tasks/data/heldout_code.jsonl`, also the
+2. held-out split: the shipped held-out code (`snapquant/eval/tasks/data/heldout_code.jsonl`, also the
    embedded model's, so the two models are measured on the same text) plus a sample of the
    machine's files chosen by a hash of their path (`heldout_fraction`, at most `heldout_bytes`);
 3. every other file (read in parallel): normalised, quality-filtered, exact-deduplicated by content

@@ -19,7 +19,6 @@ model_args="pretrained=PATH,kv_config=snapmla,backend=auto", tasks=[...])` works
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from lm_eval.api.registry import register_model
@@ -27,6 +26,7 @@ from lm_eval.models.huggingface import HFLM
 
 from ..cache import LatentCache
 from ..config import KVQuantConfig
+from ..models.stepping import cache_kwarg
 from ..patching import patch
 from ..presets import resolve_config
 
@@ -43,8 +43,7 @@ class SnapquantLM(HFLM):
         self.kv_kernel_options = dict(kernel_options or {})
         # raises for non-MLA models, naming the class
         patch(self.model, self.kv_config, backend=backend, kernel_options=self.kv_kernel_options)
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_kwarg(self.model)
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         if generation_kwargs.get(self._cache_kwarg) is None:

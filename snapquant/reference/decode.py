@@ -74,8 +74,8 @@ def mla_decode_reference(
     single = q.dim() == 3
     if single:
         q = q.unsqueeze(1)
-    B, S, H, r, d, T = _check(q, kv)
-    lengths = _lengths(lengths, B, T, q.device)
+    B, S, H, r, d, T = check_decode_inputs(q, kv)
+    lengths = checked_lengths(lengths, B, T, q.device)
     tau = 1.0 / math.sqrt(r + d) if softmax_scale is None else float(softmax_scale)
 
     q_nope, q_rope, sigma = quantize_query(q, cfg, r, round_16bit)  # [B,S,H,r], [B,S,H,d], [B,S,H]
@@ -149,7 +149,8 @@ def mla_decode_reference(
     return out, lse
 
 
-def _check(q: torch.Tensor, kv: QuantizedKV):
+def check_decode_inputs(q: torch.Tensor, kv: QuantizedKV) -> tuple[int, int, int, int, int, int]:
+    """(B, S, H, r, d, T) of a [B, S, H, r + d] query over a QuantizedKV; ShapeError naming what does not fit."""
     if not isinstance(kv, QuantizedKV):
         raise ShapeError(f"kv must be a QuantizedKV (from snapquant.quantize_kv), got {type(kv).__name__}")
     if q.dim() != 4:
@@ -167,7 +168,8 @@ def _check(q: torch.Tensor, kv: QuantizedKV):
     return B, S, H, r, d, kv.num_tokens
 
 
-def _lengths(lengths: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor:
+def checked_lengths(lengths: torch.Tensor | None, B: int, T: int, device: torch.device | str) -> torch.Tensor:
+    """Per-request valid lengths [B] (default: all T tokens), each checked to lie in [0, T]."""
     if lengths is None:
         return torch.full((B,), T, dtype=torch.long, device=device)
     lengths = torch.as_tensor(lengths, device=device).long()

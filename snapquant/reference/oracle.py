@@ -14,7 +14,7 @@ import torch
 
 from ..config import KVQuantConfig
 from ..quant.quantizer import QuantizedKV
-from .decode import _check, _lengths
+from .decode import check_decode_inputs, checked_lengths
 from .query import quantize_query
 
 
@@ -33,7 +33,7 @@ def attention_fp64(
         q = q.unsqueeze(1)
     B, S, _, D = q.shape
     T = latent.shape[-2]
-    lengths = _lengths(lengths, B, T, q.device)
+    lengths = checked_lengths(lengths, B, T, q.device)
     tau = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     k = torch.cat([latent, rope], dim=-1).double()  # [B, T, r + d]
     scores = torch.einsum("bshd,btd->bsht", q.double(), k) * tau
@@ -61,7 +61,7 @@ def mla_decode_oracle(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact float64 attention over the dequantized cache (query quantized as the config says)."""
     cfg = config or kv.config
-    _check(q if q.dim() == 4 else q.unsqueeze(1), kv)
+    check_decode_inputs(q if q.dim() == 4 else q.unsqueeze(1), kv)
     r = kv.latent.width
     if quantize_q:
         q_nope, q_rope, sigma = quantize_query(q, cfg, r, round_16bit)

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..results_io import ResultStore
 from .launcher import JobOutcome, launch
-from .runner import CellEvaluator, SweepReport, load_evaluator, manifest, prepare, run_sweep
+from .runner import CellEvaluator, SweepReport, load_evaluator, manifest, prepare, progress_display, run_sweep
 from .schema import SweepSpec
-from .store import ResultStore
 
 
 @dataclass
@@ -73,9 +73,7 @@ def execute(
 
 
 def _launch_with_progress(spec, todo, evaluator, wait, show_progress, console, total, done) -> list[JobOutcome]:
-    from .runner import _progress
-
-    with _progress(show_progress and wait, console) as prog:
+    with progress_display(show_progress and wait, console) as prog:
         bar = prog.add_task(f"cells ({spec.launcher.executor} jobs)", total=total, completed=done)
 
         def on_done(out: JobOutcome) -> None:

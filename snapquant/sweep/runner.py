@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Protocol, runtime_checkable
 
+from ..environment import environment
 from ..errors import ConfigError
 from ..presets import PRESETS
 from ..quant.layout import bytes_per_token
-from .env import environment
+from ..results_io import CELL_SCHEMA, ResultStore
 from .grid import Cell, Expansion, expand
 from .quiet import quiet_libraries
 from .schema import SweepSpec
-from .store import CELL_SCHEMA, ResultStore
 
 
 class CellProgress(Protocol):
@@ -136,7 +136,7 @@ def run_sweep(
     with quiet_libraries():  # our display only: no lm-eval chatter, no tqdm bars (also with --no-progress)
         model_info = evaluator.setup(spec)
     env = environment()
-    with _progress(show_progress, console) as prog, quiet_libraries():
+    with progress_display(show_progress, console) as prog, quiet_libraries():
         cell_bar = prog.add_task("cells", total=len(cells), completed=len(report.already_done))
         sample_bar = _CellBar(prog)  # one row, reset per phase of each cell
         for cell in todo:
@@ -249,7 +249,8 @@ class _NullProgress:
         pass
 
 
-def _progress(enabled: bool, console: Any):
+def progress_display(enabled: bool, console: Any = None) -> Any:
+    """The rich progress display of a sweep (cells, then samples), or a no-op one when disabled."""
     if not enabled:
         return _NullProgress()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -38,15 +38,12 @@ from typing import Any
 import yaml
 
 from ..config import AXES, FIELD_NAMES
-from ..errors import ConfigError
+from ..errors import ConfigError, unknown_choice
+from ..eval.fidelity import MODES as FIDELITY_MODES
 from ..presets import PRESETS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXECUTORS = ("inline", "local", "slurm")
-FIDELITY_MODES = ("prefill", "decode")
-# Tasks whose scoring runs model-generated code. They are refused unless the sweep says
-# `allow_code_execution: true` (lm-eval marks them `unsafe_code`; the names catch forks of them).
-CODE_EXEC_PATTERNS = (r"^humaneval", r"^mbpp", r"^ds1000", r"^cruxeval", r"^pseudo_to_code", r"^apps")
 # KVQuantConfig fields a grid may vary. `name` is a label, not an axis.
 GRID_AXES = tuple(f for f in FIELD_NAMES if f != "name")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
@@ -78,7 +75,7 @@ class GridSpec:
 
 @dataclass(frozen=True)
 class FidelitySpec:
-    """Model-level fidelity (snapquant.fidelity): KL / top-1 / perplexity vs the unquantized model."""
+    """Model-level fidelity (snapquant.eval.fidelity): KL / top-1 / perplexity vs the unquantized model."""
 
     enabled: bool = True
     source: str | None = None
@@ -438,15 +435,7 @@ def _build_launcher(raw: Any, errs: list[str]) -> LauncherSpec:
 
 # ---------------------------------------------------------------------- helpers
 def _unknown(what: str, value: object, allowed: Sequence | Mapping) -> str:
-    import difflib
-
-    allowed = [str(a) for a in allowed]
-    hint = ""
-    if isinstance(value, str):
-        close = difflib.get_close_matches(value, allowed, n=1)
-        if close:
-            hint = f" (did you mean {close[0]!r}?)"
-    return f"{what}={value!r} is not valid{hint}; valid: {', '.join(allowed)}"
+    return str(unknown_choice(what, value, [str(a) for a in allowed]))
 
 
 def _check_choice(errs: list[str], what: str, value: object, allowed: Sequence) -> None:
@@ -476,8 +465,3 @@ def _replace(spec: SweepSpec, **kw: Any) -> SweepSpec:
     import dataclasses
 
     return dataclasses.replace(spec, **kw)
-
-
-def code_executing(task_name: str) -> bool:
-    """True when a task name matches a known code-executing benchmark family."""
-    return any(re.search(p, task_name) for p in CODE_EXEC_PATTERNS)

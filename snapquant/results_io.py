@@ -1,4 +1,7 @@
-"""The result store: one JSON file per cell, written atomically, so a sweep can be killed and resumed.
+"""Sweep results on disk: the cell JSON schema, its encoding, and the directory that holds the cells.
+
+The one module that both writes results (`snapquant.sweep`) and reads them back (`snapquant.analysis`)
+import, so neither goes through the other.
 
 Layout of a results directory:
 
@@ -21,18 +24,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..atomic import TMP_PREFIX, atomic_write_text
-from ..atomic import atomic_write_json as _atomic_write_json
+from . import atomic
+from .atomic import TMP_PREFIX
 
-__all__ = ["CELL_SCHEMA", "TMP_PREFIX", "ResultStore", "atomic_write_json", "atomic_write_text", "cell_problem",
-           "from_json_number", "is_valid_cell", "missing_keys", "to_jsonable"]
+__all__ = ["CELL_SCHEMA", "ResultStore", "atomic_write_json", "cell_problem", "from_json_number", "is_valid_cell",
+           "missing_keys", "to_jsonable"]
 
 CELL_SCHEMA = "snapquant.sweep.cell/1"
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> Path:
     # allow_nan=False: NaN/inf are not JSON; `to_jsonable` maps them to None/strings first.
-    return _atomic_write_json(path, to_jsonable(obj), indent=1, allow_nan=False)
+    return atomic.atomic_write_json(path, to_jsonable(obj), indent=1, allow_nan=False)
 
 
 def to_jsonable(x: Any) -> Any:

@@ -1,4 +1,9 @@
-"""Loading the model a sweep or an analysis runs on: `embedded` or a Hugging Face checkpoint directory."""
+"""Loading the model an evaluation runs on: `embedded` or a Hugging Face checkpoint directory.
+
+    load_model(name, ...)       -> (model in eval mode, tokenizer)
+    checkpoint_mla_dims(name)   (kv_lora_rank, qk_rope_head_dim) from config.json, without loading weights
+    model_info(model)           MLA dims and identity of a loaded model, recorded in every result
+"""
 
 from __future__ import annotations
 
@@ -58,6 +63,33 @@ def load_model(
         m = m.to(resolve_device(device))
     tok = AutoTokenizer.from_pretrained(tokenizer or str(path))
     return m.eval(), tok
+
+
+def checkpoint_mla_dims(model: str) -> tuple[int, int]:
+    """(kv_lora_rank, qk_rope_head_dim) of `model` from its config.json, without loading weights.
+
+    Raises ConfigError naming the model when it has no weights, no config.json or no MLA dims.
+    """
+    import json
+
+    if model == "embedded":
+        from ..embedded import EMBEDDED_PATH, has_weights
+
+        if not has_weights(EMBEDDED_PATH):
+            raise ConfigError(f"model: 'embedded': no weights in {EMBEDDED_PATH} yet (train them with "
+                              f"scripts/train_embedded_model.py)")
+        path = EMBEDDED_PATH
+    else:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model={model!r}: not 'embedded' and not a checkpoint directory with config.json")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    r, d = cfg.get("kv_lora_rank"), cfg.get("qk_rope_head_dim")
+    if not r or not d:
+        raise ConfigError(f"model={model!r} ({cfg.get('model_type')}): config.json has no kv_lora_rank / "
+                          f"qk_rope_head_dim; snapquant needs an MLA (DeepSeek-family) model")
+    return int(r), int(d)
 
 
 def model_info(model: Any) -> dict[str, Any]:

@@ -17,7 +17,6 @@ Both run the patched model through `snapquant.patched`.
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +24,9 @@ from typing import Any
 
 import torch
 
-from .config import KVQuantConfig
-from .errors import ConfigError, ShapeError
+from ..config import KVQuantConfig
+from ..errors import ConfigError, ShapeError
+from ..models.stepping import decode_steps
 
 MODES = ("prefill", "decode")
 
@@ -42,12 +42,15 @@ class FidelityReference:
 
 
 def default_text_source() -> Path:
-    return Path(__file__).resolve().parent / "tasks" / "data" / "heldout_code.jsonl"
+    """The held-out code the embedded model never saw (shipped with the offline tasks)."""
+    from ..data.corpus import HELDOUT_FILE
+
+    return HELDOUT_FILE
 
 
 def fidelity_tokens(tokenizer: Any, source: str | Path | None, seq_len: int, num_sequences: int) -> torch.Tensor:
     """[N, T] ids cut from `source` (.txt / .jsonl), default the held-out code the embedded model never saw."""
-    from .analysis.text import load_texts, token_batches
+    from ..analysis.text import load_texts, token_batches
 
     src = Path(source) if source else default_text_source()
     if not src.is_file():
@@ -95,17 +98,6 @@ def _device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-def _cache_kw(model: Any) -> str:
-    """transformers >= 5.2x names the forward's cache argument `cache`; 5.15-5.1x `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _returned_cache(out: Any) -> Any:
-    from .analysis.capture import output_cache
-
-    return output_cache(out)
-
-
 @torch.no_grad()
 def prefill_logprobs(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(model(input_ids=ids.to(_device(model))).logits.float(), -1).cpu()
@@ -119,23 +111,13 @@ def decode_logprobs(model: Any, ids: torch.Tensor, prompt_len: int, cache: Any =
     Returns [N, T - prompt_len - 1, V] log-probs: the predictions made by the decode steps that
     consumed tokens prompt_len .. T-2 (each step attends to the cache of all earlier tokens).
     """
-    N, T = ids.shape
+    T = ids.shape[1]
     if not 0 < prompt_len < T - 1:
         raise ConfigError(f"fidelity.prompt_len={prompt_len} must be in [1, {T - 2}] for sequences of {T} tokens")
-    dev = _device(model)
-    ids = ids.to(dev)
-    kw = _cache_kw(model)
-    extra = {kw: cache} if cache is not None else {}
-    out = model(input_ids=ids[:, :prompt_len], use_cache=True, **extra)
-    cache = _returned_cache(out)
-    if on_step:
-        on_step(1)
     steps = []
-    for t in range(prompt_len, T - 1):
-        pos = torch.full((N, 1), t, device=dev, dtype=torch.long)
-        out = model(input_ids=ids[:, t:t + 1], position_ids=pos, use_cache=True, **{kw: cache})
-        cache = _returned_cache(out)
-        steps.append(torch.log_softmax(out.logits[:, -1].float(), -1).cpu())
+    for i, out in enumerate(decode_steps(model, ids.to(_device(model)), prompt_len, cache=cache)):
+        if i:  # the first output is the prefill's; its predictions are not decode steps
+            steps.append(torch.log_softmax(out.logits[:, -1].float(), -1).cpu())
         if on_step:
             on_step(1)
     return torch.stack(steps, dim=1)
@@ -165,7 +147,7 @@ def fidelity_metrics(
         if m not in MODES:
             raise ConfigError(f"fidelity mode {m!r} is not valid; allowed values: {', '.join(MODES)}")
     if patcher is None:
-        from .sweep.evaluate import default_patcher
+        from .harness import default_patcher
 
         patcher = default_patcher()
 
