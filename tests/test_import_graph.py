@@ -21,12 +21,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "snapquant"
 # Layers above the kernels: the kernels are called by them and must not import them back.
 ABOVE_KERNELS = ("snapquant.attention", "snapquant.cache", "snapquant.patching", "snapquant.graphs")
 
-# Cycles that work in progress removes (evaluation moving into eval/). Each entry is a strict xfail: once
-# the work lands and the cycle is gone its test fails until the entry is deleted here. Keep this list
-# short and delete entries, never add.
-KNOWN_CYCLES: dict[str, frozenset[str]] = {
-    "evaluation": frozenset({"snapquant.fidelity", "snapquant.sweep.evaluate"}),
-}
 
 
 def module_files(root: Path = PACKAGE) -> dict[str, Path]:
@@ -216,8 +210,7 @@ def test_walker_finds_a_long_cycle_and_the_kernels_importing_upward(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- snapquant
 def test_no_import_cycle(graph):
-    known = list(KNOWN_CYCLES.values())
-    new = [c for c in cycles(graph) if not any(set(c) <= k for k in known)]
+    new = cycles(graph)
     assert not new, "import cycles in snapquant/:\n" + "\n".join(
         f"  {len(c)} modules {c}, e.g. {_path_in(graph, c)}" for c in new)
 
@@ -226,15 +219,6 @@ def test_kernels_import_nothing_from_the_layers_above_them(graph):
     bad = sorted(kernel_seam_imports(graph))
     assert not bad, "snapquant/kernels/ imports from the layers above it:\n" + "\n".join(
         f"  {m} imports {t}" for m, t in bad)
-
-
-@pytest.mark.parametrize("name", sorted(KNOWN_CYCLES))
-@pytest.mark.xfail(strict=True, reason="a cycle that work in progress removes; delete its KNOWN_CYCLES entry "
-                                       "when this passes")
-def test_known_cycle_is_gone(graph, name):
-    members = KNOWN_CYCLES[name]
-    left = [c for c in cycles(graph) if set(c) & members]
-    assert not left, f"{name}: " + "; ".join(_path_in(graph, c) for c in left)
 
 
 def test_the_runtime_guards_are_a_leaf(graph):
