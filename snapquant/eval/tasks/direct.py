@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..data.tokenizer import encode_text
+from ...data.tokenizer import encode_text
 from . import sq_utils
 
 
