@@ -375,6 +375,8 @@ def _val_loss(model, val_tokens, seq_len: int, device, cuda: bool) -> float:
 def _write_state(out: Path, step, tokens, args, last, scores, n_params, cmeta, train_s) -> None:
     import torch
 
+    from snapquant.data.corpus import load_heldout
+
     state = {"steps": step, "tokens": tokens, "train_seconds": round(train_s, 1), "params": n_params,
              "batch_size": args.batch_size, "seq_len": args.seq_len or None, "lr": args.lr,
              "seed": args.seed, "tiny": args.tiny, "final_losses": last, "bf16_scores": scores,
@@ -382,7 +384,8 @@ def _write_state(out: Path, step, tokens, args, last, scores, n_params, cmeta, t
                                                "manifest_sha256", "train_bin_sha256", "tokenizer_sha256")},
              "corpus_summary": cmeta["summary"], "init_from": args.init_from,
              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and args.device != "cpu" else "cpu",
-             "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+             "heldout_files_scored": len(load_heldout())}  # the decontaminated list evaluation reads
     from snapquant.atomic import atomic_write_json
 
     atomic_write_json(out / "training_state.json", state, indent=2)
@@ -452,6 +455,11 @@ def write_card(model_dir: Path, cmeta: dict | None = None, lm_eval_scores: dict 
                   "| task | metric | value |", "|---|---|---|",
                   *[f"| {t} | {m} | {v:.4f} |" for t, ms in lm_scores.items() for m, v in ms.items()]]
     lines += ["", "Quality bar: key-value retrieval exact match >= 0.90 at 1K and 2K, >= 0.70 at 4K.", ""]
+    decontam = model_dir / "heldout_decontam.json"
+    if decontam.is_file():  # written by scripts/decontam_heldout.py for this model's corpus
+        from snapquant.data.decontam import heldout_card_lines
+
+        lines += [*heldout_card_lines(json.loads(decontam.read_text())), ""]
     path = model_dir / "README.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path

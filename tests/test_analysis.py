@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 
 from snapquant import ConfigError
-from snapquant.analysis import build_table, load_results, mcnemar_exact, paired_bootstrap, paired_test
+from snapquant.analysis import build_table, load_results, mcnemar_exact, paired_test
 from snapquant.analysis.plots import plot_all
-from snapquant.analysis.significance import binom_two_sided, pair_samples
+from snapquant.analysis.significance import binom_two_sided, mde_paired_binary, pair_samples
 from snapquant.sweep import SweepSpec, run_sweep
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,15 +56,15 @@ def test_paired_test_detects_real_paired_shift_that_unpaired_stderr_hides():
     difficulty = rng.normal(0, 3, 300)  # large between-document variance
     base = difficulty + rng.normal(0, 0.1, 300)
     var = base - 0.1 + rng.normal(0, 0.1, 300)
-    t = paired_test(list(base), list(var), "mean", iters=4000, seed=0)
-    assert t.test == "paired_bootstrap" and t.p_value < 0.01 and t.ci_high < 0 < -t.ci_low
+    t = paired_test(list(base), list(var), "mean", n_resamples=4000, seed=0)
+    assert t.test == "sign_flip_permutation" and t.p_value < 0.01 and t.ci_high < 0 < -t.ci_low
     unpaired_se = math.hypot(base.std() / math.sqrt(300), var.std() / math.sqrt(300))
     assert abs(t.delta) < unpaired_se  # invisible to value ± stderr, visible to the paired test
-    same = paired_test(list(base), list(base + rng.normal(0, 1e-9, 300) * 0), "mean", iters=2000)
+    same = paired_test(list(base), list(base + rng.normal(0, 1e-9, 300) * 0), "mean", n_resamples=2000)
     assert same.p_value == 1.0
 
 
-def test_paired_bootstrap_uses_the_task_aggregation():
+def test_paired_permutation_uses_the_task_aggregation():
     # (loglik, words) pairs as lm-eval's word_perplexity logs them
     rng = np.random.default_rng(2)
     words = rng.integers(50, 500, 80)
@@ -72,20 +72,10 @@ def test_paired_bootstrap_uses_the_task_aggregation():
     ll_var = ll_base * 1.02  # 2% more nats per word
     base = list(zip(ll_base, words, strict=True))
     var = list(zip(ll_var, words, strict=True))
-    t = paired_test(base, var, "weighted_perplexity", iters=1000)
+    t = paired_test(base, var, "weighted_perplexity", n_resamples=1000)
     ref = math.exp(-ll_var.sum() / words.sum()) - math.exp(-ll_base.sum() / words.sum())
     assert t.delta == pytest.approx(ref) and t.delta > 0 and t.p_value < 0.01
     assert t.ci_low <= t.delta <= t.ci_high
-
-
-def test_null_bootstrap_is_calibrated():
-    rng = np.random.default_rng(3)
-    ps = []
-    for i in range(60):
-        a = rng.normal(size=100)
-        b = a + rng.normal(size=100)  # no shift: H0 true
-        ps.append(paired_bootstrap(list(a), list(b), iters=500, seed=i).p_value)
-    assert 0.01 <= np.mean(np.array(ps) < 0.05) <= 0.15
 
 
 def test_pair_samples_aligns_on_doc_id():
@@ -127,6 +117,19 @@ def test_table_numbers_come_from_the_jsons(results_dir, tmp_path):
         assert f"{v['value']:.{k}f}" + r" $\pm$ " + f"{v['stderr']:.{k}f}" in tex
         assert lbl.replace("_", r"\_") in tex
     assert "| int4_kivi |" in md and "(-" in md and "*)" in md and "| 360 |" in md
+    # The last row is each task column's MDE at its n; the caption names each task's test and n.
+    tests = tab.task_tests.set_index("task")
+    for task, n in (("fake_a", 400), ("fake_b", 60)):
+        assert tests.loc[task, "test"] == "mcnemar_exact" and tests.loc[task, "n"] == n
+        assert f"{task} (acc): exact McNemar, n = {n} paired samples" in md
+        sel = tab.long[(tab.long["task"] == task) & ~tab.long["is_baseline"]]
+        psi = sel["discordant"].sum() / sel["n_paired"].sum()
+        assert tests.loc[task, "mde"] == pytest.approx(mde_paired_binary(n, psi))
+    mde_row = next(line for line in md.splitlines() if line.startswith("| MDE (α=0.05, power 0.8) |"))
+    assert mde_row.split(" | ")[1:3] == [f"{tests.loc['fake_a', 'mde']:.3g}", f"{tests.loc['fake_b', 'mde']:.3g}"]
+    assert tests.loc["fake_a", "mde"] < tests.loc["fake_b", "mde"]  # 400 vs 60 samples
+    assert r"MDE ($\alpha$=0.05, power 0.8)" in tex
+    assert pd.read_csv(files["tasks_csv"])["mde"].tolist() == pytest.approx(tests["mde"].tolist())
     assert r"\toprule" in tex and r"\end{tabular}" in tex
     csv = pd.read_csv(files["csv"])
     assert np.allclose(csv.sort_values(["label", "task"])["value"], tab.long.sort_values(["label", "task"])["value"])

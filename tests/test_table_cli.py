@@ -135,7 +135,8 @@ def test_skip_corrupt_leaves_the_cell_out_with_a_warning_naming_it(results, comm
     assert "1 cell result file(s) left out" in r.stderr
     if command == "table":
         rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ") and "---" not in ln]
-        assert len(rows) == 1 + 2  # header + the two readable cells of three
+        assert len(rows) == 1 + 2 + 1  # header + the two readable cells of three + the MDE row
+        assert rows[-1].startswith("| MDE (")
 
 
 def test_cell_with_missing_keys_or_a_foreign_cell_id_is_corrupt(results):

@@ -3,8 +3,10 @@
 Rows are cells (presets or grid points), columns are tasks. Each entry is the task's primary
 metric as `value ± stderr`, followed by the delta to the baseline row (bf16 by default) and a `*`
 when the paired test on the same samples says the difference is real (p < alpha, per task and
-cell, uncorrected for multiple comparisons: the caption says so). The last columns are the cache
-bytes per token per layer and, when measured, decode fidelity (mean KL, top-1 agreement).
+cell, uncorrected for multiple comparisons: the caption says so). The last row is each task's
+minimum detectable effect (alpha, power 0.8) at its n, and the caption names each task's test and
+n (`significance` has the tests and the MDE formulas). The last columns are the cache bytes per
+token per layer and, when measured, decode fidelity (mean KL, top-1 agreement).
 Markdown and LaTeX are written here rather than through DataFrame.to_markdown/to_latex so the
 output does not depend on the optional `tabulate` / `jinja2` packages.
 """
@@ -23,7 +25,15 @@ from ..atomic import atomic_write_csv, atomic_write_text
 from ..errors import ConfigError
 from ..results_io import from_json_number
 from .results import baseline_of
-from .significance import PairedTest, pair_samples, paired_test
+from .significance import (
+    DEFAULT_RESAMPLES,
+    POWER,
+    PairedTest,
+    mde_paired_binary,
+    mde_paired_continuous,
+    pair_samples,
+    paired_test,
+)
 
 
 @dataclass
@@ -34,6 +44,8 @@ class SweepTable:
     """One row per cell: label, cell_id, is_baseline, bytes per token, fidelity summary."""
     baseline: str | None
     alpha: float
+    task_tests: pd.DataFrame | None = None
+    """One row per task: metric, test, n, exact, pooled nuisance and the column's MDE."""
 
     # ------------------------------------------------------------------ views
     def wide(self, what: str = "value") -> pd.DataFrame:
@@ -65,7 +77,19 @@ class SweepTable:
             if self._has_fidelity():
                 row += [_num(c.get("kl_mean"), 3), _num(c.get("top1_agree"), 4)]
             out.append(row)
+        if self.tasks:
+            mde = self._task_tests().set_index("task")["mde"]
+            tail = [""] * (1 + 2 * self._has_fidelity())
+            out.append([self.mde_label(), *[_mde(mde.get(t), latex) for t in self.tasks], *tail])
         return out
+
+    def mde_label(self) -> str:
+        return f"MDE (α={self.alpha:g}, power {POWER:g})"
+
+    def _task_tests(self) -> pd.DataFrame:
+        if self.task_tests is None:
+            self.task_tests = task_tests(self.long, self.alpha)
+        return self.task_tests
 
     def display(self) -> pd.DataFrame:
         return pd.DataFrame(self.rows(), columns=self.headers())
@@ -75,9 +99,13 @@ class SweepTable:
 
     def caption(self) -> str:
         base = f"delta vs {self.baseline!r}" if self.baseline else "no baseline row"
-        return (f"value ± stderr ({base}); * = paired test p < {self.alpha} on the same samples "
-                f"(exact McNemar for 0/1 metrics, paired bootstrap otherwise; uncorrected). "
-                f"B/token = cache bytes per token per layer at the model's dims.")
+        per_task = "; ".join(_test_note(r) for _, r in self._task_tests().iterrows())
+        return (f"value ± stderr ({base}); * = paired test p < {self.alpha} on the same samples, "
+                f"uncorrected for multiple comparisons. Tests: {per_task or 'none'}. "
+                f"{self.mde_label()} = the smallest |delta| the test detects with probability {POWER:g} at "
+                "that n (exact McNemar power at the pooled observed discordance for 0/1 metrics, "
+                "(t_{1-α/2} + t_{power}) x pooled SE otherwise; ∞: no outcome reaches α at that n). "
+                "B/token = cache bytes per token per layer at the model's dims.")
 
     # ------------------------------------------------------------------ renderings
     def to_markdown(self) -> str:
@@ -106,6 +134,7 @@ class SweepTable:
             "latex": atomic_write_text(out / f"{stem}.tex", self.to_latex()),
             "csv": atomic_write_csv(out / f"{stem}.csv", self.long),
             "cells_csv": atomic_write_csv(out / f"{stem}_cells.csv", self.cells),
+            "tasks_csv": atomic_write_csv(out / f"{stem}_tasks.csv", self._task_tests()),
         }
         return files
 
@@ -116,10 +145,10 @@ def build_table(
     *,
     alpha: float = 0.05,
     metrics: dict[str, str] | None = None,
-    bootstrap_iters: int = 10_000,
+    n_resamples: int = DEFAULT_RESAMPLES,
     seed: int = 0,
 ) -> SweepTable:
-    """Tidy frames of a sweep's results with deltas and paired tests against the baseline cell.
+    """Tidy frames of a sweep's results with deltas, paired tests and MDEs against the baseline cell.
 
     `metrics` overrides the primary metric per task (default: what the cell records as primary).
     Raises ConfigError for an `alpha` outside (0, 1) and for a task or metric in `metrics` that
@@ -140,17 +169,46 @@ def build_table(
                    "value": from_json_number(m.get("value")), "stderr": from_json_number(m.get("stderr")),
                    "higher_is_better": m.get("higher_is_better"), "n_samples": tres.get("n_samples"),
                    "is_baseline": base is not None and r["cell_id"] == base["cell_id"]}
-            row.update(_compare(r, base, task, metric, m.get("aggregation"), row["value"], bootstrap_iters, seed))
+            row.update(_compare(r, base, task, metric, m.get("aggregation"), row["value"], n_resamples, seed,
+                                alpha))
             rows.append(row)
     long = pd.DataFrame(rows, columns=[
         "label", "cell_id", "task", "metric", "value", "stderr", "delta", "p_value", "significant", "test",
-        "n_paired", "ci_low", "ci_high", "higher_is_better", "n_samples", "is_baseline"])
+        "exact", "n_paired", "ci_low", "ci_high", "discordant", "se", "mde", "higher_is_better", "n_samples",
+        "is_baseline"])
     cells = pd.DataFrame(cell_rows)
     if base is not None:  # baseline first, then the sweep's order
         cells = pd.concat([cells[cells["cell_id"] == base["cell_id"]], cells[cells["cell_id"] != base["cell_id"]]])
         cells["is_baseline"] = cells["cell_id"] == base["cell_id"]
     cells = cells.reset_index(drop=True)
-    return SweepTable(long, cells, base["label"] if base else None, alpha)
+    return SweepTable(long, cells, base["label"] if base else None, alpha, task_tests(long, alpha))
+
+
+def task_tests(long: pd.DataFrame, alpha: float) -> pd.DataFrame:
+    """One row per task: its test, n and the column's minimum detectable effect.
+
+    The MDE pools the nuisance parameter over the task's comparisons with the baseline: the
+    discordance rate (all discordant pairs / all pairs) for exact McNemar, the root mean square of
+    the deltas' standard errors otherwise; n is the smallest paired n of the column.
+    """
+    out = []
+    for task in dict.fromkeys(long["task"]) if not long.empty else []:
+        sel = long[(long["task"] == task) & long["test"].notna() & (long["n_paired"] > 0)]
+        row = {"task": task, "metric": long.loc[long["task"] == task, "metric"].iloc[0], "test": None,
+               "exact": None, "n": 0, "comparisons": len(sel), "discordance": math.nan, "se": math.nan,
+               "mde": math.nan}
+        if len(sel):
+            n = int(sel["n_paired"].min())
+            row.update(test=sel["test"].iloc[0], exact=bool(sel["exact"].all()), n=n)
+            if row["test"] == "mcnemar_exact":
+                row["discordance"] = float(sel["discordant"].sum() / sel["n_paired"].sum())
+                row["mde"] = mde_paired_binary(n, row["discordance"], alpha=alpha)
+            else:
+                row["se"] = float(math.sqrt((sel["se"] ** 2).mean()))
+                row["mde"] = mde_paired_continuous(row["se"], n, alpha=alpha)
+        out.append(row)
+    return pd.DataFrame(out, columns=["task", "metric", "test", "exact", "n", "comparisons", "discordance", "se",
+                                      "mde"])
 
 
 def check_alpha(alpha: float) -> None:
@@ -186,9 +244,10 @@ def _close(word: str, choices) -> str:
 
 
 def _compare(r: dict, base: dict | None, task: str, metric: str, aggregation: str | None, value: float,
-             iters: int, seed: int) -> dict[str, Any]:
-    empty = {"delta": math.nan, "p_value": math.nan, "significant": False, "test": None, "n_paired": 0,
-             "ci_low": math.nan, "ci_high": math.nan}
+             n_resamples: int, seed: int, alpha: float) -> dict[str, Any]:
+    empty = {"delta": math.nan, "p_value": math.nan, "significant": False, "test": None, "exact": None,
+             "n_paired": 0, "ci_low": math.nan, "ci_high": math.nan, "discordant": math.nan, "se": math.nan,
+             "mde": math.nan}
     if base is None or r["cell_id"] == base["cell_id"] or task not in base.get("tasks", {}):
         return empty
     bm = base["tasks"][task].get("metrics", {}).get(metric)
@@ -197,9 +256,10 @@ def _compare(r: dict, base: dict | None, task: str, metric: str, aggregation: st
     out = dict(empty, delta=value - from_json_number(bm.get("value")))
     a, b = pair_samples(base.get("samples", {}).get(task, []), r.get("samples", {}).get(task, []), metric)
     if a:
-        t: PairedTest = paired_test(a, b, aggregation, iters=iters, seed=seed)
-        out.update(p_value=t.p_value, significant=bool(t.significant()), test=t.test, n_paired=t.n,
-                   ci_low=t.ci_low, ci_high=t.ci_high)
+        t: PairedTest = paired_test(a, b, aggregation, n_resamples=n_resamples, seed=seed, alpha=alpha)
+        out.update(p_value=t.p_value, significant=bool(t.significant(alpha)), test=t.test, exact=t.exact,
+                   n_paired=t.n, ci_low=t.ci_low, ci_high=t.ci_high, se=t.se, mde=t.mde,
+                   discordant=sum(t.discordant) if t.discordant else math.nan)
     return out
 
 
@@ -251,6 +311,27 @@ def _entry(row: pd.Series, alpha: float, latex: bool) -> str:
     return s
 
 
+_TEST_WORDS = {"mcnemar_exact": "exact McNemar", "sign_flip_permutation": "sign-flip permutation"}
+
+
+def _test_note(r: pd.Series) -> str:
+    head = f"{r['task']} ({r['metric']})"
+    if not r["test"]:
+        return f"{head}: no paired per-sample outputs, no test"
+    words = _TEST_WORDS.get(r["test"], r["test"])
+    if r["test"] == "sign_flip_permutation":
+        words += " (exact, all 2^n sign patterns)" if r["exact"] else " (randomized sign patterns)"
+    return f"{head}: {words}, n = {r['n']} paired samples"
+
+
+def _mde(v: Any, latex: bool) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    if math.isinf(v):
+        return r"$\infty$" if latex else "∞"
+    return f"{v:.3g}"
+
+
 def _num(v: Any, sig: int) -> str:
     if v is None:
         return ""
@@ -268,7 +349,8 @@ def _md(s: str) -> str:
 
 
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
-        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "±": r"$\pm$"}
+        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "±": r"$\pm$",
+        "α": r"$\alpha$", "∞": r"$\infty$"}
 
 
 def _tex(s: str) -> str:

@@ -8,10 +8,11 @@ so the unit of resampling is the sequence:
   `scipy.stats.bootstrap` over sequences (the statistic is recomputed on the concatenated positions
   of each resampled set of sequences);
 - `paired_comparison`: config B - config A on the same positions, as the mean over sequences of the
-  per-sequence difference, with a bootstrap CI and a two-sided sign-flip permutation p-value
-  (`scipy.stats.permutation_test`, `permutation_type='samples'`: under H0 each sequence's pair is
-  exchangeable). The permutation test is exact when 2^n <= n_resamples (n <= 13 at the default) and
-  its randomized version keeps its level for any n, unlike the percentile bootstrap p-value.
+  per-sequence difference, with a BCa bootstrap CI and a two-sided sign-flip permutation p-value
+  (under H0 each sequence's pair is exchangeable): the same test and interval as the benchmark
+  tables' (`significance.permutation_pvalues` and `significance.bootstrap_interval`). The
+  permutation test is exact when 2^n <= n_resamples (n <= 13 at the default) and its randomized
+  version keeps its level for any n, unlike a percentile-bootstrap p-value.
 Every result carries n (sequences and positions).
 """
 
@@ -24,6 +25,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 from scipy import stats
+
+from .significance import DEFAULT_RESAMPLES, bootstrap_interval, permutation_pvalues
 
 KL_THRESHOLDS = (0.01, 0.1, 1.0)
 
@@ -119,8 +122,9 @@ def per_sequence(metrics: dict[str, np.ndarray], metric: str = "kl") -> np.ndarr
 
 
 def paired_comparison(a: np.ndarray, b: np.ndarray, *, metric: str = "kl_mean", n_positions: int = 0,
-                      confidence: float = 0.95, n_resamples: int = 9999, seed: int = 0) -> PairedComparison:
-    """b - a over paired per-sequence values: mean difference, bootstrap CI, sign-flip permutation p-value."""
+                      confidence: float = 0.95, n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0
+                      ) -> PairedComparison:
+    """b - a over paired per-sequence values: mean difference, BCa CI, sign-flip permutation p-value."""
     a = np.asarray(a, dtype=float)
     b = np.asarray(b, dtype=float)
     if a.shape != b.shape or a.ndim != 1:
@@ -132,18 +136,11 @@ def paired_comparison(a: np.ndarray, b: np.ndarray, *, metric: str = "kl_mean", 
         return PairedComparison(metric, delta, math.nan, math.nan, 1.0, n, n_positions)
     if np.all(d == 0):
         return PairedComparison(metric, 0.0, 0.0, 0.0, 1.0, n, n_positions)
-
-    def mean_diff(x, y, axis):
-        return np.mean(x - y, axis=axis)
-
-    perm = stats.permutation_test((b, a), mean_diff, permutation_type="samples", vectorized=True,
-                                  n_resamples=n_resamples, alternative="two-sided", random_state=seed)
-    boot = stats.bootstrap((d,), np.mean, vectorized=True, n_resamples=n_resamples, confidence_level=confidence,
-                           method="BCa" if n >= 8 else "percentile", random_state=seed)
-    lo, hi = float(boot.confidence_interval.low), float(boot.confidence_interval.high)
-    if not (math.isfinite(lo) and math.isfinite(hi)):  # BCa can degenerate on near-constant data
-        lo, hi = float(np.quantile(d, 0.025)), float(np.quantile(d, 0.975))
-    return PairedComparison(metric, delta, lo, hi, float(perm.pvalue), n, n_positions)
+    p = float(permutation_pvalues(a, b, n_resamples=n_resamples, seed=seed))
+    # BCa's acceleration estimate is too noisy below 8 sequences: percentile there.
+    lo, hi, _ = bootstrap_interval(a, b, confidence=confidence, n_resamples=n_resamples, seed=seed,
+                                   method="BCa" if n >= 8 else "percentile")
+    return PairedComparison(metric, delta, lo, hi, p, n, n_positions)
 
 
 def estimates_frame(label: str, estimates: Sequence[Estimate]):

@@ -61,7 +61,9 @@ def build_corpus(out_dir: Path | str, vocab_size: int = 8192, max_train_tokens: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    heldout = load_heldout()
+    # With the files decontamination dropped: they stay out of training (and in val.bin), so a
+    # rebuild reproduces the shipped manifest and corpus.
+    heldout = load_heldout(include_dropped=True)
     heldout_hashes = {r["sha256"] for r in heldout}
     manifest, train_texts = split_corpus(iter_source_files(include_packages, strict_versions), heldout_hashes)
     missing = heldout_hashes - {e.sha256 for e in manifest if e.split == "heldout"}

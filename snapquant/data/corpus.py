@@ -5,6 +5,11 @@ corpus is built once (on the development machine), recorded in a manifest (path,
 split) and shipped to the training machine already tokenized, so both machines see identical data
 whatever Python they have. Held-out evaluation files live in `snapquant/eval/tasks/data/` and are
 excluded from training by content hash, which also catches vendored copies of the same file.
+
+Held-out files that turned out to be near duplicates of training files, or to share a long
+verbatim passage with one (`decontam.heldout_overlaps`, run by `scripts/decontam_heldout.py`),
+were moved to `assets/embedded/heldout_dropped.jsonl`: evaluation never reads them, while corpus
+builds still exclude them from training so that a rebuilt corpus matches the shipped manifest.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ SKIP_PARTS = ("site-packages", "lib2to3/tests/data", "test/badsyntax", "test/tok
               "idlelib/idle_test", "test/test_lib2to3/data")
 
 HELDOUT_FILE = Path(__file__).resolve().parent.parent / "eval" / "tasks" / "data" / "heldout_code.jsonl"
+DROPPED_HELDOUT_FILE = Path(__file__).resolve().parent.parent / "assets" / "embedded" / "heldout_dropped.jsonl"
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,16 @@ def _walk_py(root: Path) -> Iterator[Path]:
                 yield Path(dirpath) / name
 
 
+def source_path(origin: str, path: str) -> Path:
+    """Where a manifest entry (`origin` 'stdlib' or 'pkg:NAME==VER', relative `path`) lives on this machine."""
+    if origin == "stdlib":
+        return stdlib_root() / path
+    dist = origin.removeprefix("pkg:").split("==")[0]
+    if dist not in PINNED_PACKAGES:
+        raise ConfigError(f"manifest origin {origin!r} is neither 'stdlib' nor a pinned package")
+    return Path(sysconfig.get_paths()["purelib"]) / PINNED_PACKAGES[dist][0] / path
+
+
 def package_roots(packages: dict[str, tuple[str, str]] | None = None,
                   strict_versions: bool = True) -> list[tuple[str, Path]]:
     """(origin label, directory) for each pinned package; raises ConfigError on a version mismatch."""
@@ -158,9 +174,19 @@ class ManifestEntry:
     split: str  # 'train', 'heldout' or 'excluded:<reason>'
 
 
-def load_heldout(path: Path | str = HELDOUT_FILE) -> list[dict]:
-    """The shipped held-out files: dicts with path, origin, sha256, bytes, text."""
-    path = Path(path)
+def load_heldout(path: Path | str = HELDOUT_FILE, *, include_dropped: bool = False) -> list[dict]:
+    """The shipped held-out files evaluation uses: dicts with path, origin, sha256, bytes, text.
+
+    `include_dropped` adds the files decontamination dropped (`DROPPED_HELDOUT_FILE`): never
+    evaluated on, but still excluded from training, which is what corpus builds need.
+    """
+    rows = _read_heldout(Path(path))
+    if include_dropped and DROPPED_HELDOUT_FILE.is_file():
+        rows += _read_heldout(DROPPED_HELDOUT_FILE)
+    return rows
+
+
+def _read_heldout(path: Path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"held-out code file {path} is missing; run build_heldout() first")
     with path.open(encoding="utf-8") as fh:
@@ -202,8 +228,14 @@ def select_heldout(files: Iterable[SourceFile], target_bytes: int = 300_000, min
 
 
 def build_heldout(path: Path | str = HELDOUT_FILE, target_bytes: int = 300_000) -> list[dict]:
-    """Write the held-out jsonl (one-time; the result is committed and shipped in the package)."""
-    rows = select_heldout(iter_source_files(include_packages=False), target_bytes=target_bytes)
+    """Write the held-out jsonl (one-time; the result is committed and shipped in the package).
+
+    Files decontamination dropped earlier stay dropped; run `scripts/decontam_heldout.py` after
+    a new selection.
+    """
+    dropped = {r["sha256"] for r in _read_heldout(DROPPED_HELDOUT_FILE)} if DROPPED_HELDOUT_FILE.is_file() else set()
+    rows = [r for r in select_heldout(iter_source_files(include_packages=False), target_bytes=target_bytes)
+            if r["sha256"] not in dropped]
     with atomic_open(path, "w") as fh:
         for row in rows:
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")

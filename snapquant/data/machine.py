@@ -170,7 +170,7 @@ def build_machine_corpus(out_dir: Path | str, tokenizer_dir: Path | str, *, root
         cands.sort(key=lambda c: c.path)
     log(f"{len(cands)} candidate files under {len(roots)} roots ({time.time() - t0:.0f}s)")
 
-    shipped = load_heldout()
+    shipped = load_heldout(include_dropped=True)  # as the research corpus was built: all of them held out
     sample = _heldout_sample(cands, heldout_fraction, heldout_bytes, seed)
     heldout_rows: list[dict] = []
     heldout_hashes = {r["sha256"] for r in shipped}
