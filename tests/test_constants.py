@@ -32,6 +32,8 @@ REFERENCE = {
     "E4M3_MAX": get_element_format("fp8_e4m3").qmax,  # the quantizers' and the query's scale rule
     "BF16_MAX": SIXTEEN_BIT_MAX[torch.bfloat16],  # the pre-scaled RoPE and RoPE-query clamp
     "SCALE_FLOOR": SCALE_FLOOR,
+    "FLASHMLA_SCALE_MIN": float(torch.tensor(1e-4, dtype=torch.float32)),  # the flashmla rule's clamp, fl32(1e-4)
+    "FLT_MIN": torch.finfo(torch.float32).tiny,  # the vllm rule's clamp
     "PI_REL_FLOOR": reference_decode.PI_REL_FLOOR,
     "PI_ABS_FLOOR": reference_decode.PI_ABS_FLOOR,
     "PAGE_SIZE": KVQuantConfig().pv_block,  # the reference's online-softmax block = P's quantization block
@@ -61,7 +63,7 @@ def test_every_kernel_module_compiles_the_reference_constants():
             assert value == want, f"{module.__name__}.{name} = {value!r}, the reference uses {want!r}"
             seen.add((module.__name__.rsplit(".", 1)[-1], name))
     assert {("common", "E4M3_MAX"), ("common", "PI_REL_FLOOR"), ("decode", "PI_ABS_FLOOR"),
-            ("layouts", "PAGE_SIZE")} <= seen
+            ("layouts", "PAGE_SIZE"), ("common", "FLASHMLA_SCALE_MIN"), ("common", "FLT_MIN")} <= seen
     if HAVE_GLUON:  # the Gluon kernels' own constexprs too
         from snapquant.kernels.gluon import common
 
@@ -90,9 +92,9 @@ def _literals(tree: ast.AST):
 
 @pytest.mark.parametrize("path", sorted(KERNELS_DIR.rglob("*.py")), ids=lambda p: str(p.relative_to(KERNELS_DIR)))
 def test_no_kernel_source_spells_a_format_constant(path):
-    """448, 2^-86, 2^-40, 2^-100, 1/448 and the bf16 maximum come from snapquant.constants only (64 is too
+    """448, 2^-86, 2^-40, 2^-100, 1/448, 1e-4, 2^-126 and the bf16 maximum come from snapquant.constants only (64 is too
     common a number to ban: the page size is checked through the launches above)."""
     banned = {constants.E4M3_MAX, constants.E4M3_RCP, constants.BF16_MAX, constants.SCALE_FLOOR,
-              constants.PI_REL_FLOOR, constants.PI_ABS_FLOOR}
+              constants.PI_REL_FLOOR, constants.PI_ABS_FLOOR, constants.FLASHMLA_SCALE_MIN, constants.FLT_MIN}
     for value, line in _literals(ast.parse(path.read_text())):
         assert not any(math.isclose(value, b, rel_tol=1e-9) for b in banned), f"{path.name}:{line} spells {value!r}"

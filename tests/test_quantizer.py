@@ -163,7 +163,8 @@ def test_bad_shapes_are_named(latent, rope, match):
 
 @pytest.mark.parametrize("fmt", ["pow2", "e8m0"])
 def test_power_of_two_scales_round_up_and_never_saturate(fmt):
-    cfg = sq.PRESETS["ds_v32"].replace(scale_format=fmt)
+    # snapquant's rule: the exact power-of-two ceiling (ds_v32 itself clamps tiny tiles: test_scale_rules.py)
+    cfg = sq.PRESETS["ds_v32"].replace(scale_format=fmt, scale_rule="snapquant")
     latent = torch.randn(2, 50, 256) * torch.logspace(-20, 20, 50)[:, None]
     kv = sq.quantize_kv(latent, torch.randn(2, 50, 64), cfg)
     s = kv.latent.scale_f32()
