@@ -2,7 +2,7 @@
 
     latent       [num_pages, 64, r]   fp8 e4m3 (bf16 for the baseline layout)
     scale        [num_pages, 64]      fp32 per-token scale (snapmla layout)
-                 [num_pages, 64, r/b] fp32 power-of-two block scales (ds_v32 layout); None for bf16
+                 [num_pages, 64, r/b] fp32 block scales (ds_v32 layout); None for bf16
     rope         [num_pages, 64, d]   bf16 (divided by the token's scale in the snapmla layout)
     block_table  [B, max_pages]       int32 physical page of each request's i-th logical page
     lengths      [B]                  int32 valid tokens per request

@@ -131,9 +131,10 @@ def pow2_ceil_log2f(s: torch.Tensor) -> torch.Tensor:
     through an fp32 logarithm, clamped to [2^-127, 2^127].
 
     This is the exact power-of-two ceiling, except for s within a few fp32 steps above a power of two 2^k
-    (|k| >= 4), where the rounded logarithm is the integer k and the result is 2^k < s (the quotient then
-    exceeds qmax by < 4e-7 relative and saturates). Modelled with integer arithmetic, so every device gives
-    the same bits; it equals PyTorch's fp32 log2 on CPU at every such s."""
+    (none for |k| <= 3, up to 22 for |k| >= 64), where the rounded logarithm is the integer k and the
+    result is 2^k < s (the quotient then exceeds qmax by < 3e-6 relative and saturates). Modelled with
+    integer arithmetic, so every device gives the same bits; it equals PyTorch's fp32 log2 on CPU at every
+    such s (docs/numerics.md, "Scale rules")."""
     m, e = torch.frexp(s)  # s = m * 2^e, m in [0.5, 1): floor(log2 s) = e - 1
     k = e - 1
     steps = ((m * 2 - 1) * 2.0**23).to(torch.int32)  # the mantissa field: exact
