@@ -257,3 +257,14 @@ def test_grid_base_knobs_apply_only_to_the_cells_that_read_them(tmp_path):
     # an axis value that does nothing (RoPE granularity of a BF16 RoPE) is skipped, naming the knob
     assert len(ex.cells) == 3 and len(ex.skipped) == 2
     assert all("rope_granularity='per_channel' has no effect" in why for _, why in ex.skipped)
+
+
+def test_sweep_cell_ids_hash_the_later_scale_knobs_only_when_set():
+    from snapquant.sweep.grid import cell_hash
+    from snapquant.sweep.schema import stable_hash
+
+    cfg = sq.PRESETS["snapmla"]
+    before = {k: v for k, v in cfg.to_dict().items() if k not in ("name", "scale_rule", "scale_divisor")}
+    assert cell_hash(cfg, "e") == stable_hash({"kv": before, "eval": "e"})[:10]  # the id earlier sweeps gave it
+    assert cell_hash(cfg.replace(scale_rule="vllm"), "e") != cell_hash(cfg, "e")
+    assert cell_hash(cfg.replace(scale_divisor=200.0), "e") != cell_hash(cfg, "e")

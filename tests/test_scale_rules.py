@@ -307,10 +307,17 @@ def test_kernel_support_of_the_named_presets():
 
 
 @pytest.mark.parametrize("name", ["per_tensor_fp8_vllm", "fp8_kivi"])
-def test_backends_fall_back_or_refuse_with_the_reason(name):
+def test_backends_fall_back_or_refuse_with_the_reason(name, monkeypatch):
+    from snapquant.attention import backends
     from snapquant.attention.backends import resolve_backend
 
+    monkeypatch.setattr(backends, "_FALLBACKS_NOTED", set())  # the note is given once per config
     cfg = PRESETS[name]
-    assert resolve_backend("auto", cfg, torch.device("cuda")).name == "reference"
-    with pytest.raises(ConfigError, match=f"does not implement config '{name}'"):
+    why = unsupported_reason(cfg)
+    with pytest.warns(UserWarning, match="decodes .* with the PyTorch reference") as caught:
+        assert resolve_backend("auto", cfg, torch.device("cuda")).name == "reference"  # only the device type is read
+    assert why in str(caught[0].message)
+    with pytest.raises(ConfigError, match=f"does not implement config '{name}'") as err:
         resolve_backend("triton", cfg, torch.device("cuda"))
+    assert why in str(err.value)
+    assert resolve_backend("auto", cfg, torch.device("cpu")).name == "reference"  # no kernels off CUDA anyway
