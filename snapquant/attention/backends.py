@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -234,7 +235,8 @@ _FALLBACKS_NOTED: set[tuple[str, str]] = set()
 def _why_not(backend: Backend, config: KVQuantConfig) -> str:
     """' (why backend cannot run config)': a backend's `supports` may have an `unsupported_reason(config)`
     beside it in its module (the kernels' layouts.py does), which the messages quote; else ''."""
-    explain = getattr(importlib.import_module(backend.supports.__module__), "unsupported_reason", None)
+    module = sys.modules.get(getattr(backend.supports, "__module__", None) or "")  # loaded with `supports`
+    explain = getattr(module, "unsupported_reason", None)
     reason = explain(config) if callable(explain) else None
     return f" ({reason})" if reason else ""
 
