@@ -5,6 +5,12 @@ quantization SQNR of the cached latent / RoPE (mean over layers), and model-leve
 unquantized model (next-token KL, top-1 agreement, perplexity) with quantized prefill and in
 step-by-step decode, with 95% block-bootstrap intervals over positions for KL and top-1
 (snapquant.analysis.intervals). Query and P stay BF16 so only the cache layout varies.
+
+Granularity and scale policy are separate axes: per-tensor and whole-sequence per-channel scales are
+frozen at the prefill by the cache (later tokens beyond them saturate), per-token scales are computed
+per token, and per-channel scales can also be recomputed over each completed group of `--token-group`
+tokens (KIVI; the rest waits in 16 bits), which never clips a later token. The per-channel rows of
+both policies isolate what freezing costs from what the granularity costs.
 Writes table.md/.csv and granularity.png/.pdf to runs/granularity_ablation/ (the committed copy:
 --out results/granularity_ablation).
 
@@ -14,18 +20,63 @@ Writes table.md/.csv and granularity.png/.pdf to runs/granularity_ablation/ (the
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
+import torch
 from _common import load, parser, read_table, write
 
 from snapquant import KVQuantConfig, bytes_per_token
+from snapquant.analysis.capture import capture_mla
 from snapquant.analysis.experiment_plots import plot_granularity
 from snapquant.analysis.intervals import DEFAULT_BLOCK, block_mean_ci
-from snapquant.analysis.sensitivity import sensitivity_report
+from snapquant.analysis.sensitivity import sensitivity_report, sqnr_db
 from snapquant.eval.fidelity import fidelity_metrics, fidelity_reference
 from snapquant.patching import patched
+from snapquant.quant.quantizer import quantize_part
 
 GRANS = ("per_tensor_dynamic", "per_channel", "per_token", "per_token_block")
+POLICY = {"per_tensor_dynamic": "frozen at prefill", "per_channel": "frozen at prefill", "per_token": "per token",
+          "per_token_block": "per token"}
+
+
+def _variants(token_group: int) -> list[tuple[str, int | None, str]]:
+    """(granularity, token_group, scale policy) rows, the grouped per-channel one beside the frozen one."""
+    rows = []
+    for g in GRANS:
+        rows.append((g, None, POLICY[g]))
+        if g == "per_channel":
+            rows.append((g, token_group, f"per group of {token_group} tokens"))
+    return rows
+
+
+def _variant_name(g: str, group: int | None) -> str:
+    return g if group is None else f"{g}/g{group}"
+
+
+def _grouped_sqnr(model, ids, dtype: str, token_group: int) -> dict[str, float]:
+    """Mean over layers of each part's SQNR with per-channel scales over groups of `token_group` tokens."""
+    out = {}
+    caps = capture_mla(model, ids)
+    cfg = KVQuantConfig(nope_dtype=dtype, rope_dtype=dtype, nope_granularity="per_channel",
+                        rope_granularity="per_channel", token_group=token_group, rope_prescale=False,
+                        query="bf16", pv="bf16")
+    for part in ("nope", "rope"):
+        vals = []
+        for cap in caps:
+            x = cap.latent if part == "nope" else cap.rope
+            err = (quantize_part(x, cfg, part).dequantize(torch.float64) - x.double()).pow(2).sum()
+            vals.append(float(sqnr_db(x.double().pow(2).sum(), err)))
+        out[part] = sum(vals) / len(vals)
+    return out
+
+
+def _plot(df: pd.DataFrame, out: Path) -> list[Path]:
+    """One point per variant (granularity, and the grouped per-channel policy when the table has it)."""
+    if "variant" not in df:  # a table written before the scale-policy rows
+        return plot_granularity(df, GRANS, out)
+    names = tuple(dict.fromkeys(df["variant"]))
+    return plot_granularity(df.assign(granularity=df["variant"]), names, out)
 
 
 def main() -> None:
@@ -33,25 +84,30 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="positions per bootstrap block")
+    p.add_argument("--token-group", type=int, default=64, help="tokens per per-channel scale group (KIVI)")
     args = p.parse_args()
     if args.replot:
-        print(plot_granularity(read_table(args.out, "table"), GRANS, args.out))
+        print(_plot(read_table(args.out, "table"), args.out))
         return
     model, _, ids = load(args)
     rep = sensitivity_report(model, ids, dtypes=("fp8_e4m3",), granularities=GRANS, schemes=(),
                              block_size=args.block_size, attention=False, model_name=args.model)
     sq = rep.layer_error.groupby(["part", "granularity"])["sqnr_db"].mean()
+    grouped_sq = _grouped_sqnr(model, ids, "fp8_e4m3", args.token_group)
     ref = fidelity_reference(model, ids)
     r, d = rep.meta["kv_lora_rank"], rep.meta["rope_dim"]
     rows = []
     for scope in ("latent", "both"):
-        for g in GRANS:
+        for g, group, policy in _variants(args.token_group):
             # only knobs these formats read: RoPE's granularity when RoPE is quantized, blocks when blocked
             knobs = {"rope_granularity": g} if scope == "both" else {}
             if g == "per_token_block":
                 knobs["block_size"] = math.gcd(args.block_size, r, d)
+            if group is not None:
+                knobs["token_group"] = group
             cfg = KVQuantConfig(nope_dtype="fp8_e4m3", nope_granularity=g, rope_dtype="fp8_e4m3" if scope == "both" else "bf16",
-                                rope_prescale=False, query="bf16", pv="bf16", name=f"{scope}:{g}", **knobs)
+                                rope_prescale=False, query="bf16", pv="bf16",
+                                name=f"{scope}:{_variant_name(g, group)}", **knobs)
             fid = fidelity_metrics(model, ref, cfg, prompt_len=args.prompt_len, patcher=patched, keep_positions=True)
             cis = {}
             for m in ("prefill", "decode"):
@@ -59,22 +115,28 @@ def main() -> None:
                     iv = block_mean_ci(fid[m][pos], args.block)
                     cis.update({f"{m}_{k}_ci_low": iv.low, f"{m}_{k}_ci_high": iv.high})
                 cis[f"{m}_n_positions"] = fid[m]["n_positions"]
-            rows.append({"scope": scope, "granularity": g, "bytes_per_token": bytes_per_token(cfg, r, d),
-                         "causal_consistent": cfg.causal_consistent,
-                         "nope_sqnr_db": sq[("nope", g)], "rope_sqnr_db": sq[("rope", g)] if scope == "both" else math.inf,
+            nope_sq = grouped_sq["nope"] if group else sq[("nope", g)]
+            rope_sq = (grouped_sq["rope"] if group else sq[("rope", g)]) if scope == "both" else math.inf
+            rows.append({"scope": scope, "granularity": g, "scale_policy": policy, "variant": _variant_name(g, group),
+                         "bytes_per_token": bytes_per_token(cfg, r, d), "causal_consistent": cfg.causal_consistent,
+                         "nope_sqnr_db": nope_sq, "rope_sqnr_db": rope_sq,
                          **{f"{m}_{k}": fid[m][k] for m in ("prefill", "decode")
                             for k in ("kl_mean", "kl_p99", "top1_agree", "ppl_rel_delta")}, **cis})
             print(rows[-1])
     df = pd.DataFrame(rows)
     write(args.out, "table", df, f"Granularity ablation (FP8 e4m3): {args.model}",
           "scope=latent: only the NoPE latent in FP8 (RoPE BF16); both: RoPE in FP8 with the same granularity. "
-          "SQNR: mean over layers. KL / top-1 / relative perplexity change vs the unquantized model, with every "
+          "scale_policy: 'frozen at prefill' = computed from the prompt by the cache, then fixed (later tokens "
+          f"beyond it saturate); 'per group of {args.token_group} tokens' = per-channel scales recomputed over each "
+          "completed group, the rest kept in 16 bits (KIVI); 'per token' = every token its own. "
+          "SQNR: mean over layers, each sequence quantized whole (scales see the whole sequence, no freezing). "
+          "KL / top-1 / relative perplexity change vs the unquantized model, with every "
           "position attending to the quantized cache (prefill) and in token-by-token decode after a BF16 prompt. "
-          "Per-tensor and per-channel dynamic scales are not causal-consistent: their prefill numbers are not what "
+          "Per-tensor and per-channel scales are not causal-consistent: their prefill numbers are not what "
           "decode sees. `_ci_low`/`_ci_high`: 95% BCa intervals of a block bootstrap over positions "
           f"({args.block} consecutive positions per block; n_positions given).",
-          {**rep.meta, "prompt_len": args.prompt_len, "block": args.block})
-    plot_granularity(df, GRANS, args.out)
+          {**rep.meta, "prompt_len": args.prompt_len, "block": args.block, "token_group": args.token_group})
+    _plot(df, args.out)
     print((args.out / "table.md").read_text())
 
 

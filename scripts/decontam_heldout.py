@@ -9,7 +9,7 @@ threshold it crosses (word 5-gram Jaccard >= 0.5, containment >= 0.8, or a verba
 >= 50 words shared with one training file).
 
 Writes (idempotent: rerunning it gives the same files):
-- `snapquant/tasks/data/heldout_code.jsonl`: the clean files, what evaluation reads;
+- `snapquant/eval/tasks/data/heldout_code.jsonl`: the clean files, what evaluation reads;
 - `snapquant/assets/embedded/heldout_dropped.jsonl`: the dropped files, still excluded from training;
 - `snapquant/assets/embedded/heldout_decontam.json`: per-file overlaps, thresholds, summary;
 - `snapquant/assets/embedded/heldout_overlap_sketch.json`: per training file its 5-gram count and

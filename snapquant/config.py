@@ -24,9 +24,17 @@ import yaml
 from .constants import PAGE_SIZE
 from .errors import ConfigError, unknown_choice
 from .quant.dtypes import ELEMENT_FORMATS, get_element_format
-from .quant.scales import SCALE_FORMATS
+from .quant.scales import SCALE_FORMATS, SCALE_RULES
+
+_RULE_WHY = {  # why a rule takes only some scale formats (every format works with "snapquant")
+    "flashmla": "FlashMLA's reference rounds every tile scale up to a power of two",
+    "vllm": "vLLM's cache writers store plain fp32 scales",
+}
 
 GRANULARITIES = ("per_tensor_dynamic", "per_tensor_static", "per_channel", "per_token", "per_token_block")
+# Latent granularities with one scale per token (per-tensor: the same for every token), which pre-scaled
+# RoPE can divide by.
+PRESCALE_GRANULARITIES = ("per_token", "per_tensor_static", "per_tensor_dynamic")
 QUERY_MODES = ("bf16", "fp8_e4m3")
 PV_MODES = ("bf16", "fp8_scale_fused", "fp8_naive")
 PREFILL_MODES = ("bf16", "quantized")
@@ -59,7 +67,9 @@ class KVQuantConfig:
     scale_format: str = "fp32"
     """fp32 | pow2 (rounded up to a power of two) | e8m0 (one exponent byte)."""
     rope_prescale: bool = True
-    """SnapMLA pre-scaled domain alignment: store bf16(rope / s) with s the latent's per-token scale."""
+    """RoPE stored divided by the latent's scale, with no scale of its own: SnapMLA's pre-scaled domain
+    alignment (16-bit rope_dtype: bf16(rope / s), s per token), or vLLM's one shared scale (a quantized
+    rope_dtype: e4m3(rope / s), s the latent's per-tensor scale)."""
     query: str = "fp8_e4m3"
     """bf16 | fp8_e4m3 (per token-head scale over the absorbed NoPE query; RoPE query pre-scaled)."""
     pv: str = "fp8_scale_fused"
@@ -68,6 +78,13 @@ class KVQuantConfig:
     """bf16 (attend to fresh activations, as in serving) | quantized (attend to the quantized latent)."""
     pv_block: int = PAGE_SIZE
     """Tokens per online-softmax block; P is quantized per row per block (default: the kernels' page size, 64)."""
+    scale_rule: str = "snapquant"
+    """How a scale follows from amax: snapquant (amax / D; 1 if amax = 0; floored at 2^-86) | flashmla
+    (FlashMLA's reference: max(amax / D, 1e-4) rounded up to a power of two through an fp32 log2; pow2 or
+    e8m0) | vllm (vLLM's cache writers: max(amax / D, FLT_MIN); fp32)."""
+    scale_divisor: float | None = None
+    """D, the value a part's amax maps to; None = the element format's qmax (448 for e4m3). vLLM's
+    per-tensor kv scale uses 200 (its K_SCALE_CONSTANT), leaving headroom for later tokens."""
     name: str | None = field(default=None, compare=False)
     """Label used in tables; presets set it. Not part of equality."""
 
@@ -78,6 +95,7 @@ class KVQuantConfig:
         for f in ("nope_granularity", "rope_granularity"):
             _choice(f, getattr(self, f), GRANULARITIES)
         _choice("scale_format", self.scale_format, SCALE_FORMATS)
+        _choice("scale_rule", self.scale_rule, SCALE_RULES)
         _choice("query", self.query, QUERY_MODES)
         _choice("pv", self.pv, PV_MODES)
         _choice("prefill", self.prefill, PREFILL_MODES)
@@ -85,7 +103,7 @@ class KVQuantConfig:
         _positive_int("pv_block", self.pv_block)
         if self.token_group is not None:
             _positive_int("token_group", self.token_group)
-        for f in ("nope_scale", "rope_scale"):
+        for f in ("nope_scale", "rope_scale", "scale_divisor"):
             v = getattr(self, f)
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
                                       and math.isfinite(v) and v > 0):
@@ -98,16 +116,18 @@ class KVQuantConfig:
                     f"rope_prescale=true needs a quantized nope_dtype (RoPE is divided by the latent's scale); "
                     f"nope_dtype={self.nope_dtype!r} has no scale. Set rope_prescale: false."
                 )
-            if self.nope_granularity != "per_token":
+            if self.nope_granularity not in PRESCALE_GRANULARITIES:
                 raise ConfigError(
-                    f"rope_prescale=true needs nope_granularity='per_token' (one latent scale per token to "
-                    f"divide RoPE by); got nope_granularity={self.nope_granularity!r}."
+                    f"rope_prescale=true needs one latent scale per token to divide RoPE by: nope_granularity "
+                    f"one of {', '.join(PRESCALE_GRANULARITIES)}; got nope_granularity={self.nope_granularity!r}."
                 )
-            if self.rope_format.is_quantized:
-                raise ConfigError(
-                    f"rope_prescale=true stores RoPE in 16 bits in the latent's scaled domain; rope_dtype must be "
-                    f"one of bf16, fp16, got {self.rope_dtype!r}."
-                )
+        formats = SCALE_RULES[self.scale_rule]
+        if self.scale_format not in formats and (_own_scales(self.to_dict(), "nope")
+                                                 or _own_scales(self.to_dict(), "rope")):
+            raise ConfigError(
+                f"scale_rule={self.scale_rule!r} is defined with scale_format {' or '.join(formats)}, not "
+                f"{self.scale_format!r} ({_RULE_WHY[self.scale_rule]})"
+            )
         inert = inert_knobs(self.to_dict())
         if inert:
             what = "; ".join(f"{f}={getattr(self, f)!r} has no effect in this config: it is read only with "
@@ -122,12 +142,14 @@ class KVQuantConfig:
             if not isinstance(width, int) or width <= 0:
                 raise ConfigError(f"{part} width must be a positive int, got {width!r}")
             fmt = self.part_format(part)
-            if not fmt.is_quantized or (part == "rope" and self.rope_prescale):
+            if not fmt.is_quantized:
                 continue
             if fmt.bits == 4 and width % 2:
                 raise ConfigError(
                     f"{part}_dtype='int4' packs two values per byte and needs an even width; {part} width is {width}"
                 )
+            if part == "rope" and self.rope_prescale:
+                continue  # the latent's scale: no granularity of its own
             if self.part_granularity(part) == "per_token_block" and width % self.block_size:
                 raise ConfigError(
                     f"block_size={self.block_size} does not divide the {part} width {width} "
@@ -178,11 +200,18 @@ class KVQuantConfig:
     def short_description(self) -> str:
         def part(p: str) -> str:
             fmt = self.part_format(p)
+            if p == "rope" and self.rope_prescale:
+                return f"{fmt.name}/prescaled"  # divided by the latent's scale
             if not fmt.is_quantized:
-                return fmt.name + ("/prescaled" if p == "rope" and self.rope_prescale else "")
-            return f"{fmt.name}/{self.part_granularity(p)}"
+                return fmt.name
+            gran = self.part_granularity(p)
+            return f"{fmt.name}/{gran}" + (f"/g{self.token_group}" if gran == "per_channel" and self.token_group
+                                           else "")
 
-        return f"nope={part('nope')} rope={part('rope')} scale={self.scale_format} q={self.query} pv={self.pv}"
+        scale = self.scale_format + ("" if self.scale_rule == "snapquant" else f"/{self.scale_rule}")
+        if self.scale_divisor is not None:
+            scale += f"/amax:{self.scale_divisor:g}"
+        return f"nope={part('nope')} rope={part('rope')} scale={scale} q={self.query} pv={self.pv}"
 
     def replace(self, **changes: Any) -> KVQuantConfig:
         _check_keys(changes)
@@ -275,6 +304,10 @@ KNOB_SCOPE: dict[str, tuple[str, Callable[[Mapping[str, Any]], bool]]] = {
     "rope_granularity": ("a quantized rope_dtype and rope_prescale=false", lambda v: _own_scales(v, "rope")),
     "scale_format": ("a quantized part (nope_dtype or rope_dtype not bf16/fp16)",
                      lambda v: _own_scales(v, "nope") or _own_scales(v, "rope")),
+    "scale_rule": ("a quantized part (nope_dtype or rope_dtype not bf16/fp16)",
+                   lambda v: _own_scales(v, "nope") or _own_scales(v, "rope")),
+    "scale_divisor": ("a quantized part (nope_dtype or rope_dtype not bf16/fp16)",
+                      lambda v: _own_scales(v, "nope") or _own_scales(v, "rope")),
     "block_size": ("granularity 'per_token_block' on a quantized part",
                    lambda v: _scaled_with(v, "per_token_block")),
     "token_group": ("granularity 'per_channel' on a quantized part", lambda v: _scaled_with(v, "per_channel")),
@@ -313,6 +346,7 @@ AXES: dict[str, tuple] = {
     "nope_granularity": GRANULARITIES,
     "rope_granularity": GRANULARITIES,
     "scale_format": tuple(SCALE_FORMATS),
+    "scale_rule": tuple(SCALE_RULES),
     "rope_prescale": (True, False),
     "query": QUERY_MODES,
     "pv": PV_MODES,

@@ -23,6 +23,14 @@ SCALE_FLOOR = 2.0**-86
 """Scales never go below this (~1.3e-26), so a row of tiny or subnormal values still gets a finite
 quotient, and pre-scaled RoPE r / s stays inside bf16 range for any realistic |r|."""
 
+FLASHMLA_SCALE_MIN = struct.unpack("f", struct.pack("f", 1e-4))[0]
+"""RN_fp32(1e-4): FlashMLA's reference quantizer clamps a tile's scale amax / 448 to at least this before
+rounding it up to a power of two, so every tile scale is >= 2^-13 (the `flashmla` scale rule)."""
+
+FLT_MIN = 2.0**-126
+"""Smallest normal fp32: vLLM's fp8_ds_mla cache writer clamps its tile scales to at least this (the
+`vllm` scale rule), so an all-zero tile gets a finite, nonzero scale."""
+
 PI_REL_FLOOR = 2.0**-40
 """fp8_scale_fused P: the P scale pi is floored at PI_REL_FLOOR times the largest earlier pi (in the
 current running max's units), so pi_old / pi cannot overflow fp32 when a block's peak lies far below

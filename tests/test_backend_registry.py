@@ -211,7 +211,7 @@ def test_a_sweep_refuses_bad_backends_and_options_with_its_other_problems(fake):
     with pytest.raises(ConfigError) as e:
         _spec(backend="fake", kernel_options={"gamma": 1}, batch_size=0)
     assert "2 problem(s)" in str(e.value) and "'gamma'" in str(e.value) and "batch_size=0" in str(e.value)
-    with pytest.raises(ConfigError, match=r"backend='tritn' is not valid \(did you mean 'triton'\?\); valid: auto, "
+    with pytest.raises(ConfigError, match=r"backend='tritn' is not valid \(did you mean 'triton'\?\); allowed values: auto, "
                                           r"reference, triton, fake"):
         _spec(backend="tritn")
     with pytest.raises(ConfigError, match="kernel_options: expected a mapping"):
@@ -223,7 +223,8 @@ def test_a_sweep_refuses_bad_backends_and_options_with_its_other_problems(fake):
 def test_a_sweep_cell_patches_with_its_kernel_options_for_tasks_and_fidelity(fake, monkeypatch):
     from contextlib import contextmanager
 
-    import snapquant.fidelity
+    import snapquant.eval.fidelity
+
     from snapquant.sweep import evaluate as ev
     from snapquant.sweep.grid import expand
 
@@ -251,8 +252,8 @@ def test_a_sweep_cell_patches_with_its_kernel_options_for_tasks_and_fidelity(fak
             pass
 
     monkeypatch.setattr(ev.LmEvalEvaluator, "_run_task", lambda self, lm, task, spec, progress: {})
-    monkeypatch.setattr(ev, "extract_results", lambda res, task: ({}, {}, {}))
-    monkeypatch.setattr(snapquant.fidelity, "fidelity_metrics", fidelity_metrics)
+    monkeypatch.setattr(ev, "extract_results", lambda res, task, metric=None: ({}, {}, {}))
+    monkeypatch.setattr(snapquant.eval.fidelity, "fidelity_metrics", fidelity_metrics)
     evaluator = ev.LmEvalEvaluator(patcher=patcher, lm_class=LM)
     evaluator.model, evaluator.reference = object(), object()
     out = evaluator.evaluate(expand(spec).cells[0], spec, Progress())

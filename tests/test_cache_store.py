@@ -60,7 +60,7 @@ ROW_PRESETS = ["snapmla", "snapmla_kv_only", "rope_fp8_per_token", "e5m2_per_tok
                "per_tensor_fp8"]
 
 
-@pytest.mark.parametrize("preset", [*ROW_PRESETS, "ds_v32", "ds_model1"])
+@pytest.mark.parametrize("preset", [*ROW_PRESETS, "ds_v32", "ds_v32_vllm", "ds_model1"])
 def test_stored_codes_equal_quantize_kv_of_the_valid_tokens(preset):
     cfg = PRESETS[preset].replace(block_size=32) if "ds_" in preset else PRESETS[preset]
     store = DenseLatentStore(cfg, R, D, torch.float32)
@@ -193,9 +193,10 @@ def _attention_inputs(B=3, H=4, dn=8, dv=8, seed=3):
     return q, w_uk, w_uv
 
 
-@pytest.mark.parametrize("preset", ["snapmla", "ds_v32", "per_tensor_fp8_dynamic", "bf16"])
+@pytest.mark.parametrize("preset", ["snapmla", "ds_v32", "ds_v32_vllm", "per_tensor_fp8_dynamic",
+                                    "per_tensor_fp8_vllm", "bf16"])
 def test_decode_over_the_store_equals_the_reference_on_the_same_cache(preset):
-    cfg = PRESETS[preset].replace(block_size=32) if preset == "ds_v32" else PRESETS[preset]
+    cfg = PRESETS[preset].replace(block_size=32) if preset.startswith("ds_v32") else PRESETS[preset]
     store = DenseLatentStore(cfg, R, D, torch.float32)
     for c in _chunks(sizes=(40, 30, 1)):
         store.append(*c)

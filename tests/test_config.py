@@ -41,12 +41,12 @@ def test_bytes_per_token_other_dims():
 def test_stored_bytes_match_bytes_per_token(name):
     """QuantizedKV.nbytes is what a cache holds; it must agree with the formula (per-token-like formats)."""
     cfg = sq.PRESETS[name]
-    B, T = 2, 96  # T a multiple of the KIVI group so amortised scales divide evenly
+    B, T = 2, 192  # T a multiple of the KIVI groups (32, 64) so amortised scales divide evenly
     kv = sq.quantize_kv(torch.randn(B, T, 512), torch.randn(B, T, 64), cfg)
     expected = sq.bytes_per_token(cfg)
     if cfg.nope_granularity.startswith("per_tensor"):
-        # per-tensor scales are O(1): 2 fp32 scales for the whole tensor
-        assert kv.nbytes == expected * B * T + 4 * 2
+        # per-tensor scales are O(1): one fp32 scale per part that has its own (pre-scaled RoPE shares it)
+        assert kv.nbytes == expected * B * T + 4 * (1 if cfg.rope_prescale else 2)
     else:
         assert kv.nbytes == pytest.approx(expected * B * T)
 
@@ -67,7 +67,12 @@ def test_stored_bytes_match_bytes_per_token(name):
         ({"nope_scale": float("nan")}, "nope_scale"),
         ({"rope_prescale": "yes"}, "rope_prescale"),
         ({"nope_granularity": "per_channel"}, "nope_granularity"),  # prescale needs per-token latent scales
-        ({"rope_dtype": "fp8_e4m3"}, "rope_dtype"),  # prescaled RoPE is 16-bit
+        ({"nope_granularity": "per_token_block"}, "nope_granularity"),  # one latent scale per token only
+        ({"scale_rule": "trtllm"}, "scale_rule"),
+        ({"scale_rule": "flashmla"}, "scale_rule"),  # FlashMLA's scales are powers of two, not fp32
+        ({"scale_rule": "vllm", "scale_format": "pow2"}, "scale_rule"),  # vLLM's are plain fp32
+        ({"scale_divisor": 0.0}, "scale_divisor"),
+        ({"scale_divisor": float("inf")}, "scale_divisor"),
         ({"nope_dtype": "bf16"}, "nope_dtype"),  # nothing to prescale by
     ],
 )
@@ -151,6 +156,9 @@ def test_semantic_properties():
     assert sq.PRESETS["per_tensor_fp8"].causal_consistent  # static scale: frozen
     assert not sq.PRESETS["per_tensor_fp8_dynamic"].causal_consistent
     assert not sq.PRESETS["int4_kivi"].causal_consistent
+    assert not sq.PRESETS["fp8_kivi"].causal_consistent  # a group's scale depends on its later tokens
+    assert not sq.PRESETS["per_tensor_fp8_vllm"].causal_consistent  # frozen at the prefill, by the cache
+    assert sq.PRESETS["ds_v32_vllm"].causal_consistent
 
 
 def test_an_unknown_keyword_gets_the_same_error_as_the_dict_form():
@@ -180,6 +188,8 @@ INERT = [
     ("snapmla", {"rope_granularity": "per_channel"}, "rope_granularity"),  # ... nor a granularity
     ("bf16", {"nope_granularity": "per_channel"}, "nope_granularity"),  # 16-bit latent: no scales at all
     ("bf16", {"scale_format": "pow2"}, "scale_format"),
+    ("bf16", {"scale_rule": "vllm"}, "scale_rule"),
+    ("bf16", {"scale_divisor": 200.0}, "scale_divisor"),
     ("int4_kivi", {"nope_dtype": "bf16", "rope_dtype": "bf16", "nope_granularity": "per_token",
                    "rope_granularity": "per_token"}, "token_group"),  # the preset's token_group now reads nothing
 ]
@@ -211,6 +221,7 @@ def test_every_knob_of_the_scope_table_is_tested_and_accepted_where_read():
     assert sq.PRESETS["per_tensor_fp8"].replace(nope_scale=2.0, rope_scale=3.0).rope_scale == 3.0
     assert sq.PRESETS["rope_fp8_per_token"].replace(rope_granularity="per_channel").rope_granularity == "per_channel"
     assert sq.PRESETS["snapmla"].replace(scale_format="pow2").scale_format == "pow2"
+    assert sq.PRESETS["snapmla"].replace(scale_rule="vllm", scale_divisor=200.0).scale_divisor == 200.0
     # a knob left at its default is never an error, whatever the format
     assert sq.PRESETS["bf16"].replace(block_size=128, token_group=None) == sq.PRESETS["bf16"]
 
@@ -246,3 +257,14 @@ def test_grid_base_knobs_apply_only_to_the_cells_that_read_them(tmp_path):
     # an axis value that does nothing (RoPE granularity of a BF16 RoPE) is skipped, naming the knob
     assert len(ex.cells) == 3 and len(ex.skipped) == 2
     assert all("rope_granularity='per_channel' has no effect" in why for _, why in ex.skipped)
+
+
+def test_sweep_cell_ids_hash_the_later_scale_knobs_only_when_set():
+    from snapquant.sweep.grid import cell_hash
+    from snapquant.sweep.schema import stable_hash
+
+    cfg = sq.PRESETS["snapmla"]
+    before = {k: v for k, v in cfg.to_dict().items() if k not in ("name", "scale_rule", "scale_divisor")}
+    assert cell_hash(cfg, "e") == stable_hash({"kv": before, "eval": "e"})[:10]  # the id earlier sweeps gave it
+    assert cell_hash(cfg.replace(scale_rule="vllm"), "e") != cell_hash(cfg, "e")
+    assert cell_hash(cfg.replace(scale_divisor=200.0), "e") != cell_hash(cfg, "e")

@@ -34,6 +34,8 @@ REFERENCE = {
     "E4M3_MAX": get_element_format("fp8_e4m3").qmax,  # the quantizers' and the query's scale rule
     "BF16_MAX": SIXTEEN_BIT_MAX[torch.bfloat16],  # the pre-scaled RoPE and RoPE-query clamp
     "SCALE_FLOOR": SCALE_FLOOR,
+    "FLASHMLA_SCALE_MIN": float(torch.tensor(1e-4, dtype=torch.float32)),  # the flashmla rule's clamp, fl32(1e-4)
+    "FLT_MIN": torch.finfo(torch.float32).tiny,  # the vllm rule's clamp
     "PI_REL_FLOOR": reference_decode.PI_REL_FLOOR,
     "PI_ABS_FLOOR": reference_decode.PI_ABS_FLOOR,
     "PAGE_SIZE": KVQuantConfig().pv_block,  # the reference's online-softmax block = P's quantization block
@@ -63,7 +65,7 @@ def test_every_kernel_module_compiles_the_reference_constants():
             assert value == want, f"{module.__name__}.{name} = {value!r}, the reference uses {want!r}"
             seen.add((module.__name__.rsplit(".", 1)[-1], name))
     assert {("common", "E4M3_MAX"), ("common", "PI_REL_FLOOR"), ("decode", "PI_ABS_FLOOR"),
-            ("layouts", "PAGE_SIZE")} <= seen
+            ("layouts", "PAGE_SIZE"), ("common", "FLASHMLA_SCALE_MIN"), ("common", "FLT_MIN")} <= seen
     if HAVE_GLUON:  # the Gluon kernels' own constexprs too
         from snapquant.kernels.gluon import common
 

@@ -67,3 +67,19 @@ def test_formats_cli_tiny_contexts_run_and_a_misfit_preset_is_named():
     assert res.exit_code == 0, res.output  # one token: the ragged second row is one token too, never empty
     res = CliRunner().invoke(app, ["formats", "-p", "ds_v32", "--tokens", "8", *small])
     assert res.exit_code == 2 and "preset 'ds_v32': block_size=128" in res.output
+
+
+def test_formats_cli_lists_every_preset_by_default(tmp_path):
+    from snapquant import PRESETS
+
+    out = tmp_path / "all.csv"
+    res = CliRunner().invoke(app, ["formats", "--tokens", "96", "--kv-lora-rank", "128", "--rope-dim", "16",
+                                   "--heads", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(out).set_index("preset")
+    assert list(df.index) == list(PRESETS)
+    for name in ("ds_v32", "ds_v32_vllm", "per_tensor_fp8_vllm", "fp8_kivi"):
+        assert name in res.output
+    assert df.loc["ds_v32_vllm", "bytes_per_token"] == df.loc["ds_v32", "bytes_per_token"] == 128 + 4 + 32
+    assert df.loc["per_tensor_fp8_vllm", "bytes_per_token"] == 128 + 16  # one shared scale: O(1)
+    assert (df["out_rel_l2"] < 1).all()

@@ -19,8 +19,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in divide:R
 CONFIGS = {
     "snapmla": PRESETS["snapmla"],
     "snapmla_pow2": PRESETS["snapmla"].replace(scale_format="pow2"),
-    "ds_v32": PRESETS["ds_v32"].replace(block_size=32),  # 4 power-of-two scales per token at r = 128
+    "ds_v32": PRESETS["ds_v32"].replace(block_size=32),  # 4 power-of-two scales per token at r = 128 (FlashMLA's)
     "ds_v32_one_block": PRESETS["ds_v32"],  # block 128 = r: one scale
+    "ds_v32_exact_pow2": PRESETS["ds_v32"].replace(block_size=32, scale_rule="snapquant"),
+    "ds_v32_vllm": PRESETS["ds_v32_vllm"].replace(block_size=32),  # vLLM's fp32 tile scales
+    "ds_v32_vllm_amax200": PRESETS["ds_v32_vllm"].replace(block_size=32, scale_divisor=200.0),
     "bf16": PRESETS["bf16"],
 }
 
@@ -140,7 +143,7 @@ def test_append_validation():
         cache.append(torch.randn(3, 1, 64), torch.randn(3, 1, 16))
 
 
-@pytest.mark.parametrize("name", ["snapmla", "snapmla_pow2", "ds_v32", "bf16"])
+@pytest.mark.parametrize("name", ["snapmla", "snapmla_pow2", "ds_v32", "ds_v32_vllm", "bf16"])
 @pytest.mark.parametrize("tpp", [2, 8])
 def test_tokens_per_program_is_bit_exact(name, tpp):
     """The block-of-tokens kernel (the benchmark's append variant) stores exactly what quantize_kv computes,
@@ -176,3 +179,27 @@ def test_tokens_per_program_validation():
             quantize_append(lat, rope, cache, slots, tokens_per_program=bad)
     with pytest.raises(ShapeError, match="num_warps"):
         quantize_append(lat, rope, cache, slots, num_warps=0)
+
+
+@pytest.mark.parametrize("tpp", [1, 8])
+def test_flashmla_scales_just_above_a_power_of_two(tpp):
+    """FlashMLA's scale 2^ceil(fl32(log2 s)) is 2^k, not 2^(k+1), for s a few fp32 steps above 2^k (the
+    rounded logarithm is the integer k). The kernel's integer rule gives the quantizer's bits there, for
+    scales from 2^-13 (the 1e-4 clamp) to 2^24, one tile per (k, mantissa step)."""
+    config = PRESETS["ds_v32"].replace(block_size=32)
+    ks, steps = torch.arange(-13, 25), torch.arange(0, 26)
+    mant = (1 + steps.float() * 2.0**-23).expand(len(ks), -1)
+    s = torch.ldexp(mant, ks[:, None].expand_as(mant)).flatten()  # exact in fp32
+    tiles = s.numel()
+    latent = torch.randn(tiles, 32, generator=torch.Generator().manual_seed(0)).clamp(-1, 1) * s[:, None]
+    latent[:, 0] = s * 448  # the tile's amax: amax / 448 == s exactly
+    latent = latent.reshape(-1, 128)  # four tiles per token
+    rope = torch.zeros(latent.shape[0], 16)
+    ref = quantize_kv(latent, rope, config)
+    assert (ref.latent.scale_f32().flatten() < s).any()  # some tiles do round down
+    cache = PagedMLACache.empty(1, latent.shape[0], 128, 16, config)
+    slots = torch.arange(latent.shape[0])
+    quantize_append(latent, rope, cache, slots, tokens_per_program=tpp)
+    page, row = slots // 64, slots % 64
+    assert torch.equal(raw(cache.scale[page, row]), raw(ref.latent.scale))
+    assert torch.equal(raw(cache.latent[page, row]), raw(ref.latent.data))

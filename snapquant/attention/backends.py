@@ -30,6 +30,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -204,6 +206,8 @@ def _auto_candidates(config: KVQuantConfig, device: torch.device) -> Iterator[Ba
                 continue
             if backend.supports is None or backend.supports(config):
                 yield backend
+            else:
+                _note_fallback(backend, config)
     yield _load("reference")
 
 
@@ -218,10 +222,33 @@ def resolve_backend(name: str, config: KVQuantConfig, device: torch.device) -> B
         raise ConfigError(f"backend={name!r} needs a CUDA device, but the attention runs on {device}")
     if backend.supports is not None and not backend.supports(config):
         raise ConfigError(
-            f"backend={name!r} does not implement config {config.label()!r}; use backend='auto' to fall back "
-            f"to the reference for it"
+            f"backend={name!r} does not implement config {config.label()!r}{_why_not(backend, config)}; use "
+            f"backend='auto' to fall back to the reference for it"
         )
     return backend
+
+
+# ---------------------------------------------------------------------------------------------- fallback reasons
+_FALLBACKS_NOTED: set[tuple[str, str]] = set()
+
+
+def _why_not(backend: Backend, config: KVQuantConfig) -> str:
+    """' (why backend cannot run config)': a backend's `supports` may have an `unsupported_reason(config)`
+    beside it in its module (the kernels' layouts.py does), which the messages quote; else ''."""
+    module = sys.modules.get(getattr(backend.supports, "__module__", None) or "")  # loaded with `supports`
+    explain = getattr(module, "unsupported_reason", None)
+    reason = explain(config) if callable(explain) else None
+    return f" ({reason})" if reason else ""
+
+
+def _note_fallback(backend: Backend, config: KVQuantConfig) -> None:
+    """backend='auto' on CUDA passes over `backend` for a config it lacks: say so once per (backend, config)."""
+    key = (backend.name, config.label())
+    if key not in _FALLBACKS_NOTED:
+        _FALLBACKS_NOTED.add(key)
+        warnings.warn(f"snapquant: backend='auto' does not run {backend.name!r} for {config.label()!r}"
+                      f"{_why_not(backend, config)}; the next candidate (at last the PyTorch reference) decodes it",
+                      stacklevel=4)
 
 
 # ---------------------------------------------------------------------------------------------- kernel options

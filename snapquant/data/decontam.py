@@ -319,7 +319,7 @@ def heldout_card_lines(record: dict) -> list[str]:
         f"of its {s['ngram']}-grams occur in it (containment), or the two share a verbatim passage of "
         f">= {th['shared_words']} words (a licence header, a copied function). The model was trained already, "
         f"so the held-out set shrinks: {s['dropped']} of {s['heldout_files_checked']} files dropped, "
-        f"{s['kept']} kept in `snapquant/tasks/data/heldout_code.jsonl` (all evaluation reads these); the dropped "
+        f"{s['kept']} kept in `snapquant/eval/tasks/data/heldout_code.jsonl` (all evaluation reads these); the dropped "
         "ones (`heldout_dropped.jsonl`) stay excluded from training by hash.", "",
     ]
     if dropped:

@@ -4,8 +4,9 @@ Three cache layouts, all in pages of 64 tokens (`PAGE_SIZE`, from `snapquant.con
 
     snapmla  latent [P, 64, r] fp8 e4m3, scale [P, 64] fp32 (one per token),
              rope [P, 64, d] bf16 pre-divided by the token's scale (SnapMLA, 644 B at 512/64)
-    ds_v32   latent [P, 64, r] fp8 e4m3, scale [P, 64, r / block] fp32 powers of two,
-             rope [P, 64, d] bf16 as is (DeepSeek-V3.2 fp8_ds_mla, 656 B at 512/64 with block 128)
+    ds_v32   latent [P, 64, r] fp8 e4m3, scale [P, 64, r / block] fp32 (powers of two for the ds_v32
+             preset, plain for ds_v32_vllm), rope [P, 64, d] bf16 as is (DeepSeek-V3.2's 656 B at
+             512/64 with block 128)
     bf16     latent [P, 64, r] bf16, rope [P, 64, d] bf16, no scale (the baseline, 1152 B)
 
 Decode knobs: query bf16 | fp8_e4m3, pv bf16 | fp8_scale_fused on both fp8 layouts; the bf16

@@ -2,7 +2,7 @@
 
     latent       [num_pages, 64, r]   fp8 e4m3 (bf16 for the baseline layout)
     scale        [num_pages, 64]      fp32 per-token scale (snapmla layout)
-                 [num_pages, 64, r/b] fp32 power-of-two block scales (ds_v32 layout); None for bf16
+                 [num_pages, 64, r/b] fp32 block scales (ds_v32 layout); None for bf16
     rope         [num_pages, 64, d]   bf16 (divided by the token's scale in the snapmla layout)
     block_table  [B, max_pages]       int32 physical page of each request's i-th logical page
     lengths      [B]                  int32 valid tokens per request
@@ -326,8 +326,9 @@ def quantize_append(
     if layout_of(config) != cache.layout:
         raise ConfigError(f"config {config.label()!r} stores the {layout_of(config)} layout but the cache "
                           f"holds the {cache.layout} layout")
-    if config.scale_format != cache.config.scale_format or config.block_size != cache.config.block_size:
-        raise ConfigError("config's scale_format/block_size differ from the cache's config")
+    if any(getattr(config, f) != getattr(cache.config, f)
+           for f in ("scale_format", "block_size", "scale_rule", "scale_divisor")):
+        raise ConfigError("config's scale_format/block_size/scale_rule/scale_divisor differ from the cache's config")
     dev = cache.device
     check_tensor("latent", latent, dtypes=_IN_DTYPES, ndim=range(1, 9), device=dev)
     check_tensor("rope", rope, dtypes=_IN_DTYPES, ndim=range(1, 9), device=dev)
@@ -355,6 +356,8 @@ def quantize_append(
     scale = cache.scale if cache.scale is not None else cache.lengths  # never read by the bf16 layout
     launch_append(latent, rope, slots, cache.latent, scale, cache.rope, layout=cache.layout,
                   num_scale_blocks=max(cache.num_scale_blocks, 1), pow2=config.scale_format == "pow2",
+                  scale_rule=config.scale_rule,
+                  divisor=config.scale_divisor,
                   tokens_per_program=tokens_per_program, num_warps=num_warps)
 
 

@@ -5,6 +5,9 @@ The arithmetic is the paper's, to the bit (docs/numerics.md, "Scales" and "Pre-s
     s <- scale_format.round(s)    (fp32: unchanged; pow2 / e8m0: next power of two up)
     code = encode(x_fp32 / s)     (true fp32 quotient; fp8 round-to-nearest-even with saturation)
     pre-scaled RoPE: bf16(r_fp32 / s_token), saturated to the 16-bit range
+                     (a quantized rope_dtype: encode(r_fp32 / s), vLLM's shared scale)
+The `flashmla` and `vllm` scale rules replace the first two lines with those implementations' own
+(`snapquant.quant.scales.rule_scale`), and `scale_divisor` replaces qmax.
 Runs on any device; inputs of any float dtype are widened to fp32 first (exact for bf16/fp16).
 """
 
@@ -18,7 +21,7 @@ import torch
 
 from ..errors import ConfigError, NonFiniteInputError, ShapeError
 from .dtypes import SIXTEEN_BIT_MAX
-from .scales import compute_scale, get_scale_format
+from .scales import get_scale_format, rule_scale
 from .tensor import QuantizedTensor
 
 if TYPE_CHECKING:  # config imports the element formats from this package
@@ -108,36 +111,42 @@ def quantize_part(
         token_group = _token_group_for(gran, config, T)
     else:
         s, token_group = _compute_scales(x32, gran, config, part, fmt.qmax)
-        s = sfmt.round(s)
     expanded = _expand(s, x32.shape, token_group)
     codes = fmt.encode(x32 / expanded)
     return QuantizedTensor(codes, sfmt.encode(s), fmt, sfmt, gran, width, token_group)
 
 
+def scale_for(amax: torch.Tensor, config: KVQuantConfig, qmax: float) -> torch.Tensor:
+    """The stored-format fp32 scale for elements of max |x| `amax`, by the config's rule and divisor."""
+    divisor = qmax if config.scale_divisor is None else config.scale_divisor
+    return rule_scale(amax, divisor, config.scale_rule, get_scale_format(config.scale_format))
+
+
 def _compute_scales(x32: torch.Tensor, gran: str, config: KVQuantConfig, part: str, qmax: float):
+    """-> (scales in the canonical layout, exactly as stored (rounded by the scale format), token_group)."""
     T, width = x32.shape[-2], x32.shape[-1]
     a = x32.abs()
     if gran == "per_token":
-        return compute_scale(a.amax(dim=-1, keepdim=True), qmax), 1
+        return scale_for(a.amax(dim=-1, keepdim=True), config, qmax), 1
     if gran == "per_token_block":
         nb = width // config.block_size
         amax = a.reshape(*a.shape[:-1], nb, config.block_size).amax(dim=-1)
-        return compute_scale(amax, qmax), 1
+        return scale_for(amax, config, qmax), 1
     if gran == "per_channel":
         G = config.token_group
         if G is None or G >= T:
             amax = a.amax(dim=-2, keepdim=True) if T else a.new_zeros(*a.shape[:-2], 1, width)
-            return compute_scale(amax, qmax), None
+            return scale_for(amax, config, qmax), None
         n_groups = math.ceil(T / G)
         pad = n_groups * G - T
         if pad:
             a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, width)], dim=-2)
         amax = a.reshape(*a.shape[:-2], n_groups, G, width).amax(dim=-2)
-        return compute_scale(amax, qmax), G
+        return scale_for(amax, config, qmax), G
     ones = (1,) * x32.dim()
     if gran == "per_tensor_dynamic":
         amax = a.amax() if a.numel() else a.new_zeros(())
-        return compute_scale(amax.reshape(ones), qmax), None
+        return scale_for(amax.reshape(ones), config, qmax), None
     if gran == "per_tensor_static":
         value = config.part_static_scale(part)
         if value is None:
@@ -145,7 +154,8 @@ def _compute_scales(x32: torch.Tensor, gran: str, config: KVQuantConfig, part: s
                 f"{part}_granularity='per_tensor_static' needs {part}_scale; set it in the config or fill it "
                 f"with snapquant.calibrate(config, latent, rope)"
             )
-        return torch.full(ones, float(value), dtype=torch.float32, device=x32.device), None
+        s = torch.full(ones, float(value), dtype=torch.float32, device=x32.device)
+        return get_scale_format(config.scale_format).round(s), None
     raise ConfigError(f"{part}_granularity={gran!r} is not handled")  # unreachable: config validated
 
 
@@ -169,10 +179,15 @@ def _expand(s: torch.Tensor, shape: torch.Size, token_group: int | None) -> torc
 
 
 def _prescale_rope(rope: torch.Tensor, q_latent: QuantizedTensor, config: KVQuantConfig) -> QuantizedTensor:
+    """RoPE divided by the latent's scale (one per token; per-tensor: the same for all), no scale of its own."""
     fmt = config.rope_format
     s = q_latent.token_scales()  # [*lead, T, 1]
-    limit = SIXTEEN_BIT_MAX[fmt.storage_dtype]
-    codes = (rope.to(torch.float32) / s).clamp(-limit, limit).to(fmt.storage_dtype)
+    x = rope.to(torch.float32) / s
+    if fmt.is_quantized:  # vLLM's shared scale: the format's own encode (saturating)
+        codes = fmt.encode(x)
+    else:
+        limit = SIXTEEN_BIT_MAX[fmt.storage_dtype]
+        codes = x.clamp(-limit, limit).to(fmt.storage_dtype)
     return QuantizedTensor(codes, None, fmt, None, "per_token", rope.shape[-1], token_group=1)
 
 
@@ -196,8 +211,8 @@ def calibrate(config: KVQuantConfig, latent: torch.Tensor, rope: torch.Tensor,
               percentile: float = 100.0) -> KVQuantConfig:
     """Fill `nope_scale` / `rope_scale` of per_tensor_static parts from calibration activations.
 
-    The scale is the `percentile` of |x| (100 = absmax) over all given tokens divided by qmax, then
-    rounded by the scale format, exactly as a dynamic per-tensor scale would be.
+    The scale is the `percentile` of |x| (100 = absmax) over all given tokens, turned into a scale by the
+    config's rule and divisor exactly as a dynamic per-tensor scale would be.
     """
     _check_inputs(latent, rope)
     changes = {}
@@ -211,6 +226,5 @@ def calibrate(config: KVQuantConfig, latent: torch.Tensor, rope: torch.Tensor,
             raise ConfigError(f"percentile={percentile!r} is not valid; expected 0 < percentile <= 100")
         k = max(1, math.ceil(percentile / 100 * a.numel()))
         amax = a.max() if percentile >= 100 else a.kthvalue(k).values
-        s = get_scale_format(config.scale_format).round(compute_scale(amax, config.part_format(part).qmax))
-        changes[f"{part}_scale"] = float(s)
+        changes[f"{part}_scale"] = float(scale_for(amax, config, config.part_format(part).qmax))
     return config.replace(**changes) if changes else config

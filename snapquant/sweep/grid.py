@@ -17,7 +17,7 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
-from ..config import KVQuantConfig, without_inert_knobs
+from ..config import DEFAULTS, KVQuantConfig, without_inert_knobs
 from ..errors import ConfigError
 from ..presets import PRESETS
 from .schema import SweepSpec, stable_hash
@@ -87,9 +87,17 @@ def expand(spec: SweepSpec) -> Expansion:
     return Expansion(tuple(cells), tuple(skipped))
 
 
+# Fields added to KVQuantConfig after sweeps had been run: hashed only when set, so the cells of earlier
+# sweeps keep their ids (and resume) under the default.
+_HASHED_WHEN_SET = ("scale_rule", "scale_divisor")
+
+
 def cell_hash(cfg: KVQuantConfig, eval_key: str) -> str:
     d = cfg.to_dict()
     d.pop("name")
+    for f in _HASHED_WHEN_SET:
+        if d[f] == DEFAULTS[f]:
+            d.pop(f)
     return stable_hash({"kv": d, "eval": eval_key})[:10]
 
 

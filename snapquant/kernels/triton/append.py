@@ -2,8 +2,9 @@
 
 One program per new token. Bit-exact to `snapquant.quantize_kv` (the reference quantizer):
     snapmla  s = amax(|c|) / 448 (1 if amax = 0, floored), code = e4m3(c / s), rope = bf16(clamp(r / s))
-    ds_v32   per block of `block_size` channels: s_k = pow2_ceil(amax_k / 448), code = e4m3(c / s_k),
-             rope = bf16(r)
+    ds_v32   per block of `block_size` channels: s_k = the config's scale rule of amax_k (FlashMLA's
+             power of two for the ds_v32 preset, vLLM's fp32 max(amax_k / 448, FLT_MIN) for ds_v32_vllm),
+             code = e4m3(c / s_k), rope = bf16(r)
     bf16     latent = bf16(c), rope = bf16(r)
 with correctly rounded divisions (div_rn) and round-to-nearest-even casts, so the stored bits equal
 the reference's.
@@ -23,7 +24,16 @@ import triton.language as tl
 
 from .._launch import for_device, interpreting
 from ..layouts import LAYOUT_ID, PAGE_SIZE
-from .common import BF16_MAX, E4M3_MAX, bf16_bits_to_f32, rmax, scale_rule, store_bf16_bits, store_e4m3
+from .common import (
+    BF16_MAX,
+    E4M3_MAX,
+    SCALE_RULE_ID,
+    bf16_bits_to_f32,
+    cache_scale,
+    rmax,
+    store_bf16_bits,
+    store_e4m3,
+)
 
 
 @triton.jit
@@ -48,6 +58,7 @@ def _quantize_append_kernel(
     stride_li, stride_ri,
     stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk,
     R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, LAYOUT: tl.constexpr, POW2: tl.constexpr,
+    RULE: tl.constexpr, DIV: tl.constexpr,
     LAT_BITS16: tl.constexpr, ROPE_BITS16: tl.constexpr, NATIVE: tl.constexpr, PAGE: tl.constexpr,
 ):
     BW: tl.constexpr = R // NB
@@ -66,7 +77,7 @@ def _quantize_append_kernel(
             tl.store(lat_ptr, store_bf16_bits(x, NATIVE))
             tl.store(rope_ptr, store_bf16_bits(r, NATIVE))
         else:
-            s = scale_rule(rmax(tl.abs(x), 1, NATIVE), POW2)  # [NB]
+            s = cache_scale(rmax(tl.abs(x), 1, NATIVE), POW2, RULE, DIV)  # [NB]
             q = tl.clamp(tl.math.div_rn(x, s[:, None]), -E4M3_MAX, E4M3_MAX)
             tl.store(lat_ptr, store_e4m3(q, NATIVE))
             tl.store(SCALE + page * stride_sp + row * stride_st + tl.arange(0, NB) * stride_sk, s)
@@ -81,6 +92,7 @@ def _quantize_append_tokens(
     stride_li, stride_ri,
     stride_lp, stride_lt, stride_rp, stride_rt, stride_sp, stride_st, stride_sk,
     R: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, LAYOUT: tl.constexpr, POW2: tl.constexpr,
+    RULE: tl.constexpr, DIV: tl.constexpr,
     LAT_BITS16: tl.constexpr, ROPE_BITS16: tl.constexpr, NATIVE: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -110,7 +122,7 @@ def _quantize_append_tokens(
         tl.store(lat_ptr, store_bf16_bits(x, NATIVE), mask=ok[:, None])
         tl.store(rope_ptr, store_bf16_bits(r, NATIVE), mask=r_ok[:, None])
     else:
-        s = scale_rule(rmax(tl.abs(x), 1, NATIVE), POW2)  # [BLOCK_T * NB]
+        s = cache_scale(rmax(tl.abs(x), 1, NATIVE), POW2, RULE, DIV)  # [BLOCK_T * NB]
         q = tl.clamp(tl.math.div_rn(x, s[:, None]), -E4M3_MAX, E4M3_MAX)
         tl.store(lat_ptr, store_e4m3(q, NATIVE), mask=ok[:, None])
         tl.store(SCALE + (slot // PAGE) * stride_sp + (slot % PAGE) * stride_st + blk * stride_sk, s, mask=ok)
@@ -131,6 +143,8 @@ def launch_append(
     num_scale_blocks: int,
     pow2: bool,
     tokens_per_program: int,
+    scale_rule: str = "snapquant",
+    divisor: float | None = None,
     num_warps: int | None = None,
 ) -> None:
     """Quantize `latent` [n, r] / `rope` [n, d] into page slots `slots` [n] of the cache tensors (trusted:
@@ -147,6 +161,8 @@ def launch_append(
     args = (latent.stride(0), rope.stride(0),
             cache_latent.stride(0), cache_latent.stride(1), cache_rope.stride(0), cache_rope.stride(1), *s_strides)
     consts = dict(R=r, D=d, NB=num_scale_blocks, LAYOUT=LAYOUT_ID[layout], POW2=pow2,
+                  RULE=SCALE_RULE_ID[scale_rule],
+                  DIV=float(E4M3_MAX.value if divisor is None else divisor),
                   LAT_BITS16=latent.dtype == torch.bfloat16, ROPE_BITS16=rope.dtype == torch.bfloat16,
                   NATIVE=not interp, PAGE=PAGE_SIZE)
     if num_warps is not None and not interp:

@@ -39,6 +39,11 @@ OP_FP16 = 3
 E4M3_MAX = tl.constexpr(constants.E4M3_MAX)
 BF16_MAX = tl.constexpr(constants.BF16_MAX)
 SCALE_FLOOR = tl.constexpr(constants.SCALE_FLOOR)
+FLASHMLA_SCALE_MIN = tl.constexpr(constants.FLASHMLA_SCALE_MIN)
+FLT_MIN = tl.constexpr(constants.FLT_MIN)
+POW2_MAX = tl.constexpr(2.0**127)  # the largest power-of-two scale (pow2_ceil_log2f's clamp)
+# The cache scale rules (`cache_scale`'s RULE), numbered as the kernels' launcher passes them.
+SCALE_RULE_ID = {"snapquant": 0, "flashmla": 1, "vllm": 2}
 PI_REL_FLOOR = tl.constexpr(constants.PI_REL_FLOOR)
 PI_ABS_FLOOR = tl.constexpr(constants.PI_ABS_FLOOR)
 LN2 = tl.constexpr(math.log(2.0))
@@ -163,6 +168,36 @@ def mma(a, b, acc, KIND: tl.constexpr):
         return tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE_EVERY)
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def cache_scale(amax, POW2: tl.constexpr, RULE: tl.constexpr, DIV: tl.constexpr):
+    """A cache part's scale by the config's rule (`snapquant.quant.scales.rule_scale`), amax / DIV in fp32
+    (correctly rounded): RULE 0 snapquant (`scale_rule`), 1 flashmla (max(s, fl32(1e-4)), then
+    2^ceil(RN_fp32(log2 s)) by the integer rule of `pow2_ceil_log2f`), 2 vllm (max(s, FLT_MIN))."""
+    s = tl.math.div_rn(amax, DIV)
+    if RULE == 0:
+        s = tl.where(amax == 0, 1.0, tl.maximum(s, SCALE_FLOOR))
+        if POW2:
+            u = s.to(tl.uint32, bitcast=True)
+            s = ((u + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    elif RULE == 1:
+        s = tl.maximum(s, FLASHMLA_SCALE_MIN)  # a normal number from here on
+        u = s.to(tl.uint32, bitcast=True)
+        k = ((u >> 23) & 0xFF).to(tl.int32) - 127  # floor(log2 s)
+        big_k = tl.abs(k).to(tl.float32)
+        kb = big_k.to(tl.uint32, bitcast=True)
+        j = ((kb >> 23) & 0xFF).to(tl.int32) - 127  # floor(log2 |k|) for k != 0
+        j = tl.where((k < 0) & ((kb & 0x7FFFFF) == 0), j - 1, j)  # the fp32 spacing halves below 2^j
+        # log2 s rounds to the integer k while the mantissa steps stay <= floor(2^(j - 1) ln 2)
+        half_step = (tl.maximum(j - 1 + 127, 1) << 23).to(tl.float32, bitcast=True)  # 2^(j - 1), exact
+        limit = tl.where(k == 0, 0, tl.floor(half_step * LN2).to(tl.int32))
+        down = u & 0x7F800000  # 2^k
+        up = ((u & 0x7FFFFF) > limit.to(tl.uint32)).to(tl.uint32)
+        s = tl.minimum((down + (up << 23)).to(tl.float32, bitcast=True), POW2_MAX)
+    else:
+        s = tl.maximum(s, FLT_MIN)
+    return s
 
 
 @triton.jit
