@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from snapquant.data.corpus import stdlib_root
 from snapquant.data.tokenizer import load_fast_tokenizer
@@ -38,6 +39,7 @@ def _mini_corpus(d: Path) -> Path:
     return d
 
 
+@pytest.mark.slow  # covered by default: the command line (--help) and the bf16 export
 def test_tiny_train_export_install(tmp_path):
     corpus = _mini_corpus(tmp_path / "corpus")
     out, export, inst = tmp_path / "run", tmp_path / "export", tmp_path / "installed"
