@@ -88,7 +88,7 @@ class Run:
         self.deadline = self.t0 + args.budget_s
         self.out.mkdir(parents=True, exist_ok=True)
         self.state.mkdir(parents=True, exist_ok=True)
-        from train_embedded_model import _Log
+        from snapquant.training.embedded import _Log
 
         self.log = _Log(self.out / "research_log.jsonl")
 
@@ -145,8 +145,9 @@ def _env() -> dict:
 
 def _load_model(path: Path, device, dtype: str = "bfloat16"):
     import torch
-    from train_embedded_model import _eager_experts
     from transformers import AutoModelForCausalLM
+
+    from snapquant.training.embedded import _eager_experts
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype), attn_implementation="sdpa",
                                                  local_files_only=True)
@@ -193,10 +194,10 @@ def stage_data(run: Run) -> None:
 
 def _build_model(arch: dict, seed: int):
     import torch
-    from train_embedded_model import _eager_experts
     from transformers import DeepseekV3ForCausalLM
 
     from snapquant.embedded import embedded_config
+    from snapquant.training.embedded import _eager_experts
 
     torch.manual_seed(seed)
     config = embedded_config(arch)
@@ -219,7 +220,7 @@ def _save_ckpt(run: Run, model, opt, info: dict) -> None:
 
 def _export_model(run: Run, model, info: dict) -> None:
     """bf16 HF folder (router weights fp32, as transformers keeps them) + the tokenizer."""
-    from train_embedded_model import _save_bf16
+    from snapquant.training.embedded import _save_bf16
 
     tmp = run.state / "model.tmp"
     _save_bf16(model, run.corpus / "tokenizer", tmp)
@@ -234,11 +235,11 @@ def _export_model(run: Run, model, info: dict) -> None:
 def stage_train(run: Run) -> None:
     import torch
     import torch.nn.functional as F
-    from train_embedded_model import _lr_at, _router_bias_hooks
 
     from snapquant.data.build import load_corpus
     from snapquant.data.mixture import KIND_SYNTH, MixtureSpec
     from snapquant.data.stream import row_stream
+    from snapquant.training.embedded import _lr_at, _router_bias_hooks
 
     a = run.args
     dev = run.device()

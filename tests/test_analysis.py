@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +15,7 @@ from snapquant.analysis import build_table, load_results, mcnemar_exact, paired_
 from snapquant.analysis.plots import plot_all
 from snapquant.analysis.significance import binom_two_sided, mde_paired_binary, pair_samples
 from snapquant.sweep import SweepSpec, run_sweep
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_sweep_fakes import FakeEvaluator
+from tests.support.sweep_fakes import FakeEvaluator
 
 
 @pytest.fixture(scope="module")

@@ -307,13 +307,8 @@ def test_the_benchmarks_check_kernel_options_before_anything_runs(tmp_path, caps
                                    "--kernel-options", "num_split=8"])
     assert res.exit_code == 2 and "--kernel-options" in res.output and "'num_split'" in res.output
     assert not (tmp_path / "b").exists()
-    import importlib.util
-    from pathlib import Path
+    from snapquant.bench import e2e
 
-    spec = importlib.util.spec_from_file_location("bench_e2e", Path(__file__).resolve().parents[1] / "scripts" /
-                                                  "bench_e2e.py")
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
     assert e2e.main(["--backend", "reference", "--kernel-options", "num_splits=8", "--out", str(tmp_path / "e")]) == 2
     assert "takes no kernel options" in capsys.readouterr().err
 

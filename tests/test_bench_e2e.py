@@ -1,26 +1,19 @@
-"""scripts/bench_e2e.py: the largest-context fit, and a CPU smoke run of the whole script (stock,
-patched eager and the DecodeGraph step) with tiny contexts."""
+"""snapquant.bench.e2e (scripts/bench_e2e.py): the largest-context fit, and a CPU smoke run of the whole
+benchmark (stock, patched eager and the DecodeGraph step) with tiny contexts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
-import pytest
+from snapquant.bench import e2e as bench_e2e
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_e2e.py"
 
 
-@pytest.fixture(scope="module")
-def bench_e2e():
-    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_fit_max_context_is_the_budget_crossing_of_the_peak_line(bench_e2e):
+def test_fit_max_context_is_the_budget_crossing_of_the_peak_line():
     gib = 2.0**30
     # peak = 2 GiB + 1 MiB per token: a 10 GiB budget holds (10 - 2) GiB / 1 MiB = 8192 tokens
     pts = [(1024, 2 * gib + 1024 * 2**20), (4096, 2 * gib + 4096 * 2**20)]
@@ -31,7 +24,7 @@ def test_fit_max_context_is_the_budget_crossing_of_the_peak_line(bench_e2e):
     assert bench_e2e.fit_max_context(pts, 10 * gib + 2**20 * 100) % 64 == 0  # whole pages
 
 
-def test_cpu_smoke_run_writes_rows_for_every_variant_and_mode(bench_e2e, tmp_path, one_thread):
+def test_cpu_smoke_run_writes_rows_for_every_variant_and_mode(tmp_path, one_thread):
     out = tmp_path / "e2e.json"
     rc = bench_e2e.main(["--device", "cpu", "--layers", "1", "--contexts", "64,128", "--steps", "1",
                          "--graphs", "--backend", "reference", "--out", str(out)])
@@ -49,3 +42,9 @@ def test_cpu_smoke_run_writes_rows_for_every_variant_and_mode(bench_e2e, tmp_pat
     assert all(r["bytes_per_token_layer"] == 644 for r in snap)  # the SnapMLA format at V2-Lite dims
     assert data["env"]["seeds"] and data["env"]["environment"]["packages"]["torch"]
     assert out.with_suffix(".csv").read_text().count("\n") == len(data["rows"]) + 1
+
+
+def test_script_is_the_command_line_of_the_module():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--contexts" in out.stdout and "--budget-gib" in out.stdout

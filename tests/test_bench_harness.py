@@ -45,6 +45,7 @@ def tiny_spec(variants, shapes=None, **kw) -> RunSpec:
                    append=False, copy=False, r=R, d=D, **kw)
 
 
+@pytest.mark.slow  # covered by default: each kernel against the reference (test_kernels_*)
 def test_run_times_every_variant_and_checks_numerics():
     names = ["bf16", "snapmla", "snapmla_kv_only", "torch", "snapmla+balanced", "snapmla+bm64+rcp", "torch_sdpa"]
     variants = sorted((BY_NAME[n] for n in names), key=lambda v: v.priority)

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from test_patch_support import batch_inputs, cache_kwarg, generate, greedy, rel_diff
 from transformers import DynamicCache
 
 import snapquant
@@ -15,6 +14,7 @@ from snapquant import PRESETS, bytes_per_token
 from snapquant.cache import LatentCache, LatentLayer
 from snapquant.errors import ConfigError
 from snapquant.models.tiny import available_families, tiny_model
+from tests.support.patching import batch_inputs, cache_kwarg, generate, greedy, rel_diff
 
 R, D = 32, 8
 

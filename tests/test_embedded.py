@@ -110,7 +110,7 @@ def test_shipped_model_generates_with_its_cache():
 
 @needs_weights
 def test_batched_generate_pads_left_without_a_warning():
-    from log_capture import transformers_warnings
+    from tests.support.log_capture import transformers_warnings
 
     model, tok = load_embedded(dtype="float32")
     enc = tok(["def main():\n", "import os\nimport sys\n"], return_tensors="pt", padding=True)
@@ -123,10 +123,9 @@ def test_batched_generate_pads_left_without_a_warning():
 def test_long_texts_are_tokenized_without_the_model_length_warning():
     """Fidelity/sensitivity cut rows from whole documents and the tasks count tokens of long documents:
     neither feeds the model more than its context, so transformers' length warning is not printed."""
-    from log_capture import transformers_warnings
-
     from snapquant.analysis.text import token_batches
     from snapquant.eval.tasks.sq_utils import token_counter
+    from tests.support.log_capture import transformers_warnings
 
     long_text = "def f(x):\n    return x + 1\n\n\n" * 800  # > 4096 tokens
     with transformers_warnings() as logged:

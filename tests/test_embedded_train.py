@@ -1,25 +1,22 @@
-"""The trainer's whole path on CPU with the tiny architecture: train, save, evaluate, export, install."""
+"""The trainer (snapquant.training.embedded, scripts/train_embedded_model.py): its whole path on CPU with the
+tiny architecture: train, save, evaluate, export, install."""
 
 import hashlib
-import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from snapquant.data.corpus import stdlib_root
 from snapquant.data.tokenizer import load_fast_tokenizer
 from snapquant.embedded import EMBEDDED_PATH, has_weights, load_embedded
+from snapquant.training import embedded as trainer
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("train_embedded_model", REPO / "scripts" / "train_embedded_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_embedded_model.py"
 
 
 def _mini_corpus(d: Path) -> Path:
@@ -42,11 +39,11 @@ def _mini_corpus(d: Path) -> Path:
     return d
 
 
+@pytest.mark.slow  # covered by default: the command line (--help) and the bf16 export
 def test_tiny_train_export_install(tmp_path):
-    script = _script()
     corpus = _mini_corpus(tmp_path / "corpus")
     out, export, inst = tmp_path / "run", tmp_path / "export", tmp_path / "installed"
-    script.main(["train", "--tiny", "--device", "cpu", "--corpus", str(corpus), "--out", str(out),
+    trainer.main(["train", "--tiny", "--device", "cpu", "--corpus", str(corpus), "--out", str(out),
                  "--export", str(export), "--steps", "3", "--seq-len", "256", "--batch-size", "2",
                  "--workers", "0", "--warmup", "2", "--log-every", "1", "--minutes", "10",
                  "--eval-reserve-s", "0", "--probe-minutes", "1000", "--ckpt-minutes", "1000",
@@ -66,14 +63,14 @@ def test_tiny_train_export_install(tmp_path):
     assert files == ["embedded_meta.tar", "model.safetensors"]
     assert all((export / f).stat().st_size < 16 * 2**20 for f in files)
 
-    script.main(["install", "--from", str(export), "--to", str(inst)])
+    trainer.main(["install", "--from", str(export), "--to", str(inst)])
     assert has_weights(inst)
     model, _tok = load_embedded(dtype="float32", path=inst)
     assert model.config.num_hidden_layers == 2
     assert (inst / "README.md").read_text() == card
 
     # A second run continues from the installed weights and keeps counting.
-    script.main(["train", "--tiny", "--device", "cpu", "--corpus", str(corpus), "--out", str(tmp_path / "run2"),
+    trainer.main(["train", "--tiny", "--device", "cpu", "--corpus", str(corpus), "--out", str(tmp_path / "run2"),
                  "--init-from", str(inst), "--steps", "1", "--seq-len", "256", "--batch-size", "2",
                  "--workers", "0", "--minutes", "10", "--eval-reserve-s", "0", "--probe-minutes", "1000",
                  "--eval-samples", "1", "--eval-passkey-samples", "0", "--eval-completion-samples", "0",
@@ -98,6 +95,12 @@ def test_saved_model_generates_with_a_cache(tmp_path):
     tok_dir = tmp_path / "tok"
     shutil.copytree(EMBEDDED_PATH, tok_dir, ignore=lambda _d, names: [
         n for n in names if not n.startswith(("tokenizer", "special_tokens"))])
-    out = _script()._save_bf16(model, tok_dir, tmp_path / "out")
+    out = trainer._save_bf16(model, tok_dir, tmp_path / "out")
     assert json.loads((out / "config.json").read_text())["use_cache"] is True
     assert json.loads((out / "generation_config.json").read_text()).get("use_cache", True) is True
+
+
+def test_script_is_the_command_line_of_the_module():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert all(cmd in out.stdout for cmd in ("build-data", "train", "install", "eval"))

@@ -9,6 +9,7 @@ import pytest
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "sensitivity_walkthrough.ipynb"
 
 
+@pytest.mark.slow  # covered by default: the functions it calls (test_analysis_sensitivity)
 def test_sensitivity_notebook_executes(tmp_path):
     nbformat = pytest.importorskip("nbformat", reason="notebook tests need nbformat, nbclient and ipykernel (dev extra)")
     nbclient = pytest.importorskip("nbclient", reason="notebook tests need nbclient (dev extra)")

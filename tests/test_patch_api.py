@@ -6,13 +6,13 @@ import importlib.util
 
 import pytest
 import torch
-from test_patch_support import batch_inputs, generate, greedy, rel_diff
 
 import snapquant
 from snapquant import PRESETS
 from snapquant.errors import ConfigError
 from snapquant.models.tiny import tiny_model
 from snapquant.patching import ATTN_IMPLEMENTATION, is_patched, patched_config
+from tests.support.patching import batch_inputs, generate, greedy, rel_diff
 
 TOL = 1e-4
 

@@ -3,7 +3,7 @@
 - preset bf16 reproduces the unpatched model: prefill and 32 greedy decode steps bit for bit; with
   `prefill: quantized` (the absorbed pipeline, S > 1 too) within 1e-4 of the logit scale, same tokens;
 - snapmla (and other presets) give the same numbers as an independent reference model (HF's own seam +
-  quantize_kv + mla_decode_reference, tests/test_patch_support.py), and really change the logits; the
+  quantize_kv + mla_decode_reference, tests/support/patching.py), and really change the logits; the
   reference's attentions read the patched run's attention inputs, so both quantize the same numbers;
 - unpatch restores bit-identical logits.
 """
@@ -14,7 +14,13 @@ import copy
 
 import pytest
 import torch
-from test_patch_support import (
+
+import snapquant
+from snapquant import PRESETS
+from snapquant.cache import LatentCache, LatentLayer
+from snapquant.models.registry import REFUSED
+from snapquant.models.tiny import available_families, family_axes, tiny_model
+from tests.support.patching import (
     batch_inputs,
     generate,
     greedy,
@@ -23,12 +29,6 @@ from test_patch_support import (
     rel_diff,
     replaying_attention_inputs,
 )
-
-import snapquant
-from snapquant import PRESETS
-from snapquant.cache import LatentCache
-from snapquant.models.registry import REFUSED
-from snapquant.models.tiny import available_families, family_axes, tiny_model
 
 SUPPORTED = [f for f in available_families() if f not in REFUSED]
 # max |diff| / max |logit|. What the compared runs may differ by is fp32 reassociation only: no rounding
@@ -94,7 +94,7 @@ def test_bf16_preset_reproduces_unpatched(family, variant):
 
 def _patched_and_reference(model, config, ids, am, steps):
     """(patched run, reference run) of `greedy`; the reference's MLA attentions read the hidden states the
-    patched ones read (test_patch_support: otherwise fp32 noise upstream of a rounding can tip it)."""
+    patched ones read (tests.support.patching: otherwise fp32 noise upstream of a rounding can tip it)."""
     ref = reference_copy(model, config)
     with snapquant.patched(model, config), recording_attention_inputs(model) as inputs:
         run = greedy(model, ids, am, steps)
@@ -115,7 +115,13 @@ def test_snapmla_matches_independent_reference(family):
     assert torch.equal(ref_t, t)
     # quantization is really on: the first decode step moves by far more than the tolerance
     assert rel_diff(base_s[0], s[0], base_s) > 5 * TOL
-    assert isinstance(cache, LatentCache) or cache is not None
+    # the patched decode really went through a quantized cache: one snapmla LatentLayer per MLA attention,
+    # holding every real token (prompt without its padding, plus the 6 decoded) and nothing else
+    latent_layers = [layer for layer in cache.layers if isinstance(layer, LatentLayer)]
+    n_mla = sum(hasattr(m, "kv_a_proj_with_mqa") for m in model.modules())
+    assert n_mla > 0 and len(latent_layers) == n_mla, f"{len(latent_layers)} latent cache layers, {n_mla} MLA"
+    n_real = int(am.sum()) + 6 * am.shape[0]
+    assert all(layer.config == PRESETS["snapmla"] and layer.num_stored_tokens() == n_real for layer in latent_layers)
 
 
 _CONSISTENCY = [

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_patch_support import batch_inputs, generate
 
 import snapquant
 from snapquant import PRESETS
@@ -21,6 +20,7 @@ from snapquant.cache import LatentCache
 from snapquant.embedded import has_weights, load_embedded
 from snapquant.errors import ConfigError
 from snapquant.models.tiny import tiny_model
+from tests.support.patching import batch_inputs, generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_patch_support import batch_inputs, greedy, rel_diff
 
 import snapquant
 from snapquant.errors import ConfigError
 from snapquant.models.registry import ADAPTERS, REFUSED, mla_attention_classes
 from snapquant.models.tiny import FAMILIES, available_families, tiny_model
+from tests.support.patching import batch_inputs, greedy, rel_diff
 
 CLASSES = mla_attention_classes()
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from log_capture import fresh_warning_once, transformers_warnings
 from transformers import AutoModelForCausalLM
 
 import snapquant as sq
 from snapquant.embedded import EMBEDDED_PATH, has_weights
+from tests.support.log_capture import fresh_warning_once, transformers_warnings
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PROMPT = "import os\n\n\ndef main():\n"

@@ -19,10 +19,10 @@ from snapquant import PRESETS, ConfigError
 from snapquant.results_io import CELL_SCHEMA, is_valid_cell
 from snapquant.sweep import ResultStore, SweepSpec, atomic_write_json, expand, run_sweep
 from snapquant.sweep.api import execute
+from tests.support.sweep_fakes import FakeEvaluator, outcomes
 
-TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))
-from test_sweep_fakes import FakeEvaluator  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]  # on a subprocess's PYTHONPATH, so it imports tests.support
+FAKE = "tests.support.sweep_fakes:FakeEvaluator"
 
 
 def spec_dict(tmp_path: Path, **kw) -> dict:
@@ -30,6 +30,13 @@ def spec_dict(tmp_path: Path, **kw) -> dict:
          "presets": ["bf16", "snapmla", "per_tensor_fp8"], "fidelity": False, "output_dir": str(tmp_path / "out")}
     d.update(kw)
     return d
+
+
+def test_fake_outcomes_deterministic_and_baseline_exact():
+    a = outcomes("fake_a", 50, PRESETS["snapmla"])
+    assert (a == outcomes("fake_a", 50, PRESETS["snapmla"])).all()
+    assert (outcomes("fake_a", 50, PRESETS["bf16"]) == outcomes("fake_a", 50, PRESETS["bf16"].replace(name="x"))).all()
+    assert (a != outcomes("fake_a", 50, PRESETS["bf16"])).any()
 
 
 # ---------------------------------------------------------------------- schema
@@ -245,7 +252,7 @@ def _write_cfg(tmp_path: Path, **kw) -> Path:
 
 
 def _env(tmp_path: Path, delay: float) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                SQ_FAKE_DELAY=str(delay), SQ_FAKE_LOG=str(tmp_path / "log.txt"))
     return env
 
@@ -254,7 +261,7 @@ def test_kill_9_mid_sweep_then_resume_runs_every_cell_exactly_once(tmp_path):
     grid = {"base": "snapmla_kv_only", "axes": {"nope_dtype": ["fp8_e4m3", "fp8_e5m2", "int8"],
                                                 "scale_format": ["fp32", "pow2"]}}
     cfg = _write_cfg(tmp_path, presets=["bf16"], grid=grid)
-    cmd = [sys.executable, "-m", "snapquant.cli", "sweep", str(cfg), "--evaluator", "test_sweep_fakes:FakeEvaluator",
+    cmd = [sys.executable, "-m", "snapquant.cli", "sweep", str(cfg), "--evaluator", FAKE,
            "--no-progress"]
     env = _env(tmp_path, delay=0.5)
     cells_dir = tmp_path / "out" / "cells"
@@ -289,7 +296,7 @@ def test_kill_9_mid_sweep_then_resume_runs_every_cell_exactly_once(tmp_path):
 
 def test_cli_dry_run_and_validation_error(tmp_path):
     cfg = _write_cfg(tmp_path)
-    base = [sys.executable, "-m", "snapquant.cli", "sweep", str(cfg), "--evaluator", "test_sweep_fakes:FakeEvaluator"]
+    base = [sys.executable, "-m", "snapquant.cli", "sweep", str(cfg), "--evaluator", FAKE]
     out = subprocess.run([*base, "--dry-run"], env=_env(tmp_path, 0), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "3 cells" in out.stdout and out.stdout.count("[todo]") == 3 and "(baseline)" in out.stdout
@@ -303,11 +310,11 @@ def test_cli_dry_run_and_validation_error(tmp_path):
 # ---------------------------------------------------------------------- submitit
 def test_submitit_local_executor_jobs_merge_into_one_results_dir(tmp_path, monkeypatch):
     pytest.importorskip("submitit")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("SQ_FAKE_LOG", str(tmp_path / "log.txt"))
     spec = SweepSpec.from_dict(spec_dict(tmp_path, launcher={"executor": "local", "cells_per_job": 2,
                                                              "max_parallel": 2, "timeout_min": 5}))
-    res = execute(spec, evaluator_path="test_sweep_fakes:FakeEvaluator", show_progress=False)
+    res = execute(spec, evaluator_path=FAKE, show_progress=False)
     assert not res.report.failed, res.report.failed
     assert len(res.jobs) == 2 and sorted(len(j.cell_ids) for j in res.jobs) == [1, 2]
     assert sorted(res.report.ran) == sorted(c.cell_id for c in res.report.cells)
@@ -317,5 +324,5 @@ def test_submitit_local_executor_jobs_merge_into_one_results_dir(tmp_path, monke
     assert len(list((tmp_path / "out" / "cells").glob("*.json"))) == 3
     assert res.table is not None and len(res.table.cells) == 3 and res.files["markdown"].exists()
     # a second launch finds everything finished and submits nothing
-    again = execute(spec, evaluator_path="test_sweep_fakes:FakeEvaluator", show_progress=False, report=False)
+    again = execute(spec, evaluator_path=FAKE, show_progress=False, report=False)
     assert again.jobs == [] and len(again.report.already_done) == 3

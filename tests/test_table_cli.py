@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -17,9 +16,7 @@ from snapquant.analysis import build_table, load_results
 from snapquant.analysis.results import CorruptResultWarning
 from snapquant.cli import app
 from snapquant.sweep import SweepSpec, run_sweep
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_sweep_fakes import FakeEvaluator
+from tests.support.sweep_fakes import FakeEvaluator
 
 REPO = Path(__file__).resolve().parents[1]
 SENTINEL = "an earlier table: must survive a rejected command\n"

@@ -40,6 +40,7 @@ def results(model_and_tokenizer):
     return _evaluate(model_and_tokenizer, TASKS, limit=2, lengths=(512,), gen_kwargs="max_gen_toks=16")
 
 
+@pytest.mark.slow  # covered by default: both lm-eval request kinds on our tasks (test_sweep_e2e)
 def test_snapquant_tasks_run_through_lm_eval(results):
     r = results["results"]
     assert set(TASKS) <= set(r)
@@ -55,6 +56,7 @@ def test_snapquant_tasks_run_through_lm_eval(results):
     assert comp["arguments"][0][0] == comp["doc"]["context"]
 
 
+@pytest.mark.slow  # the direct harness serves the embedded trainer (slow too)
 def test_direct_harness_agrees_with_lm_eval(results, model_and_tokenizer):
     model, tok = model_and_tokenizer
     for name, stops in (("sq_kv_retrieval_1k", ['"', "\n"]), ("sq_passkey", ["\n", "."])):
@@ -67,6 +69,7 @@ def test_direct_harness_agrees_with_lm_eval(results, model_and_tokenizer):
     assert ppl["bits_per_byte"] == pytest.approx(results["results"]["sq_code_ppl"]["bits_per_byte,none"], rel=1e-4)
 
 
+@pytest.mark.slow  # covered by default: the RULER documents (test_ruler_docs_are_deterministic)
 def test_ruler_subset_runs_offline_with_local_tokenizer(model_and_tokenizer):
     res = _evaluate(model_and_tokenizer, RULER, limit=1, gen_kwargs="max_gen_toks=2")
     for name in RULER:

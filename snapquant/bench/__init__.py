@@ -6,6 +6,8 @@
                    plain PyTorch) and how they are selected
     timing         CUDA-graph / do_bench / event timers over L2-rotated input sets (and a wall timer)
     harness        builds inputs, runs the variants within a time budget, one row per measurement
+    e2e            the end-to-end decode step of a whole model, stock vs patched, eager and CUDA graph
+                   (scripts/bench_e2e.py)
     results        CSV / markdown / JSON writing (atomic) and the performance targets
     plot           the side-by-side figure (PNG + PDF)
     compile_stats  compiles the kernels for a GPU target on any machine: registers, spills, shared

@@ -82,12 +82,3 @@ class FakeEvaluator:
             samples[t.name] = [{"doc_id": i, "doc_hash": f"h{i}", "metrics": {"acc": float(v)}} for i, v in enumerate(o)]
         self._log(f"end {cell.cell_id}")
         return {"tasks": tasks, "samples": samples, "lm_eval": {}, "fidelity": None, "timing": {"fake": self.delay}}
-
-
-def test_fake_outcomes_deterministic_and_baseline_exact():
-    from snapquant import PRESETS
-
-    a = outcomes("fake_a", 50, PRESETS["snapmla"])
-    assert (a == outcomes("fake_a", 50, PRESETS["snapmla"])).all()
-    assert (outcomes("fake_a", 50, PRESETS["bf16"]) == outcomes("fake_a", 50, PRESETS["bf16"].replace(name="x"))).all()
-    assert (a != outcomes("fake_a", 50, PRESETS["bf16"])).any()
