@@ -224,7 +224,6 @@ def test_a_sweep_cell_patches_with_its_kernel_options_for_tasks_and_fidelity(fak
     from contextlib import contextmanager
 
     import snapquant.eval.fidelity
-
     from snapquant.sweep import evaluate as ev
     from snapquant.sweep.grid import expand
 
