@@ -212,9 +212,10 @@ def _save_ckpt(run: Run, model, opt, info: dict) -> None:
     import torch
 
     run.ckpt.mkdir(parents=True, exist_ok=True)
-    tmp = run.ckpt / "train.pt.tmp"
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "info": info}, tmp)
-    os.replace(tmp, run.ckpt / "train.pt")
+    from snapquant.atomic import atomic_open
+
+    with atomic_open(run.ckpt / "train.pt", "wb", encoding=None) as f:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "info": info}, f)
     (run.ckpt / "info.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
@@ -229,7 +230,7 @@ def _export_model(run: Run, model, info: dict) -> None:
         import shutil
 
         shutil.rmtree(run.model_dir)
-    os.replace(tmp, run.model_dir)
+    tmp.rename(run.model_dir)  # a whole folder swapped in once complete (the atomic writer is for files)
 
 
 def stage_train(run: Run) -> None:
