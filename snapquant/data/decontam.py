@@ -30,8 +30,11 @@ import hashlib
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
+from .corpus import HELDOUT_FILE
 
 NGRAM = 5
 JACCARD_THRESHOLD = 0.5
@@ -305,6 +308,10 @@ CARD_BEGIN = "<!-- heldout-decontamination: written by scripts/decontam_heldout.
 CARD_END = "<!-- /heldout-decontamination -->"
 
 
+def _repo_path(p: Path) -> str:
+    return p.relative_to(Path(__file__).resolve().parents[2]).as_posix()
+
+
 def heldout_card_lines(record: dict) -> list[str]:
     """The model card's 'Held-out decontamination' section from `heldout_decontam.json`."""
     s = record["summary"]
@@ -319,7 +326,7 @@ def heldout_card_lines(record: dict) -> list[str]:
         f"of its {s['ngram']}-grams occur in it (containment), or the two share a verbatim passage of "
         f">= {th['shared_words']} words (a licence header, a copied function). The model was trained already, "
         f"so the held-out set shrinks: {s['dropped']} of {s['heldout_files_checked']} files dropped, "
-        f"{s['kept']} kept in `snapquant/eval/tasks/data/heldout_code.jsonl` (all evaluation reads these); the dropped "
+        f"{s['kept']} kept in `{_repo_path(HELDOUT_FILE)}` (all evaluation reads these); the dropped "
         "ones (`heldout_dropped.jsonl`) stay excluded from training by hash.", "",
     ]
     if dropped:
