@@ -23,9 +23,13 @@ distribution is centred on the observed delta, narrower than the sampling distri
 sqrt((n - 1) / n) and without t tails, so under H0 it rejected 12% of the time at n = 8 and 7.3%
 at n = 16 (nominal 5%).
 
-Intervals: BCa bootstrap (`scipy.stats.bootstrap`, documents resampled with the same indices for
-both runs) of the same delta. They describe the size of the difference; the p-value comes from the
-test above, so near alpha the two can disagree (at n <= 10 BCa undercovers a little).
+Intervals (95%) of the same delta, chosen by their simulated coverage at small n
+(docs/statistics.md, "Intervals"): Bonett-Price adjusted Wald for 0/1 metrics (closed form,
+conservative at small n); jackknife t (delta +- t_{n-1} SE_jackknife, the paired t interval for
+means) for the smooth aggregates (mean, perplexity, weighted perplexity, bits per byte); BCa
+bootstrap (`scipy.stats.bootstrap`) for any other aggregate. BCa itself covered only 81-88% at
+n = 8 and 84-92% at n = 16. The p-value comes from the test above, so near alpha an interval
+and the test can disagree.
 
 Minimum detectable effect (MDE) at level alpha and power 0.8, in the metric's units:
 - 0/1 metrics, exact McNemar (`mde_paired_binary`): each pair is discordant with probability
@@ -37,8 +41,9 @@ Minimum detectable effect (MDE) at level alpha and power 0.8, in the metric's un
   discordance, hence the max. For large n this agrees with Connor's (1987) normal approximation
   n = (z_{1-alpha/2} sqrt(psi) + z_power sqrt(psi - delta^2))^2 / delta^2.
 - Everything else (`mde_paired_continuous`): (t_{1-alpha/2, n-1} + t_{power, n-1}) * SE(delta)
-  (Bloom 1995), SE from the paired differences (sd / sqrt(n)) or the bootstrap for aggregates.
-  The sign-flip test's power matches the paired t-test's asymptotically.
+  (Bloom 1995), SE of the interval above (sd / sqrt(n) for means, jackknife for ratios). At this
+  effect the paired t-test's exact (noncentral t) power is 0.80 for n >= 8; the sign-flip test's
+  is about the same (simulated 0.79-0.80 at n = 16 and 64).
 Both are inf when no outcome can reach alpha (exact McNemar needs 6 one-sided discordant pairs and
 the sign-flip test needs n >= 6 at alpha 0.05).
 """
@@ -78,6 +83,8 @@ class PairedTest:
     """Standard error of delta (continuous metrics), the MDE's nuisance parameter."""
     mde: float = math.nan
     """Minimum detectable |delta| at alpha 0.05 and power 0.8 for this n and nuisance parameter."""
+    interval: str = ""
+    """How ci_low / ci_high were computed (a key of INTERVAL_WORDS)."""
 
     def significant(self, alpha: float = 0.05) -> bool:
         return self.n > 0 and self.p_value < alpha
@@ -94,7 +101,7 @@ class PairedTest:
         return {"test": self.test, "n": self.n, "delta": self.delta, "p_value": self.p_value,
                 "ci_low": self.ci_low, "ci_high": self.ci_high,
                 "discordant": list(self.discordant) if self.discordant else None, "exact": self.exact,
-                "se": self.se, "mde": self.mde}
+                "se": self.se, "mde": self.mde, "interval": self.interval}
 
 
 # ---------------------------------------------------------------------- McNemar
@@ -134,14 +141,28 @@ def binom_two_sided(k: int, n: int) -> float:
 
 
 # ---------------------------------------------------------------------- aggregates
-# Vectorised forms of lm-eval's aggregations over the sample axis (-1 for numbers, -2 for pairs);
+# lm-eval's smooth aggregations as functions of the column sums s [..., cols] of n items: vectorised
+# over any leading axes, and leave-one-out is f(s - x_i, n - 1) (the jackknife in O(n)).
 # `tests/test_analysis_significance.py` checks each against lm-eval's own function.
-_VECTOR_AGGREGATES: dict[str, tuple[int, Callable[[np.ndarray], np.ndarray]]] = {
-    "mean": (1, lambda v: v.mean(-1)),
-    "perplexity": (1, lambda v: np.exp(-v.mean(-1))),
-    "weighted_perplexity": (2, lambda v: np.exp(-v[..., 0].sum(-1) / v[..., 1].sum(-1))),
-    "bits_per_byte": (2, lambda v: -v[..., 0].sum(-1) / v[..., 1].sum(-1) / math.log(2)),
+_SUM_AGGREGATES: dict[str, tuple[int, Callable[[np.ndarray, int], np.ndarray]]] = {
+    "mean": (1, lambda s, n: s[..., 0] / n),
+    "perplexity": (1, lambda s, n: np.exp(-s[..., 0] / n)),
+    "weighted_perplexity": (2, lambda s, n: np.exp(-s[..., 0] / s[..., 1])),
+    "bits_per_byte": (2, lambda s, n: -s[..., 0] / s[..., 1] / math.log(2)),
 }
+
+
+def _columns(v: np.ndarray, cols: int) -> np.ndarray:
+    """[..., n] numbers or [..., n, 2] pairs -> [..., n, cols]."""
+    return v[..., None] if cols == 1 else v
+
+
+def _vector_aggregate(name: str) -> tuple[int, Callable[[np.ndarray], np.ndarray]]:
+    cols, f = _SUM_AGGREGATES[name]
+    return cols, lambda v: f(_columns(v, cols).sum(-2), _columns(v, cols).shape[-2])
+
+
+_VECTOR_AGGREGATES = {name: _vector_aggregate(name) for name in _SUM_AGGREGATES}
 
 
 def aggregation_fn(name: str) -> Callable[[list[Any]], float]:
@@ -192,9 +213,9 @@ def permutation_pvalues(base: np.ndarray, variant: np.ndarray, aggregation: str 
     aggregates (weighted_perplexity, bits_per_byte). Every batch element is tested on the same
     sign patterns (each p-value is valid on its own). Exact when 2^n <= n_resamples.
     """
-    if aggregation not in _VECTOR_AGGREGATES:
-        raise ValueError(f"aggregation {aggregation!r} has no vectorised form; known: {', '.join(_VECTOR_AGGREGATES)}")
-    cols, agg = _VECTOR_AGGREGATES[aggregation]
+    if aggregation not in _SUM_AGGREGATES:
+        raise ValueError(f"aggregation {aggregation!r} has no vectorised form; known: {', '.join(_SUM_AGGREGATES)}")
+    cols, f = _SUM_AGGREGATES[aggregation]
     a, b = np.asarray(base, dtype=float), np.asarray(variant, dtype=float)
     if a.shape != b.shape or a.ndim < cols:
         raise ValueError(f"paired samples must have equal shapes with the sample axis last"
@@ -207,15 +228,20 @@ def permutation_pvalues(base: np.ndarray, variant: np.ndarray, aggregation: str 
     if n == 0:
         return np.ones(batch_shape)
     nb = int(np.prod(batch_shape, dtype=np.int64))
-    # Index trick: row i of batch element j is base at j*2n + i and variant at j*2n + n + i;
-    # scipy swaps the two indices of a pair, the statistic gathers and aggregates.
-    pool = np.concatenate([a.reshape(nb, *sample_shape), b.reshape(nb, *sample_shape)], axis=1)
-    pool = pool.reshape(nb * 2 * n, *sample_shape[1:])
+    ca = _columns(a, cols).reshape(nb, n, cols)
+    cb = _columns(b, cols).reshape(nb, n, cols)
+    total, s_var = ca.sum(1) + cb.sum(1), cb.sum(1)  # [nb, cols]
+    gain = ca - cb  # what swapping pair i adds to the variant's column sums
+    # Index trick: pair i of batch element j is base at j*2n + i and variant at j*2n + n + i; scipy
+    # swaps the two indices of a pair, and a "variant" index in the base half marks a swapped pair.
+    # The aggregates depend on column sums only, so each pattern costs one masked sum per column.
     base_idx = (np.arange(nb)[:, None] * 2 * n + np.arange(n)[None, :])
     var_idx = base_idx + n
 
     def statistic(x, y, axis):
-        return agg(pool[x.astype(np.int64)]) - agg(pool[y.astype(np.int64)])
+        swapped = (x.astype(np.int64) % (2 * n) < n).astype(float)  # [..., nb, n]
+        sv = s_var + np.stack([(swapped * gain[..., k]).sum(-1) for k in range(cols)], -1)
+        return f(sv, n) - f(total - sv, n)
 
     # Bound memory: each call sees `batch` sign patterns for all nb comparisons.
     batch = max(1, int(4_000_000 // max(1, nb * n * cols)))
@@ -248,51 +274,113 @@ def sign_flip_is_exact(n: int, n_resamples: int = DEFAULT_RESAMPLES) -> bool:
 
 
 # ---------------------------------------------------------------------- intervals
+@dataclass(frozen=True)
+class Interval:
+    low: Any
+    high: Any
+    se: Any
+    """Standard error of the delta (nan for Bonett-Price, whose width is not a multiple of one)."""
+    method: str
+
+
+INTERVAL_WORDS = {"bonett_price": "Bonett-Price adjusted Wald", "t": "paired t",
+                  "jackknife_t": "jackknife t", "bca_bootstrap": "BCa bootstrap"}
+
+
+def bonett_price_interval(base: np.ndarray, variant: np.ndarray, confidence: float = 0.95) -> Interval:
+    """Interval for p_variant - p_base of paired 0/1 outcomes [..., n] (Bonett & Price 2012).
+
+    Adds one pseudo-observation to each discordant cell: p12 = (n_lost + 1) / (n + 2),
+    p21 = (n_gained + 1) / (n + 2), d = p21 - p12, d +- z sqrt((p12 + p21 - d^2) / (n + 2)), clipped
+    to [-1, 1]. Closed form; coverage >= nominal at small n (unlike BCa on {-1, 0, 1} data, which
+    degenerates when few pairs are discordant).
+    """
+    a, b = np.asarray(base, dtype=float), np.asarray(variant, dtype=float)
+    n = a.shape[-1]
+    lost = ((a == 1) & (b == 0)).sum(-1)
+    gained = ((a == 0) & (b == 1)).sum(-1)
+    p12, p21 = (lost + 1) / (n + 2), (gained + 1) / (n + 2)
+    d = p21 - p12
+    half = stats.norm.ppf(0.5 + confidence / 2) * np.sqrt(np.maximum(p12 + p21 - d * d, 0.0) / (n + 2))
+    return Interval(np.maximum(d - half, -1.0), np.minimum(d + half, 1.0), np.full(np.shape(d), math.nan),
+                    "bonett_price")
+
+
+def jackknife_t_interval(base: np.ndarray, variant: np.ndarray, aggregation: str = "mean",
+                         confidence: float = 0.95) -> Interval:
+    """delta +- t_{n-1} * SE_jackknife for a smooth aggregate, batched over leading axes.
+
+    `base`, `variant`: [..., n] numbers or [..., n, 2] pairs, as `permutation_pvalues` takes them.
+    For the mean the jackknife SE is sd / sqrt(n) exactly, so this is the paired t interval. At
+    n = 8-16 it covers better than BCa (which, like the percentile bootstrap, uses normal
+    quantiles and a sqrt((n-1)/n)-narrow spread): docs/statistics.md ("Intervals") has the
+    simulated coverages.
+    """
+    cols, f = _SUM_AGGREGATES[aggregation]
+    a = _columns(np.asarray(base, dtype=float), cols)
+    b = _columns(np.asarray(variant, dtype=float), cols)
+    n = a.shape[-2]
+    sa, sb = a.sum(-2), b.sum(-2)
+    delta = f(sb, n) - f(sa, n)
+    if n < 2:
+        nan = np.full(np.shape(delta), math.nan)
+        return Interval(nan, nan, nan, "t" if aggregation == "mean" else "jackknife_t")
+    if aggregation == "mean":
+        se = np.std(b[..., 0] - a[..., 0], axis=-1, ddof=1) / math.sqrt(n)
+    else:
+        loo = f(sb[..., None, :] - b, n - 1) - f(sa[..., None, :] - a, n - 1)  # [..., n]
+        se = np.sqrt((n - 1) / n * ((loo - loo.mean(-1, keepdims=True)) ** 2).sum(-1))
+    half = stats.t.ppf(0.5 + confidence / 2, n - 1) * se
+    return Interval(delta - half, delta + half, se, "t" if aggregation == "mean" else "jackknife_t")
+
+
 def bootstrap_interval(base: Sequence[Any], variant: Sequence[Any], aggregation: str | None = None, *,
                        confidence: float = 0.95, n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0,
-                       method: str = "BCa") -> tuple[float, float, float]:
-    """(low, high, standard error) of agg(variant) - agg(base), documents resampled in pairs.
+                       method: str = "BCa") -> Interval:
+    """BCa bootstrap (`scipy.stats.bootstrap`) of agg(variant) - agg(base), documents resampled in pairs.
 
-    BCa by default (`scipy.stats.bootstrap`); falls back to the percentile interval when BCa
-    degenerates (near-constant differences), and to a zero-width interval when every resample
-    gives the same delta.
+    For aggregates with no smooth vectorised form (F1, BLEU, median, ...). Falls back to the
+    percentile interval when BCa degenerates, and to zero width when every resample agrees.
     """
     if len(base) != len(variant):
         raise ValueError(f"paired samples must have equal length, got {len(base)} and {len(variant)}")
     n = len(base)
     if n < 2:
-        return math.nan, math.nan, math.nan
-    name = aggregation or "mean"
-    cols, vec = _VECTOR_AGGREGATES.get(name, (0, None))
-    a = _numeric(base, cols) if vec else None
-    b = _numeric(variant, cols) if vec else None
-    if a is not None and b is not None:
-        def statistic(idx, axis):
-            i = idx.astype(np.int64)
-            return vec(b[i]) - vec(a[i])
+        return Interval(math.nan, math.nan, math.nan, "bca_bootstrap")
+    agg = aggregation_fn(aggregation or "mean")
+    bl, vl = list(base), list(variant)
 
-        vectorized = True
-        if cols == 1 and np.ptp(b - a) == 0:
-            d = float(b[0] - a[0])
-            return d, d, 0.0
-    else:
-        agg = aggregation_fn(name)
-        bl, vl = list(base), list(variant)
+    def statistic(idx):
+        return agg([vl[int(i)] for i in idx]) - agg([bl[int(i)] for i in idx])
 
-        def statistic(idx):
-            return agg([vl[int(i)] for i in idx]) - agg([bl[int(i)] for i in idx])
-
-        vectorized = False
     for meth in dict.fromkeys((method, "percentile")):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DegenerateDataWarning: handled by the fallback
-            res = stats.bootstrap((np.arange(n),), statistic, vectorized=vectorized, n_resamples=n_resamples,
+            res = stats.bootstrap((np.arange(n),), statistic, vectorized=False, n_resamples=n_resamples,
                                   confidence_level=confidence, method=meth, rng=np.random.default_rng(seed))
         lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
         if math.isfinite(lo) and math.isfinite(hi):
-            return lo, hi, float(res.standard_error)
-    d = float(statistic(np.arange(n), -1) if vectorized else statistic(np.arange(n)))
-    return d, d, float(res.standard_error)
+            return Interval(lo, hi, float(res.standard_error), "bca_bootstrap")
+    d = float(statistic(np.arange(n)))
+    return Interval(d, d, 0.0, "bca_bootstrap")
+
+
+def paired_interval(base: Sequence[Any], variant: Sequence[Any], aggregation: str | None = None, *,
+                    confidence: float = 0.95, n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> Interval:
+    """The interval the tables use: Bonett-Price for 0/1 means, jackknife t for smooth aggregates, else BCa."""
+    if len(base) != len(variant):
+        raise ValueError(f"paired samples must have equal length, got {len(base)} and {len(variant)}")
+    name = aggregation or "mean"
+    binary = all(_is_number(x) and float(x) in (0.0, 1.0) for x in (*base, *variant))
+    if binary and name == "mean" and len(base):
+        iv = bonett_price_interval(np.asarray(base, dtype=float), np.asarray(variant, dtype=float), confidence)
+        return Interval(float(iv.low), float(iv.high), math.nan, iv.method)
+    cols = _VECTOR_AGGREGATES.get(name, (0, None))[0]
+    a, b = (_numeric(base, cols), _numeric(variant, cols)) if cols else (None, None)
+    if a is not None and b is not None:
+        iv = jackknife_t_interval(a, b, name, confidence)
+        return Interval(float(iv.low), float(iv.high), float(iv.se), iv.method)
+    return bootstrap_interval(base, variant, name, confidence=confidence, n_resamples=n_resamples, seed=seed)
 
 
 # ---------------------------------------------------------------------- minimum detectable effect
@@ -334,7 +422,7 @@ def mde_paired_continuous(se: float, n: int, *, alpha: float = 0.05, power: floa
 def paired_permutation(base: Sequence[Any], variant: Sequence[Any], aggregation: str | None = None, *,
                        n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0, alpha: float = 0.05,
                        confidence: float = 0.95) -> PairedTest:
-    """Sign-flip permutation test of agg(variant) - agg(base), with its BCa interval and MDE."""
+    """Sign-flip permutation test of agg(variant) - agg(base), with its interval and MDE."""
     if len(base) != len(variant):
         raise ValueError(f"paired samples must have equal length, got {len(base)} and {len(variant)}")
     n = len(base)
@@ -349,11 +437,9 @@ def paired_permutation(base: Sequence[Any], variant: Sequence[Any], aggregation:
         p = float(permutation_pvalues(a, b, name, n_resamples=n_resamples, seed=seed))
     else:
         p = _generic_permutation_pvalue(list(base), list(variant), agg, n_resamples, seed)
-    lo, hi, boot_se = bootstrap_interval(base, variant, name, confidence=confidence, n_resamples=n_resamples,
-                                         seed=seed)
-    se = float(np.std(b - a, ddof=1) / math.sqrt(n)) if (cols == 1 and a is not None and n > 1) else boot_se
-    return PairedTest("sign_flip_permutation", n, delta, p, lo, hi, exact=sign_flip_is_exact(n, n_resamples),
-                      se=se, mde=mde_paired_continuous(se, n, alpha=alpha))
+    iv = paired_interval(base, variant, name, confidence=confidence, n_resamples=n_resamples, seed=seed)
+    return PairedTest("sign_flip_permutation", n, delta, p, iv.low, iv.high, exact=sign_flip_is_exact(n, n_resamples),
+                      se=iv.se, mde=mde_paired_continuous(iv.se, n, alpha=alpha), interval=iv.method)
 
 
 def paired_test(
@@ -369,8 +455,9 @@ def paired_test(
     binary = all(_is_number(x) and float(x) in (0.0, 1.0) for x in (*base, *variant))
     if binary and aggregation in (None, "mean"):
         exact = mcnemar_exact(base, variant, alpha=alpha)
-        lo, hi, _ = bootstrap_interval(base, variant, "mean", n_resamples=n_resamples, seed=seed)
-        return PairedTest(exact.test, exact.n, exact.delta, exact.p_value, lo, hi, exact.discordant, mde=exact.mde)
+        iv = paired_interval(base, variant, "mean")
+        return PairedTest(exact.test, exact.n, exact.delta, exact.p_value, iv.low, iv.high, exact.discordant,
+                          mde=exact.mde, interval=iv.method)
     return paired_permutation(base, variant, aggregation, n_resamples=n_resamples, seed=seed, alpha=alpha)
 
 

@@ -1,9 +1,10 @@
 """Benchmark tables from sweep results: a tidy DataFrame, and Markdown / LaTeX renderings.
 
 Rows are cells (presets or grid points), columns are tasks. Each entry is the task's primary
-metric as `value ± stderr`, followed by the delta to the baseline row (bf16 by default) and a `*`
-when the paired test on the same samples says the difference is real (p < alpha, per task and
-cell, uncorrected for multiple comparisons: the caption says so). The last row is each task's
+metric as `value ± stderr`, followed by the delta to the baseline row (bf16 by default) with its
+95% interval from the paired samples, and a `*` when the paired test on the same samples says the
+difference is real (p < alpha, per task and cell, uncorrected for multiple comparisons: the
+caption says so). The last row is each task's
 minimum detectable effect (alpha, power 0.8) at its n, and the caption names each task's test and
 n (`significance` has the tests and the MDE formulas). The last columns are the cache bytes per
 token per layer and, when measured, decode fidelity (mean KL, top-1 agreement).
@@ -27,6 +28,7 @@ from ..results_io import from_json_number
 from .results import baseline_of
 from .significance import (
     DEFAULT_RESAMPLES,
+    INTERVAL_WORDS,
     POWER,
     PairedTest,
     mde_paired_binary,
@@ -100,8 +102,8 @@ class SweepTable:
     def caption(self) -> str:
         base = f"delta vs {self.baseline!r}" if self.baseline else "no baseline row"
         per_task = "; ".join(_test_note(r) for _, r in self._task_tests().iterrows())
-        return (f"value ± stderr ({base}); * = paired test p < {self.alpha} on the same samples, "
-                f"uncorrected for multiple comparisons. Tests: {per_task or 'none'}. "
+        return (f"value ± stderr ({base}) [95% interval of the delta]; * = paired test p < {self.alpha} on "
+                f"the same samples, uncorrected for multiple comparisons. Tests: {per_task or 'none'}. "
                 f"{self.mde_label()} = the smallest |delta| the test detects with probability {POWER:g} at "
                 "that n (exact McNemar power at the pooled observed discordance for 0/1 metrics, "
                 "(t_{1-α/2} + t_{power}) x pooled SE otherwise; ∞: no outcome reaches α at that n). "
@@ -174,8 +176,8 @@ def build_table(
             rows.append(row)
     long = pd.DataFrame(rows, columns=[
         "label", "cell_id", "task", "metric", "value", "stderr", "delta", "p_value", "significant", "test",
-        "exact", "n_paired", "ci_low", "ci_high", "discordant", "se", "mde", "higher_is_better", "n_samples",
-        "is_baseline"])
+        "exact", "n_paired", "ci_low", "ci_high", "interval", "discordant", "se", "mde", "higher_is_better",
+        "n_samples", "is_baseline"])
     cells = pd.DataFrame(cell_rows)
     if base is not None:  # baseline first, then the sweep's order
         cells = pd.concat([cells[cells["cell_id"] == base["cell_id"]], cells[cells["cell_id"] != base["cell_id"]]])
@@ -195,11 +197,12 @@ def task_tests(long: pd.DataFrame, alpha: float) -> pd.DataFrame:
     for task in dict.fromkeys(long["task"]) if not long.empty else []:
         sel = long[(long["task"] == task) & long["test"].notna() & (long["n_paired"] > 0)]
         row = {"task": task, "metric": long.loc[long["task"] == task, "metric"].iloc[0], "test": None,
-               "exact": None, "n": 0, "comparisons": len(sel), "discordance": math.nan, "se": math.nan,
-               "mde": math.nan}
+               "exact": None, "interval": None, "n": 0, "comparisons": len(sel), "discordance": math.nan,
+               "se": math.nan, "mde": math.nan}
         if len(sel):
             n = int(sel["n_paired"].min())
-            row.update(test=sel["test"].iloc[0], exact=bool(sel["exact"].all()), n=n)
+            row.update(test=sel["test"].iloc[0], exact=bool(sel["exact"].all()), interval=sel["interval"].iloc[0],
+                       n=n)
             if row["test"] == "mcnemar_exact":
                 row["discordance"] = float(sel["discordant"].sum() / sel["n_paired"].sum())
                 row["mde"] = mde_paired_binary(n, row["discordance"], alpha=alpha)
@@ -207,8 +210,8 @@ def task_tests(long: pd.DataFrame, alpha: float) -> pd.DataFrame:
                 row["se"] = float(math.sqrt((sel["se"] ** 2).mean()))
                 row["mde"] = mde_paired_continuous(row["se"], n, alpha=alpha)
         out.append(row)
-    return pd.DataFrame(out, columns=["task", "metric", "test", "exact", "n", "comparisons", "discordance", "se",
-                                      "mde"])
+    return pd.DataFrame(out, columns=["task", "metric", "test", "exact", "interval", "n", "comparisons",
+                                      "discordance", "se", "mde"])
 
 
 def check_alpha(alpha: float) -> None:
@@ -246,8 +249,8 @@ def _close(word: str, choices) -> str:
 def _compare(r: dict, base: dict | None, task: str, metric: str, aggregation: str | None, value: float,
              n_resamples: int, seed: int, alpha: float) -> dict[str, Any]:
     empty = {"delta": math.nan, "p_value": math.nan, "significant": False, "test": None, "exact": None,
-             "n_paired": 0, "ci_low": math.nan, "ci_high": math.nan, "discordant": math.nan, "se": math.nan,
-             "mde": math.nan}
+             "n_paired": 0, "ci_low": math.nan, "ci_high": math.nan, "interval": None, "discordant": math.nan,
+             "se": math.nan, "mde": math.nan}
     if base is None or r["cell_id"] == base["cell_id"] or task not in base.get("tasks", {}):
         return empty
     bm = base["tasks"][task].get("metrics", {}).get(metric)
@@ -258,7 +261,7 @@ def _compare(r: dict, base: dict | None, task: str, metric: str, aggregation: st
     if a:
         t: PairedTest = paired_test(a, b, aggregation, n_resamples=n_resamples, seed=seed, alpha=alpha)
         out.update(p_value=t.p_value, significant=bool(t.significant(alpha)), test=t.test, exact=t.exact,
-                   n_paired=t.n, ci_low=t.ci_low, ci_high=t.ci_high, se=t.se, mde=t.mde,
+                   n_paired=t.n, ci_low=t.ci_low, ci_high=t.ci_high, interval=t.interval, se=t.se, mde=t.mde,
                    discordant=sum(t.discordant) if t.discordant else math.nan)
     return out
 
@@ -305,8 +308,11 @@ def _entry(row: pd.Series, alpha: float, latex: bool) -> str:
     if not row["is_baseline"] and d is not None and math.isfinite(d):
         star = ("$^{*}$" if latex else "*") if row["significant"] else ""
         ds = f"{d:+.{k}f}"
+        lo, hi = row.get("ci_low"), row.get("ci_high")
+        if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi):
+            ds += f" [{lo:.{k}f}, {hi:.{k}f}]"
         if latex:
-            ds = ds.replace("-", "$-$", 1)
+            ds = ds.replace("-", "$-$")
         s += f" ({ds}{star})"
     return s
 
@@ -321,7 +327,7 @@ def _test_note(r: pd.Series) -> str:
     words = _TEST_WORDS.get(r["test"], r["test"])
     if r["test"] == "sign_flip_permutation":
         words += " (exact, all 2^n sign patterns)" if r["exact"] else " (randomized sign patterns)"
-    return f"{head}: {words}, n = {r['n']} paired samples"
+    return f"{head}: {words}, n = {r['n']} paired samples, {INTERVAL_WORDS.get(r['interval'], r['interval'])} interval"
 
 
 def _mde(v: Any, latex: bool) -> str:

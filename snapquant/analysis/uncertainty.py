@@ -8,9 +8,9 @@ so the unit of resampling is the sequence:
   `scipy.stats.bootstrap` over sequences (the statistic is recomputed on the concatenated positions
   of each resampled set of sequences);
 - `paired_comparison`: config B - config A on the same positions, as the mean over sequences of the
-  per-sequence difference, with a BCa bootstrap CI and a two-sided sign-flip permutation p-value
+  per-sequence difference, with a paired t CI and a two-sided sign-flip permutation p-value
   (under H0 each sequence's pair is exchangeable): the same test and interval as the benchmark
-  tables' (`significance.permutation_pvalues` and `significance.bootstrap_interval`). The
+  tables' (`significance.permutation_pvalues` and `significance.jackknife_t_interval`). The
   permutation test is exact when 2^n <= n_resamples (n <= 13 at the default) and its randomized
   version keeps its level for any n, unlike a percentile-bootstrap p-value.
 Every result carries n (sequences and positions).
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from .significance import DEFAULT_RESAMPLES, bootstrap_interval, permutation_pvalues
+from .significance import DEFAULT_RESAMPLES, jackknife_t_interval, permutation_pvalues
 
 KL_THRESHOLDS = (0.01, 0.1, 1.0)
 
@@ -124,7 +124,7 @@ def per_sequence(metrics: dict[str, np.ndarray], metric: str = "kl") -> np.ndarr
 def paired_comparison(a: np.ndarray, b: np.ndarray, *, metric: str = "kl_mean", n_positions: int = 0,
                       confidence: float = 0.95, n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0
                       ) -> PairedComparison:
-    """b - a over paired per-sequence values: mean difference, BCa CI, sign-flip permutation p-value."""
+    """b - a over paired per-sequence values: mean difference, paired t CI, sign-flip permutation p-value."""
     a = np.asarray(a, dtype=float)
     b = np.asarray(b, dtype=float)
     if a.shape != b.shape or a.ndim != 1:
@@ -137,10 +137,8 @@ def paired_comparison(a: np.ndarray, b: np.ndarray, *, metric: str = "kl_mean", 
     if np.all(d == 0):
         return PairedComparison(metric, 0.0, 0.0, 0.0, 1.0, n, n_positions)
     p = float(permutation_pvalues(a, b, n_resamples=n_resamples, seed=seed))
-    # BCa's acceleration estimate is too noisy below 8 sequences: percentile there.
-    lo, hi, _ = bootstrap_interval(a, b, confidence=confidence, n_resamples=n_resamples, seed=seed,
-                                   method="BCa" if n >= 8 else "percentile")
-    return PairedComparison(metric, delta, lo, hi, p, n, n_positions)
+    iv = jackknife_t_interval(a, b, "mean", confidence)  # the paired t interval of the mean difference
+    return PairedComparison(metric, delta, float(iv.low), float(iv.high), p, n, n_positions)
 
 
 def estimates_frame(label: str, estimates: Sequence[Estimate]):
