@@ -11,7 +11,7 @@ SOURCES = ("snapquant", "scripts", "experiments", "tests", "configs", "notebooks
 SUFFIXES = {".py", ".md", ".yaml", ".ipynb"}
 # The history is the development notebook, kept as it was written (it names the issues of its day).
 NOT_SCANNED = ("docs/history/",)
-OWN_DOCS = ("numerics", "performance", "transformers-notes", "architecture", "kernels")
+OWN_DOCS = ("numerics", "performance", "transformers-notes", "architecture", "kernels", "statistics")
 
 
 def _files():
