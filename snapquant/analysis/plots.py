@@ -3,7 +3,8 @@
 - `plot_accuracy_vs_bytes`: one panel per task, primary metric (± stderr) against cache bytes per
   token per layer; the baseline is drawn as a horizontal reference line; zero stderrs, whose bars
   cannot be seen, are listed in the panel ("stderr 0: bf16 (n=8), ...").
-- `plot_task_deltas`: per task, each cell's delta to the baseline with its paired-bootstrap 95% CI;
+- `plot_task_deltas`: per task, each cell's delta to the baseline with its paired 95% CI (the
+  table caption names the interval);
   filled markers are significant under the paired test, hollow ones are not. A delta that is
   exactly zero with a zero-width interval (no discordant sample) is labelled "0 (exact)".
 - `plot_fidelity_vs_bytes`: next-token KL and top-1 agreement vs bytes/token (decode and prefill);
@@ -215,7 +216,7 @@ def plot_task_deltas(table: SweepTable, out_dir: str | Path, stem: str = "task_d
         ax.grid(alpha=0.3, axis="x")
     for ax in list(axes.flat)[len(tasks):]:
         ax.axis("off")
-    fig.suptitle("Delta vs baseline, 95% paired-bootstrap CI (filled = significant; "
+    fig.suptitle("Delta vs baseline, 95% paired CI (filled = significant; "
                  "exact = every paired sample agrees)")
     fig.tight_layout()
     return save_figure(fig, out_dir, stem, points)

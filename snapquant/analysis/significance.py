@@ -89,14 +89,6 @@ class PairedTest:
     def significant(self, alpha: float = 0.05) -> bool:
         return self.n > 0 and self.p_value < alpha
 
-    def describe(self) -> str:
-        """The test in words, e.g. 'exact McNemar' or 'sign-flip permutation (exact, 2^8 patterns)'."""
-        if self.test == "mcnemar_exact":
-            return "exact McNemar"
-        if self.test == "sign_flip_permutation":
-            return f"sign-flip permutation ({'exact, all 2^n sign patterns' if self.exact else 'randomized'})"
-        return self.test
-
     def to_dict(self) -> dict[str, Any]:
         return {"test": self.test, "n": self.n, "delta": self.delta, "p_value": self.p_value,
                 "ci_low": self.ci_low, "ci_high": self.ci_high,
