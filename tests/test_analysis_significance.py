@@ -13,7 +13,7 @@ from scipy import stats
 
 from snapquant.analysis.significance import (
     _VECTOR_AGGREGATES,
-    Interval,
+    DeltaInterval,
     aggregation_fn,
     bonett_price_interval,
     bootstrap_interval,
@@ -209,7 +209,7 @@ def test_paired_test_picks_the_test_and_carries_interval_and_mde():
 
 
 def test_bootstrap_interval_for_other_aggregates():
-    assert bootstrap_interval([1.0, 2.0, 3.0], [2.0, 3.0, 4.0], "median") == Interval(1.0, 1.0, 0.0, "bca_bootstrap")
+    assert bootstrap_interval([1.0, 2.0, 3.0], [2.0, 3.0, 4.0], "median") == DeltaInterval(1.0, 1.0, 0.0, "bca_bootstrap")
     rng = np.random.default_rng(8)
     base = list(rng.normal(0, 1, 40))
     variant = [x + 0.5 + rng.normal(0, 0.2) for x in base]

@@ -267,7 +267,7 @@ def sign_flip_is_exact(n: int, n_resamples: int = DEFAULT_RESAMPLES) -> bool:
 
 # ---------------------------------------------------------------------- intervals
 @dataclass(frozen=True)
-class Interval:
+class DeltaInterval:
     low: Any
     high: Any
     se: Any
@@ -279,7 +279,7 @@ INTERVAL_WORDS = {"bonett_price": "Bonett-Price adjusted Wald", "t": "paired t",
                   "jackknife_t": "jackknife t", "bca_bootstrap": "BCa bootstrap"}
 
 
-def bonett_price_interval(base: np.ndarray, variant: np.ndarray, confidence: float = 0.95) -> Interval:
+def bonett_price_interval(base: np.ndarray, variant: np.ndarray, confidence: float = 0.95) -> DeltaInterval:
     """Interval for p_variant - p_base of paired 0/1 outcomes [..., n] (Bonett & Price 2012).
 
     Adds one pseudo-observation to each discordant cell: p12 = (n_lost + 1) / (n + 2),
@@ -294,12 +294,12 @@ def bonett_price_interval(base: np.ndarray, variant: np.ndarray, confidence: flo
     p12, p21 = (lost + 1) / (n + 2), (gained + 1) / (n + 2)
     d = p21 - p12
     half = stats.norm.ppf(0.5 + confidence / 2) * np.sqrt(np.maximum(p12 + p21 - d * d, 0.0) / (n + 2))
-    return Interval(np.maximum(d - half, -1.0), np.minimum(d + half, 1.0), np.full(np.shape(d), math.nan),
+    return DeltaInterval(np.maximum(d - half, -1.0), np.minimum(d + half, 1.0), np.full(np.shape(d), math.nan),
                     "bonett_price")
 
 
 def jackknife_t_interval(base: np.ndarray, variant: np.ndarray, aggregation: str = "mean",
-                         confidence: float = 0.95) -> Interval:
+                         confidence: float = 0.95) -> DeltaInterval:
     """delta +- t_{n-1} * SE_jackknife for a smooth aggregate, batched over leading axes.
 
     `base`, `variant`: [..., n] numbers or [..., n, 2] pairs, as `permutation_pvalues` takes them.
@@ -316,19 +316,19 @@ def jackknife_t_interval(base: np.ndarray, variant: np.ndarray, aggregation: str
     delta = f(sb, n) - f(sa, n)
     if n < 2:
         nan = np.full(np.shape(delta), math.nan)
-        return Interval(nan, nan, nan, "t" if aggregation == "mean" else "jackknife_t")
+        return DeltaInterval(nan, nan, nan, "t" if aggregation == "mean" else "jackknife_t")
     if aggregation == "mean":
         se = np.std(b[..., 0] - a[..., 0], axis=-1, ddof=1) / math.sqrt(n)
     else:
         loo = f(sb[..., None, :] - b, n - 1) - f(sa[..., None, :] - a, n - 1)  # [..., n]
         se = np.sqrt((n - 1) / n * ((loo - loo.mean(-1, keepdims=True)) ** 2).sum(-1))
     half = stats.t.ppf(0.5 + confidence / 2, n - 1) * se
-    return Interval(delta - half, delta + half, se, "t" if aggregation == "mean" else "jackknife_t")
+    return DeltaInterval(delta - half, delta + half, se, "t" if aggregation == "mean" else "jackknife_t")
 
 
 def bootstrap_interval(base: Sequence[Any], variant: Sequence[Any], aggregation: str | None = None, *,
                        confidence: float = 0.95, n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0,
-                       method: str = "BCa") -> Interval:
+                       method: str = "BCa") -> DeltaInterval:
     """BCa bootstrap (`scipy.stats.bootstrap`) of agg(variant) - agg(base), documents resampled in pairs.
 
     For aggregates with no smooth vectorised form (F1, BLEU, median, ...). Falls back to the
@@ -338,7 +338,7 @@ def bootstrap_interval(base: Sequence[Any], variant: Sequence[Any], aggregation:
         raise ValueError(f"paired samples must have equal length, got {len(base)} and {len(variant)}")
     n = len(base)
     if n < 2:
-        return Interval(math.nan, math.nan, math.nan, "bca_bootstrap")
+        return DeltaInterval(math.nan, math.nan, math.nan, "bca_bootstrap")
     agg = aggregation_fn(aggregation or "mean")
     bl, vl = list(base), list(variant)
 
@@ -352,13 +352,13 @@ def bootstrap_interval(base: Sequence[Any], variant: Sequence[Any], aggregation:
                                   confidence_level=confidence, method=meth, rng=np.random.default_rng(seed))
         lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
         if math.isfinite(lo) and math.isfinite(hi):
-            return Interval(lo, hi, float(res.standard_error), "bca_bootstrap")
+            return DeltaInterval(lo, hi, float(res.standard_error), "bca_bootstrap")
     d = float(statistic(np.arange(n)))
-    return Interval(d, d, 0.0, "bca_bootstrap")
+    return DeltaInterval(d, d, 0.0, "bca_bootstrap")
 
 
 def paired_interval(base: Sequence[Any], variant: Sequence[Any], aggregation: str | None = None, *,
-                    confidence: float = 0.95, n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> Interval:
+                    confidence: float = 0.95, n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> DeltaInterval:
     """The interval the tables use: Bonett-Price for 0/1 means, jackknife t for smooth aggregates, else BCa."""
     if len(base) != len(variant):
         raise ValueError(f"paired samples must have equal length, got {len(base)} and {len(variant)}")
@@ -366,12 +366,12 @@ def paired_interval(base: Sequence[Any], variant: Sequence[Any], aggregation: st
     binary = all(_is_number(x) and float(x) in (0.0, 1.0) for x in (*base, *variant))
     if binary and name == "mean" and len(base):
         iv = bonett_price_interval(np.asarray(base, dtype=float), np.asarray(variant, dtype=float), confidence)
-        return Interval(float(iv.low), float(iv.high), math.nan, iv.method)
+        return DeltaInterval(float(iv.low), float(iv.high), math.nan, iv.method)
     cols = _VECTOR_AGGREGATES.get(name, (0, None))[0]
     a, b = (_numeric(base, cols), _numeric(variant, cols)) if cols else (None, None)
     if a is not None and b is not None:
         iv = jackknife_t_interval(a, b, name, confidence)
-        return Interval(float(iv.low), float(iv.high), float(iv.se), iv.method)
+        return DeltaInterval(float(iv.low), float(iv.high), float(iv.se), iv.method)
     return bootstrap_interval(base, variant, name, confidence=confidence, n_resamples=n_resamples, seed=seed)
 
 
