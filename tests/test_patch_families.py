@@ -33,10 +33,11 @@ from tests.support.patching import (
 SUPPORTED = [f for f in available_families() if f not in REFUSED]
 # max |diff| / max |logit|. What the compared runs may differ by is fp32 reassociation only: no rounding
 # to a coarser format sits downstream of a difference (the bf16 preset of an fp32 model rounds nothing;
-# a quantized preset's reference reads the patched run's attention inputs, see _patched_and_reference).
+# a quantized preset's reference reads the patched run's attention inputs, see _patched_and_reference;
+# the one other discontinuity, MoE top-k routing, would need two expert scores tied to ~1e-7).
 # Each fp32 sum of n terms is off by at most n * 2^-24 of the sum of their magnitudes (n <= 128 in these
-# models: <= 8e-6), and a 2-3 layer model chains a handful of them; observed <= 6e-7 on AVX2 and AVX512
-# kernels with 1 and 2 threads. A real wiring error moves the logits by the quantization's own size
+# models: <= 8e-6), and a 2-3 layer model chains a handful of them; observed <= 7e-7 with the default,
+# AVX2 and AVX512 kernels. A real wiring error moves the logits by the quantization's own size
 # (>= 1e-3), hence also the "quantization is really on" checks against multiples of TOL.
 TOL = 1e-4
 
