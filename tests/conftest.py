@@ -2,7 +2,7 @@ import os
 
 import pytest
 import torch
-from teardown_filter import install_if_triton_loaded
+from tests.support.teardown_filter import install_if_triton_loaded
 
 # Tests never touch a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

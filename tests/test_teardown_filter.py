@@ -1,4 +1,4 @@
-"""The end of a pytest run carries no third-party teardown report (tests/teardown_filter.py)."""
+"""The end of a pytest run carries no third-party teardown report (tests/support/teardown_filter.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from teardown_filter import drop_nanobind_leak_report
+from tests.support.teardown_filter import drop_nanobind_leak_report
 
 # What a Gluon compile left at exit with Triton 3.9 (27 lines; the link has no newline of its own).
 REPORT = (
@@ -51,7 +51,7 @@ sys.exit(3)
 @pytest.mark.parametrize("install", [False, True])
 def test_process_exit_keeps_stderr_and_status_but_not_the_report(install):
     pytest.importorskip("triton")
-    code = _LEAKY.format(tests=str(Path(__file__).parent), install=install)
+    code = _LEAKY.format(tests=str(Path(__file__).parent / "support"), install=install)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
     assert res.returncode == 3
     assert b"kept on stderr" in res.stderr
