@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+
 from tests.support.teardown_filter import install_if_triton_loaded
 
 # Tests never touch a hub.

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.support.teardown_filter import drop_nanobind_leak_report
 
 # What a Gluon compile left at exit with Triton 3.9 (27 lines; the link has no newline of its own).
