@@ -11,27 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.checkpoints import tiny_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.py") if not p.stem.startswith("_"))
 
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory) -> Path:
-    """A random few-second checkpoint of the embedded architecture, with the embedded tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from snapquant.embedded import EMBEDDED_PATH, TINY_ARCH, embedded_config
-
-    if not (EMBEDDED_PATH / "tokenizer.json").is_file():
-        pytest.skip("no embedded tokenizer in this checkout")
-    ck = tmp_path_factory.mktemp("ck")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(embedded_config(TINY_ARCH)).save_pretrained(ck)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (EMBEDDED_PATH / f).is_file():
-            shutil.copy(EMBEDDED_PATH / f, ck / f)
-    return ck
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 def _run(monkeypatch, name: str, *args: str) -> None:

@@ -7,10 +7,11 @@ with the embedded model's architecture family and tokenizer, small enough for CI
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+
+from tests.support.checkpoints import tiny_checkpoint
 
 pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate (pip install accelerate)")
 
@@ -20,20 +21,7 @@ from snapquant.sweep import SweepSpec, execute
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from snapquant.embedded import EMBEDDED_PATH, TINY_ARCH, embedded_config
-
-    if not (EMBEDDED_PATH / "tokenizer.json").is_file():
-        pytest.skip("the embedded tokenizer is not in this checkout")
-    d = tmp_path_factory.mktemp("ckpt")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(embedded_config(TINY_ARCH)).save_pretrained(d)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (EMBEDDED_PATH / f).is_file():
-            shutil.copy(EMBEDDED_PATH / f, d / f)
-    return d
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 def test_real_sweep_three_presets_two_tasks(tiny_ckpt, tmp_path):
