@@ -264,3 +264,14 @@ def test_t_and_jackknife_t_cover_means_and_ratios(n):
     # The batched interval is the one a single comparison gets.
     one = paired_test([tuple(x) for x in a[0]], [tuple(x) for x in b[0]], "weighted_perplexity", n_resamples=99)
     assert one.ci_low == pytest.approx(float(iv.low[0]), rel=1e-9) and one.se == pytest.approx(float(iv.se[0]))
+
+
+def test_one_pair_gives_p_one_for_every_aggregate():
+    """A single paired sample (a sweep run with limit=1): the sign flip has two patterns, +-delta, equally
+    extreme, so p = 1 exactly; scipy's permutation_test refuses n = 1, which used to crash the sweep report."""
+    from snapquant.analysis.significance import paired_test, permutation_pvalues
+
+    for agg in (None, "median"):
+        res = paired_test([1.5], [2.5], agg)
+        assert res.n == 1 and res.delta == 1.0 and res.p_value == 1.0
+    assert permutation_pvalues(np.zeros((3, 1)), np.ones((3, 1))).tolist() == [1.0, 1.0, 1.0]

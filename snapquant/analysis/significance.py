@@ -217,7 +217,7 @@ def permutation_pvalues(base: np.ndarray, variant: np.ndarray, aggregation: str 
     sample_shape = a.shape[a.ndim - cols:]
     batch_shape = a.shape[:a.ndim - cols]
     n = sample_shape[0]
-    if n == 0:
+    if n < 2:  # one pair: its two sign patterns give +-delta, equally extreme, so p = 1 exactly
         return np.ones(batch_shape)
     nb = int(np.prod(batch_shape, dtype=np.int64))
     ca = _columns(a, cols).reshape(nb, n, cols)
@@ -248,6 +248,8 @@ def _generic_permutation_pvalue(base: list[Any], variant: list[Any], agg: Callab
                                 n_resamples: int, seed: int) -> float:
     """The same test for an aggregate with no vectorised form (one Python call per sign pattern)."""
     n = len(base)
+    if n < 2:  # see permutation_pvalues: p = 1 exactly, and scipy refuses one observation
+        return 1.0
     items = list(base) + list(variant)
 
     def statistic(x, y):
