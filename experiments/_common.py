@@ -27,7 +27,8 @@ def parser(description: str, name: str) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--text", default=None, help=".txt / .jsonl text (default: the held-out code)")
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--num-sequences", type=int, default=4)
+    p.add_argument("--num-sequences", type=int, default=16,
+                   help="sequences drawn one per document round-robin, each past the document's header")
     p.add_argument("--out", type=Path, default=Path("runs") / name,
                    help=f"output directory (default: runs/{name}, ignored by git; the committed results: "
                         f"--out results/{name})")
@@ -47,12 +48,19 @@ def read_table(out: Path, stem: str) -> pd.DataFrame:
 
 def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """-> (model, tokenizer, input_ids [N, T])."""
-    from snapquant.eval.fidelity import fidelity_tokens
-    from snapquant.eval.model import load_model
+    model, tok, sample = load_sample(args)
+    return model, tok, sample.input_ids
 
+
+def load_sample(args: argparse.Namespace, seq_len: int | None = None) -> tuple[Any, Any, Any]:
+    """-> (model, tokenizer, TextSample of `seq_len` (default --seq-len) tokens); the text is drawn
+    before the model loads, so a source too short for the sequences fails first."""
+    from snapquant.eval.fidelity import fidelity_sample
+    from snapquant.eval.model import load_model, load_tokenizer
+
+    sample = fidelity_sample(load_tokenizer(args.model), args.text, seq_len or args.seq_len, args.num_sequences)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
-    ids = fidelity_tokens(tok, args.text, args.seq_len, args.num_sequences)
-    return model, tok, ids
+    return model, tok, sample
 
 
 def md_table(df: pd.DataFrame, floatfmt: str = ".4g") -> str:

@@ -14,22 +14,32 @@ from ..errors import ConfigError
 
 def load_texts(path: str | Path, field: str = "text") -> list[str]:
     """A .txt file (one document; blank-line separated paragraphs stay together) or .jsonl/.json with `field`."""
+    return [text for _, text in load_documents(path, field)]
+
+
+def load_documents(path: str | Path, field: str = "text") -> list[tuple[str, str]]:
+    """(name, text) of every document of a .txt / .jsonl / .json source, in file order.
+
+    A record's name is its "path", "name" or "id" field when it has one (the held-out code has
+    "path"), else `FILE#INDEX`; a .txt file is one document named after the file.
+    """
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"text source {p} does not exist")
-    if p.suffix in (".jsonl", ".json"):
-        texts = []
-        lines = p.read_text().splitlines() if p.suffix == ".jsonl" else None
-        rows = [json.loads(x) for x in lines if x.strip()] if lines is not None else json.loads(p.read_text())
-        for i, row in enumerate(rows):
-            if isinstance(row, str):
-                texts.append(row)
-            elif isinstance(row, dict) and isinstance(row.get(field), str):
-                texts.append(row[field])
-            else:
-                raise ConfigError(f"{p}: record {i} has no string field {field!r}")
-        return texts
-    return [p.read_text()]
+    if p.suffix not in (".jsonl", ".json"):
+        return [(p.name, p.read_text())]
+    lines = p.read_text().splitlines() if p.suffix == ".jsonl" else None
+    rows = [json.loads(x) for x in lines if x.strip()] if lines is not None else json.loads(p.read_text())
+    docs = []
+    for i, row in enumerate(rows):
+        if isinstance(row, str):
+            docs.append((f"{p.name}#{i}", row))
+        elif isinstance(row, dict) and isinstance(row.get(field), str):
+            name = next((str(row[k]) for k in ("path", "name", "id") if row.get(k) is not None), f"{p.name}#{i}")
+            docs.append((name, row[field]))
+        else:
+            raise ConfigError(f"{p}: record {i} has no string field {field!r}")
+    return docs
 
 
 def token_batches(tokenizer: Any, texts: list[str], seq_len: int, num_sequences: int) -> torch.Tensor:

@@ -15,7 +15,9 @@ def fidelity(
     model: str = typer.Option("embedded", help="'embedded' or a Hugging Face checkpoint directory."),
     text: Path = typer.Option(None, help=".txt or .jsonl ('text' field); default: the held-out code text."),
     seq_len: int = typer.Option(128, help="Tokens per sequence."),
-    num_sequences: int = typer.Option(4, help="Sequences scored."),
+    num_sequences: int = typer.Option(16, help="Sequences scored: one per document of the text round-robin, "
+                                                 "each past the document's header."),
+    seed: int = typer.Option(0, help="Which documents and token offsets the sequences are drawn at."),
     prompt_len: int = typer.Option(32, help="Decode mode: tokens prefilled before stepping."),
     mode: list[str] = typer.Option(None, "--mode", help="prefill and/or decode (default both)."),
     backend: str = typer.Option("auto", help="Decode backend: auto, reference, triton or another registered one."),
@@ -27,24 +29,29 @@ def fidelity(
     """Next-token KL (mean, p99), top-1 agreement and perplexity delta, with quantized prefill and in step-by-step decode."""
     import functools
 
+    import pandas as pd
+
     from ..atomic import atomic_write_text
     from ..attention.backends import check_kernel_options, kernel_options_from_text
     from ..errors import ConfigError, ShapeError
-    from ..eval.fidelity import MODES, fidelity_metrics, fidelity_reference, fidelity_table, fidelity_tokens
-    from ..eval.model import load_model
+    from ..eval.fidelity import MODES, fidelity_metrics, fidelity_reference, fidelity_sample, fidelity_table
+    from ..eval.model import load_model, load_tokenizer
     from ..patching import patched
     from ..presets import resolve_config
+    from ._checks import check_int
 
     try:
         configs = [resolve_config(p) for p in (preset or ["snapmla", "per_tensor_fp8"])]
         modes = tuple(mode or MODES)
         _check_arguments(model, text, seq_len, num_sequences, prompt_len, modes, backend, model_dtype, device, out)
+        check_int("--seed", seed, minimum=0)
         options = kernel_options_from_text(kernel_options) if kernel_options else None
         check_kernel_options(backend, options)  # before any model loads, as the other options
         patcher = functools.partial(patched, kernel_options=options) if options else patched
-        m, tok = load_model(model, dtype=model_dtype, device=device)
-        ids = fidelity_tokens(tok, text, seq_len, num_sequences)
-        ref = fidelity_reference(m, ids)
+        # the text first: a source too short for the sequences fails before the model loads
+        sample = fidelity_sample(load_tokenizer(model), text, seq_len, num_sequences, seed=seed)
+        m, _ = load_model(model, dtype=model_dtype, device=device)
+        ref = fidelity_reference(m, sample.input_ids)
         res = {c.label(): fidelity_metrics(m, ref, c, modes=modes, prompt_len=prompt_len, backend=backend,
                                            patcher=patcher) for c in configs}
     except (ConfigError, ShapeError) as e:
@@ -60,7 +67,10 @@ def fidelity(
     if out is not None:
         atomic_write_text(out / "fidelity.csv", df.to_csv(index=False))
         atomic_write_text(out / "fidelity.md", md)
-        typer.echo(f"wrote {out / 'fidelity.csv'} and {out / 'fidelity.md'}", err=True)
+        # where each sequence came from, to find the context of a large-KL position
+        atomic_write_text(out / "sequences.csv", pd.DataFrame(sample.records()).assign(
+            source=sample.source, method=sample.method, seed=sample.seed).to_csv(index=False))
+        typer.echo(f"wrote {out / 'fidelity.csv'}, {out / 'fidelity.md'} and {out / 'sequences.csv'}", err=True)
 
 
 def _check_arguments(model: str, text: Path | None, seq_len: int, num_sequences: int, prompt_len: int,

@@ -24,6 +24,7 @@ _LAZY = {
     "run_task": "harness", "extract_results": "harness",
     "FidelityReference": "fidelity", "compare_logprobs": "fidelity", "fidelity_metrics": "fidelity",
     "fidelity_reference": "fidelity", "fidelity_table": "fidelity", "fidelity_tokens": "fidelity",
+    "fidelity_sample": "fidelity",
     "load_model": "model", "model_info": "model", "checkpoint_mla_dims": "model",
 }
 

@@ -20,13 +20,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..config import KVQuantConfig
 from ..errors import ConfigError, ShapeError
 from ..models.stepping import decode_steps
+
+if TYPE_CHECKING:
+    from ..analysis.text_sample import TextSample
 
 MODES = ("prefill", "decode")
 
@@ -48,14 +51,28 @@ def default_text_source() -> Path:
     return HELDOUT_FILE
 
 
-def fidelity_tokens(tokenizer: Any, source: str | Path | None, seq_len: int, num_sequences: int) -> torch.Tensor:
-    """[N, T] ids cut from `source` (.txt / .jsonl), default the held-out code the embedded model never saw."""
-    from ..analysis.text import load_texts, token_batches
+def fidelity_sample(tokenizer: Any, source: str | Path | None, seq_len: int, num_sequences: int, *,
+                    seed: int = 0) -> TextSample:
+    """A `snapquant.analysis.text_sample.TextSample` of `source` (.txt / .jsonl), default the held-out code.
+
+    Rows spread over the documents, each entered past its header at a seeded offset, and record
+    where they came from (see `sample_sequences`); ConfigError when the source is too short.
+    """
+    from ..analysis.text_sample import sample_sequences
 
     src = Path(source) if source else default_text_source()
     if not src.is_file():
         raise ConfigError(f"fidelity text {src} does not exist; set fidelity.source to a .txt or .jsonl file")
-    return token_batches(tokenizer, load_texts(src), seq_len, num_sequences)
+    sample = sample_sequences(tokenizer, src, seq_len, num_sequences, seed=seed)
+    if not source:  # results name the shipped file by its place in the package, not this machine's path
+        sample.source = src.relative_to(Path(__file__).resolve().parents[2]).as_posix()
+    return sample
+
+
+def fidelity_tokens(tokenizer: Any, source: str | Path | None, seq_len: int, num_sequences: int, *,
+                    seed: int = 0) -> torch.Tensor:
+    """[N, T] ids of `fidelity_sample` (the rows alone)."""
+    return fidelity_sample(tokenizer, source, seq_len, num_sequences, seed=seed).input_ids
 
 
 @torch.no_grad()

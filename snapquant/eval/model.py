@@ -1,6 +1,7 @@
 """Loading the model an evaluation runs on: `embedded` or a Hugging Face checkpoint directory.
 
     load_model(name, ...)       -> (model in eval mode, tokenizer)
+    load_tokenizer(name, ...)   the tokenizer alone (checks that need token counts before the model loads)
     checkpoint_mla_dims(name)   (kv_lora_rank, qk_rope_head_dim) from config.json, without loading weights
     model_info(model)           MLA dims and identity of a loaded model, recorded in every result
 """
@@ -63,6 +64,24 @@ def load_model(
         m = m.to(resolve_device(device))
     tok = AutoTokenizer.from_pretrained(tokenizer or str(path))
     return m.eval(), tok
+
+
+def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
+    """The tokenizer `load_model(model, tokenizer=tokenizer)` would return, without loading weights."""
+    if model == "embedded":  # as load_model: the shipped tokenizer, whatever `tokenizer` says
+        from ..embedded import load_tokenizer as embedded_tokenizer
+
+        try:
+            return embedded_tokenizer()
+        except FileNotFoundError as e:
+            raise ConfigError(f"model: 'embedded': {e}") from None
+    from transformers import AutoTokenizer
+
+    path = tokenizer or model
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"tokenizer of model={model!r}: cannot load {path!r}: {str(e).splitlines()[0]}") from None
 
 
 def checkpoint_mla_dims(model: str) -> tuple[int, int]:

@@ -38,6 +38,8 @@ class LmEvalEvaluator:
         self.model = self.tokenizer = None
         self.catalog: TaskCatalog | None = None
         self.reference = None  # fidelity reference, computed once per worker
+        self.fidelity_text: dict[str, Any] | None = None  # where the fidelity rows came from, in every cell
+        self._sample: tuple[tuple, Any] | None = None  # (its arguments, TextSample) drawn by validate
         self.info: dict[str, Any] = {}
 
     # -------------------------------------------------------------- before compute
@@ -61,7 +63,26 @@ class LmEvalEvaluator:
                     c.config.check_dims(r, d)
                 except ConfigError as e:
                     errs.append(f"cell {c.label!r}: {e} (model kv_lora_rank={r}, rope dim={d})")
+            if spec.fidelity.enabled:  # a source too short for the rows fails here, before the model loads
+                try:
+                    self._fidelity_sample(spec, None)
+                except ConfigError as e:
+                    errs.append(f"fidelity: {e}")
         return errs
+
+    def _fidelity_sample(self, spec: SweepSpec, tokenizer: Any) -> Any:
+        """The fidelity rows of `spec` (tokenizer None: load it alone); drawn once per worker."""
+        from ..eval.fidelity import fidelity_sample
+
+        f = spec.fidelity
+        key = (spec.model, spec.tokenizer, f.source, f.seq_len, f.num_sequences, f.seed)
+        if self._sample is None or self._sample[0] != key:
+            if tokenizer is None:
+                from ..eval.model import load_tokenizer
+
+                tokenizer = load_tokenizer(spec.model, spec.tokenizer)
+            self._sample = (key, fidelity_sample(tokenizer, f.source, f.seq_len, f.num_sequences, seed=f.seed))
+        return self._sample[1]
 
     # -------------------------------------------------------------- once per worker
     def setup(self, spec: SweepSpec) -> dict[str, Any]:
@@ -75,11 +96,13 @@ class LmEvalEvaluator:
         self.catalog = self.catalog or TaskCatalog(spec.include_path)
         self.info = {**model_info(self.model), "spec_model": spec.model, "load_s": time.perf_counter() - t0}
         if spec.fidelity.enabled:
-            from ..eval.fidelity import fidelity_reference, fidelity_tokens
+            from ..eval.fidelity import fidelity_reference
 
-            ids = fidelity_tokens(self.tokenizer, spec.fidelity.source, spec.fidelity.seq_len,
-                                  spec.fidelity.num_sequences)
-            self.reference = fidelity_reference(self.model, ids)
+            if self._loader is not None:  # an injected loader's tokenizer may not be the one validate loaded
+                self._sample = None
+            sample = self._fidelity_sample(spec, self.tokenizer)
+            self.fidelity_text = sample.describe()
+            self.reference = fidelity_reference(self.model, sample.input_ids)
         return self.info
 
     # -------------------------------------------------------------- per cell
@@ -109,6 +132,8 @@ class LmEvalEvaluator:
             out["fidelity"] = fidelity_metrics(self.model, self.reference, cell.config, modes=spec.fidelity.modes,
                                                prompt_len=spec.fidelity.prompt_len, backend=spec.backend,
                                                patcher=patcher, on_step=progress.advance)
+            if self.fidelity_text is not None:
+                out["fidelity"]["text"] = self.fidelity_text
             timing["fidelity"] = time.perf_counter() - t0
         out["timing"] = timing
         return out

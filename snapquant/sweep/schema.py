@@ -21,7 +21,7 @@ Shape of a sweep file (every key but `model`, `tasks` and one of `presets`/`grid
       base: snapmla_kv_only
       axes: {nope_dtype: [fp8_e4m3, fp8_e5m2], nope_granularity: [per_token, per_token_block]}
     baseline: bf16                 # the row deltas and paired tests compare against (added if absent)
-    fidelity: {enabled: true, num_sequences: 4, seq_len: 128, prompt_len: 32}
+    fidelity: {enabled: true, num_sequences: 16, seq_len: 128, prompt_len: 32, seed: 0}
     launcher: {executor: inline}   # inline | local | slurm (submitit); see LauncherSpec
 """
 
@@ -80,11 +80,15 @@ class FidelitySpec:
     enabled: bool = True
     source: str | None = None
     """Text to score: a .txt / .jsonl ("text" field) path; None = the embedded model's held-out text."""
-    num_sequences: int = 4
+    num_sequences: int = 16
+    """Rows drawn one per document round-robin, each past the document's header
+    (snapquant.analysis.text_sample); the sequence is the unit the intervals resample, so >= 16."""
     seq_len: int = 128
     prompt_len: int = 32
     """Decode mode prefills this many tokens (BF16 as in serving), then feeds the rest one at a time."""
     modes: tuple[str, ...] = FIDELITY_MODES
+    seed: int = 0
+    """Which documents and token offsets the rows are drawn at (part of the cells' eval key)."""
 
 
 @dataclass(frozen=True)
@@ -393,6 +397,8 @@ def _build_fidelity(raw: Any, errs: list[str]) -> FidelitySpec:
     for k in ("num_sequences", "seq_len", "prompt_len"):
         if k in raw:
             _check_int(errs, f"fidelity.{k}", raw[k], minimum=1)
+    if "seed" in raw:
+        _check_int(errs, "fidelity.seed", raw["seed"], minimum=0)
     modes = raw.get("modes", FIDELITY_MODES)
     modes = [modes] if isinstance(modes, str) else list(modes)
     for m in modes:
