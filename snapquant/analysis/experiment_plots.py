@@ -170,3 +170,35 @@ def plot_memory_throughput(memory: pd.DataFrame, throughput: pd.DataFrame, devic
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return save_figure(fig, out_dir, stem)
+
+
+def plot_long_context(table: pd.DataFrame, out_dir: str | Path, stem: str = "long_context") -> list[Path]:
+    """Mean next-token KL and top-1 flip rate per position bin, one line per config, 95% CI bands.
+
+    x is the bin's geometric middle on a log2 axis; solid lines were measured with one quantized
+    prefill (causal-consistent configs), dashed ones in true step-by-step decode.
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    labels = list(dict.fromkeys(table["config"]))
+    cs = colors()
+    for i, label in enumerate(labels):
+        s = table[table["config"] == label].sort_values("bin_lo")
+        x = np.sqrt(np.maximum(s["bin_lo"].to_numpy(float), 1.0) * s["bin_hi"].to_numpy(float))
+        decode = (s["mode"] == "decode").all()
+        for ax, col in zip(axes, ("kl_mean", "flip_rate"), strict=True):
+            ax.plot(x, s[col], marker=MARKERS[i % len(MARKERS)], ms=4, color=cs[i % len(cs)], ls="--" if decode else "-",
+                    label=f"{label} ({'decode' if decode else 'prefill'})")
+            lo, hi = s[f"{col}_ci_low"].to_numpy(float), s[f"{col}_ci_high"].to_numpy(float)
+            if np.isfinite(lo).any():
+                ax.fill_between(x, lo, hi, color=cs[i % len(cs)], alpha=0.15, lw=0)
+    n = int(table["n_sequences"].max())
+    axes[0].set(ylabel="mean KL(ref || quant), nats (log scale)", yscale="log",
+                title=f"next-token KL vs position ({n} sequences, 95% CI)")
+    axes[1].set(ylabel="top-1 flip rate", title=f"top-1 flips vs position ({n} sequences, 95% CI)")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("position t (context tokens 0..t), bin middle")
+        ax.grid(alpha=0.3, which="both")
+    axes[1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return save_figure(fig, out_dir, stem)

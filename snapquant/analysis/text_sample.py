@@ -99,6 +99,14 @@ class TextSample:
     """'per-document' (each row inside one document) or 'stream' (rows of the concatenated documents)."""
     seed: int
     skip_headers: bool
+    pieces: list[list[tuple[int, str, int]]]
+    """Per row, its document pieces: (column where the piece starts, document, token offset past the header)."""
+
+    def locate(self, row: int, column: int) -> tuple[str, int]:
+        """(document, token offset past its header) of the token at `column` of `row`; in a stream row,
+        the EOS between two documents counts as the end of the earlier one."""
+        start, name, offset = next(p for p in reversed(self.pieces[row]) if p[0] <= column)
+        return name, offset + column - start
 
     def records(self) -> list[dict[str, Any]]:
         return [asdict(o) for o in self.origins]
@@ -164,20 +172,22 @@ def sample_sequences(tokenizer: Any, source: str | Path, seq_len: int, num_seque
     capacity = [len(b.ids) // seq_len for b in bodies]
     rows: list[list[int]] = []
     origins: list[Origin] = []
+    pieces: list[list[tuple[int, str, int]]] = []
     if sum(capacity) >= num_sequences:
         method = PER_DOCUMENT
         counts = _round_robin(rng, capacity, num_sequences)
         for b, c in zip(bodies, counts, strict=True):
             for k in _starts(rng, len(b.ids), c, seq_len) if c else ():
                 origins.append(Origin(len(rows), b.name, k, _line_of(tokenizer, b, k), f"{b.name}[{k}:{k + seq_len}]"))
+                pieces.append([(0, b.name, k)])
                 rows.append(b.ids[k:k + seq_len])
     else:
         method = STREAM
         eos = getattr(tokenizer, "eos_token_id", None)
         stream: list[int] = []
-        pieces: list[tuple[int, int]] = []  # (stream offset where body i starts, i)
-        for i, b in enumerate(bodies):
-            pieces.append((len(stream), i))
+        starts: list[int] = []  # stream offset where each body starts
+        for b in bodies:
+            starts.append(len(stream))
             stream.extend(b.ids)
             if eos is not None:
                 stream.append(eos)
@@ -186,18 +196,21 @@ def sample_sequences(tokenizer: Any, source: str | Path, seq_len: int, num_seque
                 f"text source {source} cannot give {num_sequences} sequences of seq_len={seq_len}: its "
                 f"{len(bodies)} document(s) hold {len(stream)} tokens{' past their headers' if skip_headers else ''}, "
                 f"enough for {len(stream) // seq_len}; lower num_sequences or seq_len, or use a longer source")
-        starts = [p for p, _ in pieces]
         for s in _starts(rng, len(stream), num_sequences, seq_len):
             first = int(np.searchsorted(starts, s, side="right")) - 1
-            spans, j = [], first
-            while j < len(pieces) and starts[j] < s + seq_len:
-                b = bodies[pieces[j][1]]
+            spans, row_pieces, j = [], [], first
+            while j < len(starts) and starts[j] < s + seq_len:
+                b = bodies[j]
                 lo, hi = max(s - starts[j], 0), min(s + seq_len - starts[j], len(b.ids))
+                if hi > lo or j == first:  # the first piece may be the EOS that ends its document
+                    row_pieces.append((starts[j] + lo - s, b.name, lo))
                 if hi > lo:
                     spans.append(f"{b.name}[{lo}:{hi}]")
                 j += 1
-            b, k = bodies[pieces[first][1]], min(s - starts[first], len(bodies[pieces[first][1]].ids))
+            b = bodies[first]
+            k = min(s - starts[first], len(b.ids))
             origins.append(Origin(len(rows), b.name, k, _line_of(tokenizer, b, k), " | ".join(spans)))
+            pieces.append(row_pieces)
             rows.append(stream[s:s + seq_len])
     ids = torch.tensor(rows, dtype=torch.long).view(num_sequences, seq_len)
-    return TextSample(ids, origins, str(source), method, seed, skip_headers)
+    return TextSample(ids, origins, str(source), method, seed, skip_headers, pieces)

@@ -146,3 +146,51 @@ def estimates_frame(label: str, estimates: Sequence[Estimate]):
     import pandas as pd
 
     return pd.DataFrame([{"config": label, **asdict(e)} for e in estimates])
+
+
+@dataclass(frozen=True)
+class BinEstimate:
+    """The mean of one per-position metric over the positions [lo, hi) of every sequence."""
+
+    lo: int
+    hi: int
+    value: float
+    ci_low: float
+    ci_high: float
+    n_sequences: int
+    n_positions: int
+
+
+def binned_means(values: np.ndarray, positions: np.ndarray, edges: Sequence[int], *, confidence: float = 0.95,
+                 n_resamples: int = 2000, seed: int = 0) -> list[BinEstimate]:
+    """Per position bin: the mean of `values` ([N, P], row = sequence) over the bin's positions, with a
+    percentile cluster-bootstrap CI over sequences (`scipy.stats.bootstrap`).
+
+    `positions` ([P]) says which position each column is. Every sequence has the same positions, so
+    the pooled mean over a resampled set of sequences is the mean of their per-sequence bin means:
+    the bootstrap resamples those. Bins without positions are left out; with one sequence the CI is
+    NaN, and when every sequence has the same bin mean (e.g. no flip anywhere) it is that value.
+    """
+    from itertools import pairwise
+
+    values = np.asarray(values, dtype=float)
+    positions = np.asarray(positions)
+    if values.ndim != 2 or positions.shape != values.shape[1:]:
+        raise ValueError(f"values must be [N, P] and positions [P], got {values.shape} and {positions.shape}")
+    out = []
+    for lo, hi in pairwise(edges):
+        cols = (positions >= lo) & (positions < hi)
+        if not cols.any():
+            continue
+        per_seq = values[:, cols].mean(axis=1)
+        n, v = per_seq.size, float(per_seq.mean())
+        if n < 2:
+            lo_ci = hi_ci = math.nan
+        elif np.ptp(per_seq) == 0:
+            lo_ci = hi_ci = v
+        else:
+            res = stats.bootstrap((per_seq,), np.mean, vectorized=True, n_resamples=n_resamples,
+                                  confidence_level=confidence, method="percentile", random_state=seed)
+            lo_ci, hi_ci = float(res.confidence_interval.low), float(res.confidence_interval.high)
+        out.append(BinEstimate(int(lo), int(hi), v, lo_ci, hi_ci, n, int(cols.sum()) * n))
+    return out
