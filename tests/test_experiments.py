@@ -33,7 +33,8 @@ def _snapshot(d: Path) -> dict[str, tuple[int, int]]:
 
 
 def test_every_experiment_documents_where_it_writes(monkeypatch, capsys):
-    assert set(EXPERIMENTS) == {"granularity_ablation", "memory_throughput", "pv_pipeline", "rope_vs_nope"}
+    assert set(EXPERIMENTS) == {"granularity_ablation", "long_context", "memory_throughput", "pv_pipeline",
+                                "rope_vs_nope"}
     for name in EXPERIMENTS:
         with pytest.raises(SystemExit) as e:
             _run(monkeypatch, name, "--help")
@@ -68,7 +69,7 @@ def test_runs_is_ignored_by_git():
     assert r.returncode == 1  # the committed results are not
 
 
-FIGURES = {"pv_pipeline": ["pv_pipeline"], "granularity_ablation": ["granularity"],
+FIGURES = {"pv_pipeline": ["pv_pipeline"], "granularity_ablation": ["granularity"], "long_context": ["long_context"],
            "memory_throughput": ["memory_throughput"],
            "rope_vs_nope": ["rope_vs_nope", "layer_lines", "sqnr_heatmaps_fp8_e4m3", "channel_heatmaps"]}
 
@@ -86,6 +87,60 @@ def test_committed_tables_replot_without_the_model(monkeypatch, tmp_path, name):
     for stem in FIGURES[name]:
         assert (dst / f"{stem}.png").read_bytes()[:4] == b"\x89PNG"
         assert (dst / f"{stem}.pdf").read_bytes()[:4] == b"%PDF"
+
+
+def test_long_context_bins_match_the_fidelity_metrics_and_replot(monkeypatch, tmp_path, tiny_ckpt):
+    """The table's per-bin means are the bin means of `fidelity_metrics`' per-position KL and top-1 on the same
+    sequences (quantized prefill for the causal-consistent config, step-by-step decode for the frozen-scale
+    one): the same float64 KL of the same logits, so equal up to summation order (rel 1e-9)."""
+    import pandas as pd
+
+    from snapquant import PRESETS
+    from snapquant.eval.fidelity import fidelity_metrics, fidelity_reference, fidelity_sample
+    from snapquant.eval.model import load_model
+    from snapquant.patching import patched
+
+    out = tmp_path / "lc"
+    _run(monkeypatch, "long_context", "--model", str(tiny_ckpt), "--device", "cpu", "--max-len", "24",
+         "--num-sequences", "3", "-p", "snapmla", "-p", "per_tensor_fp8_dynamic", "--prompt-len", "8",
+         "--bin-width", "8", "--batch", "3", "--n-resamples", "500", "--out", str(out))
+    df = pd.read_csv(out / "table.csv")
+    model, tok = load_model(str(tiny_ckpt), dtype="float32", device="cpu")
+    ids = fidelity_sample(tok, None, 24, 3).input_ids
+    assert pd.read_csv(out / "sequences.csv")["document"].nunique() == 3  # one held-out file per sequence
+    ref = fidelity_reference(model, ids)
+    for name, mode, first, bins in (("snapmla", "prefill", 0, [(0, 8), (8, 16), (16, 23)]),
+                                    ("per_tensor_fp8_dynamic", "decode", 8, [(8, 16), (16, 23)])):
+        fm = fidelity_metrics(model, ref, PRESETS[name], modes=(mode,), prompt_len=8, patcher=patched,
+                              keep_positions=True)[mode]
+        s = df[df["config"] == name]
+        assert (s["mode"] == mode).all() and list(zip(s["bin_lo"], s["bin_hi"], strict=True)) == bins
+        for (lo, hi), (_, r) in zip(bins, s.iterrows(), strict=True):
+            cols = slice(lo - first, hi - first)
+            assert r["kl_mean"] == pytest.approx(fm["kl_positions"][:, cols].mean(), rel=1e-9, abs=1e-18)
+            assert r["flip_rate"] == pytest.approx(1 - fm["top1_positions"][:, cols].mean(), abs=1e-12)
+            assert r["n_sequences"] == 3 and r["n_positions"] == 3 * (hi - lo)
+            assert r["kl_mean_ci_low"] <= r["kl_mean"] <= r["kl_mean_ci_high"]
+            assert r["kl_mean_ci_low"] < r["kl_mean_ci_high"]  # three different sequences: a real interval
+    top = pd.read_csv(out / "top_positions.csv")
+    assert set(top["config"]) == {"snapmla", "per_tensor_fp8_dynamic"} and top["document"].notna().all()
+    for f in ("long_context.png", "long_context.pdf"):
+        (out / f).unlink()
+    _run(monkeypatch, "long_context", "--replot", "--out", str(out))
+    assert (out / "long_context.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "long_context.pdf").read_bytes()[:4] == b"%PDF"
+
+
+def test_long_context_rejects_a_length_past_the_model_context(monkeypatch, tiny_ckpt, capsys):
+    with pytest.raises(SystemExit) as e:
+        _run(monkeypatch, "long_context", "--model", str(tiny_ckpt), "-p", "snapmla", "--max-len", "5000")
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--max-len=5000" in err and "1024" in err
+    with pytest.raises(SystemExit) as e:  # the default presets include ds_v32, whose 128-wide tiles the tiny model lacks
+        _run(monkeypatch, "long_context", "--model", str(tiny_ckpt))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.count("\n") == 0 and "--preset ds_v32" in err
 
 
 def test_replot_without_a_table_is_one_line_rc_2(monkeypatch, tmp_path, capsys):

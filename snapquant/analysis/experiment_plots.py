@@ -195,10 +195,14 @@ def plot_long_context(table: pd.DataFrame, out_dir: str | Path, stem: str = "lon
     axes[0].set(ylabel="mean KL(ref || quant), nats (log scale)", yscale="log",
                 title=f"next-token KL vs position ({n} sequences, 95% CI)")
     axes[1].set(ylabel="top-1 flip rate", title=f"top-1 flips vs position ({n} sequences, 95% CI)")
+    from matplotlib.ticker import ScalarFormatter
+
     for ax in axes:
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("position t (context tokens 0..t), bin middle")
-        ax.grid(alpha=0.3, which="both")
+        ax.xaxis.set_major_formatter(ScalarFormatter())  # 16, 256, 4096 rather than 2^4, 2^8, 2^12
+        ax.set_xlabel("position t (prediction from tokens 0..t), bin middle, log scale")
+        ax.grid(alpha=0.3)
+    axes[1].set_ylim(bottom=0)
     axes[1].legend(fontsize=7, loc="best")
     fig.tight_layout()
     return save_figure(fig, out_dir, stem)
