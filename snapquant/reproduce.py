@@ -100,6 +100,11 @@ JOBS: tuple[Job, ...] = (
          what="per-tensor / per-channel / per-token / per-token-block scales: SQNR, KL, top-1, perplexity"),
     _exp("pv_pipeline", outputs=("table.md", "table.csv", "per_layer.csv", "pv_pipeline.png", "pv_pipeline.pdf"),
          what="scale-fused vs naive FP8 P vs BF16 P, FP8 vs BF16 query"),
+    _exp("long_context", "--max-len", "512", "--num-sequences", "4",
+         outputs=("table.md", "table.csv", "sequences.csv", "top_positions.csv", "long_context.png",
+                  "long_context.pdf"),
+         what="next-token KL and top-1 flip rate vs position, per config (on a CPU at 512 tokens; the full "
+              "context on a GPU: experiments/long_context.py --device cuda)"),
     _exp("memory_throughput", "--contexts", "256", "1024", "2048",
          outputs=("memory.md", "memory.csv", "throughput.md", "throughput.csv", "memory_throughput.png",
                   "memory_throughput.pdf"),
