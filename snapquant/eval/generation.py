@@ -48,9 +48,6 @@ from ..patching import patch_state
 STEP_MODES = ("auto", "graph", "static", "eager")
 # HF logits processors that read only the scores (no history, no host values): safe between graph replays.
 SAFE_WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
-# generation kwargs the loop knows; anything else is a reason to use HF generate
-KNOWN_KWARGS = {"do_sample", "temperature", "top_k", "top_p", "min_p", "max_length", "max_new_tokens",
-                "num_beams", "num_return_sequences", "use_cache", "pad_token_id", "eos_token_id"}
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -67,9 +64,6 @@ class DecodingPlan:
 def decoding_plan(model: Any, gen_kwargs: dict[str, Any], input_len: int = 1) -> DecodingPlan | str:
     """The token selection HF `generate` would run for `gen_kwargs` (merged with the model's generation
     config as HF merges them), or a one-line reason why the loop cannot reproduce it."""
-    unknown = sorted(set(gen_kwargs) - KNOWN_KWARGS)
-    if unknown:
-        return f"generation kwargs {unknown} are not supported by the decode loop"
     kw = {k: v for k, v in gen_kwargs.items() if k not in ("max_length", "max_new_tokens", "use_cache",
                                                             "pad_token_id")}
     try:
