@@ -178,3 +178,33 @@ def test_stop_rule_stops_where_hf_with_lm_evals_criteria_stops(seed):
         got = rule.feed([row[pos:pos + n] for row in stream])
         pos += n
     assert got == want, (stops, raw.tolist())
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_cuda_graph_loop_replays_the_static_step_and_agrees_with_hf():
+    """Captured steps replay exactly what the same fixed-shape step computes uncaptured (same kernels, same
+    grouped experts), and greedy decode agrees with HF generate (which differs by bf16 rounding: its decode
+    runs the experts as batched_mm and the attention with masks)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tok = char_tokenizer()
+    torch.manual_seed(0)
+    # kernel widths (powers of two >= 16): kv_lora_rank 64, RoPE 16
+    model = tiny_model("deepseek_v3", moe=True, vocab_size=len(tok), dtype=torch.bfloat16, kv_lora_rank=64,
+                       qk_rope_head_dim=16).cuda()
+    snapquant.patch(model, "snapmla", backend="triton")
+    enc = tok(PROMPTS * 4, return_tensors="pt", padding=True, padding_side="left").to("cuda")
+    ids, am = enc.input_ids, enc.attention_mask
+    graph = DecodeLoop(model, tok, steps="graph", check_every=8)
+    static = DecodeLoop(model, tok, steps="static", check_every=8)
+    a = _loop(graph, model, ids, am, ["</s>"], 40, do_sample=False)
+    b = _loop(static, model, ids, am, ["</s>"], 40, do_sample=False)
+    assert graph.captures == 1 and torch.equal(a.sequences, b.sequences)
+    again = _loop(graph, model, ids, am, ["</s>"], 40, do_sample=False)  # the kept graph, re-prefilled cache
+    assert graph.captures == 1 and torch.equal(again.sequences, a.sequences)
+    want = _hf(model, tok, ids, am, ["</s>"], 40, do_sample=False)
+    P = ids.shape[1]
+    n = min(want.shape[1], a.sequences.shape[1]) - P
+    first = (a.sequences[:, P] == want[:, P]).float().mean()
+    assert first == 1.0 and (a.sequences[:, P:P + n] == want[:, P:P + n]).float().mean() >= 0.5
