@@ -182,6 +182,7 @@ class GenerationResult:
     new_tokens: int  # T
     steps: int  # decode steps run (T - 1 plus the overshoot past HF's stop)
     seconds: dict[str, float] = field(default_factory=dict)
+    logits: list[torch.Tensor] = field(default_factory=list)  # fp32 [B, V] of the first `keep_logits` selections
 
 
 class DecodeLoop:
@@ -260,8 +261,14 @@ class DecodeLoop:
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *, max_length: int,
-                 plan: DecodingPlan, stop: Sequence[str] = (), pad_token_id: int | None = None) -> GenerationResult:
-        """Left-padded `input_ids [B, P]` -> HF generate's output for `max_length = P + max_new_tokens`."""
+                 plan: DecodingPlan, stop: Sequence[str] = (), pad_token_id: int | None = None,
+                 cache: LatentCache | None = None, keep_logits: int = 0) -> GenerationResult:
+        """Left-padded `input_ids [B, P]` -> HF generate's output for `max_length = P + max_new_tokens`.
+
+        `cache`: a LatentCache (with max_cache_len for fixed-shape steps) that already holds the first
+        `cache.get_seq_length()` positions of `input_ids` (HF's convention for continuing from a cache: only
+        the rest is prefilled); benchmarks fill it with random latents instead of running long prefills.
+        `keep_logits=n` keeps the fp32 logits of the first n token selections (`result.logits`)."""
         from ..models.experts import decode_experts
 
         if input_ids.dim() != 2:
@@ -278,16 +285,27 @@ class DecodeLoop:
         times = {"prefill": 0.0, "decode": 0.0, "host_check": 0.0}
         t0 = time.perf_counter()
         with decode_experts(self.model, self.experts):
-            cache, graph = self._cache(B, P + max_new)
+            own = cache is None
+            past = 0 if own else cache.get_seq_length()
+            if not own and not 0 < past < P:
+                raise ShapeError(f"the given cache holds {past} positions; input_ids must extend it (P = {P})")
+            if own:
+                cache, graph = self._cache(B, P + max_new)
+            else:
+                graph = None
             pos = (am.cumsum(-1) - 1).masked_fill(am == 0, 0)  # HF's prefill positions for left padding
             extra = {"logits_to_keep": 1} if self._logits_to_keep else {}
-            out = self.model(input_ids=input_ids, attention_mask=am, position_ids=pos, use_cache=True,
-                             **extra, **{self._cache_kw: cache})
+            out = self.model(input_ids=input_ids[:, past:], attention_mask=am, position_ids=pos[:, past:],
+                             use_cache=True, **extra, **{self._cache_kw: cache})
             gen = torch.full((B, max_new), pad, dtype=torch.long, device=self.device)
             finished = torch.zeros(B, dtype=torch.bool, device=self.device)
 
+            kept: list[torch.Tensor] = []
+
             def take(logits: torch.Tensor, t: int) -> torch.Tensor:
                 nonlocal finished
+                if len(kept) < keep_logits:
+                    kept.append(logits[:, -1].float().clone())
                 tok = self._select(logits, plan, input_ids)
                 if plan.eos_token_ids:  # HF: finished rows get the pad token, then EOS marks finished
                     tok = torch.where(finished, torch.full_like(tok, pad), tok)
@@ -300,17 +318,20 @@ class DecodeLoop:
             if self.steps != "eager" and graph is None and max_new > 1:
                 from ..graphs import DecodeGraph
 
+                c0 = time.perf_counter()
                 graph = DecodeGraph(self.model, cache, capture=self.steps == "graph")
                 self.captures += int(self.steps == "graph")
+                times["capture"] = time.perf_counter() - c0
             self._sync()
-            times["prefill"] = time.perf_counter() - t0
+            times["prefill"] = time.perf_counter() - t0 - times.get("capture", 0.0)
             t1 = time.perf_counter()
             stop_at, steps = self._decode(tok, take, graph, cache, am, pos[:, -1:], gen, rule, max_new, times)
             self._sync()
             times["decode"] = time.perf_counter() - t1
-        self._keep(B, cache, graph)
+        if own:
+            self._keep(B, cache, graph)
         seq = torch.cat([input_ids, gen[:, :stop_at]], dim=1)
-        return GenerationResult(seq, stop_at, steps, times)
+        return GenerationResult(seq, stop_at, steps, times, kept)
 
     def _decode(self, tok, take, graph, cache, am, last_pos, gen, rule: StopRule, max_new: int,
                 times: dict) -> tuple[int, int]:
