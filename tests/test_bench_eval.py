@@ -31,7 +31,7 @@ def test_smoke_run_writes_checked_rows_for_both_paths_and_merges_reruns(tmp_path
     assert check["token_agree"] == 1.0 and check["logits_rel_step0"] == 0.0
     assert data["env"]["git_commit"] is not None and "| tiny (2L) | snapmla | 2 | 16 | loop |" in \
         out.with_suffix(".md").read_text()
-    assert main(args[:-2] + ["--paths", "loop", "--budget-s", "0", "--check-tokens", "0", "--out", str(out)]) == 0
+    assert main([*args[:-2], "--paths", "loop", "--budget-s", "0", "--check-tokens", "0", "--out", str(out)]) == 0
     rows = list(csv.DictReader(out.with_suffix(".csv").open()))  # smoke runs start afresh: one row, skipped
     assert [(r["path"], r["status"]) for r in rows] == [("loop", "skip: budget")]
 

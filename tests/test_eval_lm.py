@@ -136,6 +136,8 @@ def test_generation_loop_and_hf_give_the_same_lm_eval_results(task_file, caplog)
             texts[path, steps] = lm.generate_until(reqs)
         warned = [r for r in caplog.records if "HF generate for these requests" in r.getMessage()]
         assert len(warned) == (path == "loop") and (not warned or "num_beams=2" in warned[0].getMessage())
+        if steps == "eager":  # generate_until above already compared the eager loop
+            continue
         out = lm_eval.simple_evaluate(model=lm, tasks=_tasks(task_file)[:1], limit=4, bootstrap_iters=0,
                                       log_samples=True, task_manager=TaskManager(include_defaults=False))
         results[path, steps] = ([s["resps"] for s in out["samples"]["snapquant_tiny_gen"]],
@@ -143,7 +145,7 @@ def test_generation_loop_and_hf_give_the_same_lm_eval_results(task_file, caplog)
         infos[path, steps] = out["config"]["snapquant_generation"]
     assert texts["loop", "eager"] == texts["hf", "auto"] == texts["loop", "static"]
     assert any(texts["hf", "auto"]) and len(set(texts["hf", "auto"])) > 1  # real, differing generations
-    assert results["loop", "eager"] == results["hf", "auto"] == results["loop", "static"]
+    assert results["hf", "auto"] == results["loop", "static"]
     hf, loop = infos["hf", "auto"], infos["loop", "static"]
     assert hf["default_path"] == "hf" and loop["default_path"] == "loop" and loop["steps"] == "static"
     paths = {(b["path"], b["reason"]): b["count"] for b in loop["batches"]}

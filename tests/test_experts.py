@@ -32,21 +32,21 @@ def _gamma(n: int) -> float:
 def _bound(mod, x, idx, w) -> torch.Tensor:
     """|fp32 result - exact| <= this, per element of [T, H] (fp64, from absolute values)."""
     x, w = x.double(), w.double()
-    I = mod.down_proj.shape[-1]
+    inter = mod.down_proj.shape[-1]
     H = x.shape[-1]
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(idx.shape[1]):
             gu = mod.gate_up_proj[idx[t, j]].double()
             d = mod.down_proj[idx[t, j]].double()
-            g, u = (gu @ x[t]).split(I)
-            ag, au = (gu.abs() @ x[t].abs()).split(I)
+            g, u = (gu @ x[t]).split(inter)
+            ag, au = (gu.abs() @ x[t].abs()).split(inter)
             eg, eu = _gamma(H) * ag, _gamma(H) * au
             silu = torch.nn.functional.silu(g)
             h = silu * u
             eh = 1.1 * eg * (u.abs() + eu) + silu.abs() * eu + 4 * U * h.abs() + U * h.abs()
             o = d @ h
-            eo = d.abs() @ eh + _gamma(I) * (d.abs() @ h.abs())
+            eo = d.abs() @ eh + _gamma(inter) * (d.abs() @ h.abs())
             out[t] += w[t, j].abs() * (eo + U * o.abs()) + _gamma(idx.shape[1]) * (w[t, j] * o).abs()
     return out
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import itertools
 import json
 import platform
 import statistics
@@ -174,7 +175,7 @@ def run_cell(model, preset: str, batch: int, context: int, path: str, new_tokens
                                  output_logits=keep_logits > 0, return_dict_in_generate=True)
         _sync(dev)
         t = clock.times  # put(prompt), then one put per generated token
-        steps_s = [b - a for a, b in zip(t[1:], t[2:])]
+        steps_s = [b - a for a, b in itertools.pairwise(t[1:])]
         out.update(tokens=gen.sequences[:, context + 1:], logits=[x.float() for x in (gen.logits or ())][:keep_logits],
                    prefill_s=t[1] - t0, step_s=statistics.median(steps_s) if steps_s else float("nan"),
                    decode_s=t[-1] - t[1], capture_s=0.0)
@@ -353,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     import snapquant
+
     from ..environment import environment
     from ..models.experts import plan_decode_experts
 

@@ -33,6 +33,7 @@ slots is not done (see docs/performance.md, "lm-eval generation").
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -215,10 +216,7 @@ class DecodeLoop:
         self.steps, self.check_every = steps, check_every
         self.experts = experts if steps != "eager" else None
         self._cache_kw = cache_kwarg(model)
-        fwd = getattr(model, "forward")
-        import inspect
-
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(fwd).parameters
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._slot: tuple | None = None  # (batch, capacity, cache, graph) kept for the next batch
         self.captures = 0  # CUDA graphs captured so far (one per batch size / capacity)
 

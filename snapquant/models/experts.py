@@ -172,17 +172,21 @@ def decode_experts(model: torch.nn.Module, implementation: str | None = "auto") 
     if plan.warning:
         log.warning(plan.warning)
     register()
-    original = model.get_experts_implementation() if hasattr(model, "get_experts_implementation") else None
+    original = model.get_experts_implementation() if hasattr(model, "get_experts_implementation") else \
+        model.config._experts_implementation
     _set(model, plan.implementation)
     try:
         yield plan
     finally:
-        if original is not None:
-            _set(model, original)
+        _set(model, original)
 
 
 def _set(model: torch.nn.Module, implementation: str | dict) -> None:
-    if hasattr(model, "set_experts_implementation"):
+    try:
         model.set_experts_implementation(implementation)
-        return
-    model.config._experts_implementation = implementation  # older transformers: the config field itself
+    except (AttributeError, ValueError, KeyError):
+        # a transformers without the setter, or one that validates names against a fixed list: the experts
+        # dispatch on their config's field at every call, so setting it is enough
+        value = implementation.get("", None) if isinstance(implementation, dict) else implementation
+        for m in {id(e.config): e for e in expert_modules(model)}.values():
+            m.config._experts_implementation = value
