@@ -4,7 +4,7 @@
     mla_decode_plan(...)   the same checks and launches as a `DecodePlan`; `plan.run()` replays it into
                            the plan's own buffers (benchmarks, CUDA graphs)
     plan_decode(q, ops, ...) a plan over `KernelOperands` (pages or the patch's dense rows); with
-                           native=True it builds a GPU plan anywhere (`snapquant.bench.compile_stats`,
+                           native=True it builds a GPU plan anywhere (`snapquant.kernels.compile_stats`,
                            `scripts/dump_ptx.py`)
 
 The knobs are a `DecodeOptions` (`options.py`), given whole (`options=`) or as keywords; which kernel

@@ -68,7 +68,7 @@ the kernel performs the reference's arithmetic (only fp32 summation order differ
 splits or parts each run's running max differs, so bf16 / fp8 P are rounded from differently
 scaled values. Interpreter mode (CPU) holds every narrow value as its exact fp32 value (see `common`).
 
-The launcher (`snapquant.kernels.decode`) picks the constexprs; `snapquant.bench.compile_stats` and
+The launcher (`snapquant.kernels.decode`) picks the constexprs; `snapquant.kernels.compile_stats` and
 `scripts/dump_ptx.py` compile these kernels for a GPU target on a machine without one. The split
 partials are merged by `combine.py`.
 """
