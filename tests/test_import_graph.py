@@ -23,8 +23,11 @@ from tests.support.import_graph import (
     within,
 )
 
-# Layers above the kernels: the kernels are called by them and must not import them back.
-ABOVE_KERNELS = ("snapquant.attention", "snapquant.cache", "snapquant.patching", "snapquant.graphs")
+# Layers above the kernels: the kernels are called by them (the benchmark times them) and must not import
+# them back.
+ABOVE_KERNELS = ("snapquant.attention", "snapquant.cache", "snapquant.patching", "snapquant.graphs",
+                 "snapquant.bench")
+TESTS = Path(__file__).resolve().parent
 
 
 def kernel_seam_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
@@ -140,3 +143,17 @@ def test_the_layering_of_evaluation_sweeps_and_analysis(graph):
                and within(i, ("snapquant.sweep", "snapquant.eval", "snapquant.analysis")))]
     assert bad == []
     assert "snapquant.results_io" in graph["snapquant.analysis.results"]  # the walk sees real edges
+
+
+def test_kernel_tests_do_not_depend_on_the_benchmark():
+    """The kernel tests spell their shapes and knobs themselves (tests/support/kernel_cases.py): a benchmark
+    change must not change what they check."""
+    import ast
+
+    bad = []
+    for f in [*sorted(TESTS.glob("test_kernels_*.py")), TESTS / "support" / "kernel_cases.py"]:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{f.name}:{node.lineno} imports {n}" for n in names if within(n, "snapquant.bench")]
+    assert not bad, bad
