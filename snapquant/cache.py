@@ -98,7 +98,8 @@ class LatentLayer(_MaxCacheLen, CacheLayerMixin):
         self.store = DenseLatentStore(self.config, r, d, key_states.dtype, capacity=self.max_cache_len)
         self.is_initialized = True
 
-    def _check_room(self, new_positions: int) -> None:
+    def check_room(self, new_positions: int) -> None:
+        """Refuse (ShapeError) appending `new_positions` beyond `max_cache_len`; a no-op without one."""
         if self.max_cache_len is not None and self.seen + new_positions > self.max_cache_len:
             raise ShapeError(
                 f"appending {new_positions} position(s) to {self.seen} would exceed max_cache_len="
@@ -114,7 +115,7 @@ class LatentLayer(_MaxCacheLen, CacheLayerMixin):
             valid = torch.ones(B, S, dtype=torch.bool, device=latent.device)
         if self._stored is not None and self._stored.shape[0] != B:
             raise ShapeError(f"batch size changed from {self._stored.shape[0]} to {B} without batch_select/repeat")
-        self._check_room(S)
+        self.check_room(S)
         self.store.append(latent, rope, valid)
         valid = valid.to(latent.device, torch.bool)
         all_valid = valid is None
@@ -132,7 +133,7 @@ class LatentLayer(_MaxCacheLen, CacheLayerMixin):
         B, S = latent.shape[:2]
         if B != self.batch_size:
             raise ShapeError(f"batch size changed from {self.batch_size} to {B} without batch_select/repeat")
-        self._check_room(S)
+        self.check_room(S)
         self.store.append_static(latent, rope)
         self.advance(S)
 

@@ -111,7 +111,7 @@ class DecodeGraph:
     # ------------------------------------------------------------------ checks
     @staticmethod
     def _check_layers(model, cache: LatentCache, state) -> list[LatentLayer]:
-        mla = {hook.module.layer_idx for hook in state.hooks}
+        mla = state.layer_indices()
         for i, layer in enumerate(cache.layers):
             if not isinstance(layer, LatentLayer):
                 raise ConfigError(f"cache layer {i} is a {type(layer).__name__}: DecodeGraph needs every cache layer "
@@ -220,7 +220,7 @@ class DecodeGraph:
     def _prepare(self) -> None:
         self._check_live()
         for layer in self.layers:
-            layer._check_room(1)
+            layer.check_room(1)
 
     def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one token per request: `input_ids [B, 1]` -> logits `[B, 1, V]` (see the class docstring)."""

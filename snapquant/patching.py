@@ -87,6 +87,10 @@ class PatchState:
         """The validated kernel options for `backend` (None: none given, or it takes none)."""
         return self.parsed_options.get(backend)
 
+    def layer_indices(self) -> set[int]:
+        """The `layer_idx` of every patched MLA attention module (the cache layers the patch decodes)."""
+        return {hook.module.layer_idx for hook in self.hooks}
+
 
 @dataclass
 class _Call:

@@ -37,13 +37,13 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..config import KVQuantConfig
+from ..constants import PAGE_SIZE
 from ..errors import ConfigError, ShapeError
 from ..quant.dtypes import ELEMENT_FORMATS, ElementFormat
 from ..quant.quantizer import QuantizedKV, quantize_kv
 from ..quant.scales import get_scale_format
 from ..quant.tensor import QuantizedTensor
 from .store_policies import (
-    PAGE_ROWS,
     GroupScales,
     KiviWindow,
     PartPolicy,
@@ -129,7 +129,7 @@ class DenseLatentStore:
         self.config = config
         # Preallocated stores: rows per request, a multiple of the 64-token page; allocated at the first
         # append and never reallocated (lengths and buffers keep their memory: CUDA graphs read them).
-        self.capacity = None if capacity is None else math.ceil(capacity / PAGE_ROWS) * PAGE_ROWS
+        self.capacity = None if capacity is None else math.ceil(capacity / PAGE_SIZE) * PAGE_SIZE
         self._static: dict = {}  # cached index tensors / kernel views of the static append path
         # append_static through the fused Triton kernel: None = on CUDA when the layout allows (True also
         # runs it in the Triton interpreter on CPU, for tests).
@@ -282,15 +282,15 @@ class DenseLatentStore:
         if kernel_mismatch(kv, self.config) is None and nope.layout in ("none", "row") and all(
                 t is None or t.is_contiguous() for t in (nope.codes, nope.scale, rp.codes)):
             B, cap = self.batch_size, self.capacity
-            pages = B * cap // PAGE_ROWS
+            pages = B * cap // PAGE_SIZE
             scale = None
             if nope.scale is not None:
-                scale = nope.scale.view(pages, PAGE_ROWS, nope.scale.shape[-1])
+                scale = nope.scale.view(pages, PAGE_SIZE, nope.scale.shape[-1])
                 if scale.shape[-1] == 1:
-                    scale = scale.view(pages, PAGE_ROWS)
+                    scale = scale.view(pages, PAGE_SIZE)
             dev = self.lengths.device
             view = PagedMLACache(
-                nope.codes.view(pages, PAGE_ROWS, self.r), scale, rp.codes.view(pages, PAGE_ROWS, self.d),
+                nope.codes.view(pages, PAGE_SIZE, self.r), scale, rp.codes.view(pages, PAGE_SIZE, self.d),
                 torch.zeros(B, 1, dtype=torch.int32, device=dev), torch.zeros(B, dtype=torch.int32, device=dev),
                 self.config,
             )
