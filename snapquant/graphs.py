@@ -86,7 +86,7 @@ class DecodeGraph:
             raise ConfigError(f"warmup must be a positive int, got {warmup!r}")
         self.model, self.cache, self.state = model, cache, state
         self.layers = self._check_layers(model, cache, state)
-        self._check_model(model)
+        self.check_model(model)
         first = self.layers[0].store
         self.batch_size, self.device = first.batch_size, first.lengths.device
         for i, layer in enumerate(self.layers):
@@ -139,7 +139,7 @@ class DecodeGraph:
         return layers
 
     @staticmethod
-    def _check_model(model) -> None:
+    def check_model(model) -> None:
         cfg = getattr(model, "config", None)
         text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
         if getattr(text, "index_topk", None):

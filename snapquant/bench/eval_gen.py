@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     import snapquant
 
     from ..environment import environment
-    from ..models.experts import plan_decode_experts
+    from ..models.experts import experts_implementation, plan_decode_experts
 
     start = time.perf_counter()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                     for path in paths:
                         row = {"model": shape, "layers": n_layers, "preset": preset, "batch": B, "context": L,
                                "path": path, "new_tokens": args.new_tokens, "experts": experts if path == "loop"
-                               else "batched_mm (HF decode)" if cuda else model.config._experts_implementation}
+                               else "batched_mm (HF decode)" if cuda else experts_implementation(model)}
                         need = weights + bpt * B * (L + args.new_tokens) * n_layers
                         if total_mem is not None and need > args.mem_frac * total_mem:
                             row["status"] = f"skip: memory ({need / 2**30:.0f} GiB)"

@@ -112,7 +112,7 @@ def graph_reason(model: Any) -> str | None:
     if cfg.token_group is not None:
         return f"token_group={cfg.token_group}: the KIVI residual window is not a fixed-shape store"
     try:
-        DecodeGraph._check_model(model)
+        DecodeGraph.check_model(model)
         backend = resolve_backend(state.backend, cfg, device)
     except ConfigError as e:
         return str(e)

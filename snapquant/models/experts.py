@@ -172,13 +172,20 @@ def decode_experts(model: torch.nn.Module, implementation: str | None = "auto") 
     if plan.warning:
         log.warning(plan.warning)
     register()
-    original = model.get_experts_implementation() if hasattr(model, "get_experts_implementation") else \
-        model.config._experts_implementation
+    original = experts_implementation(model)
     _set(model, plan.implementation)
     try:
         yield plan
     finally:
         _set(model, original)
+
+
+def experts_implementation(model: torch.nn.Module) -> str | dict | None:
+    """The experts implementation a model runs now (transformers' getter, or its config field where the
+    installed transformers has no getter)."""
+    if hasattr(model, "get_experts_implementation"):
+        return model.get_experts_implementation()
+    return getattr(model.config, "_experts_implementation", None)
 
 
 def _set(model: torch.nn.Module, implementation: str | dict) -> None:
