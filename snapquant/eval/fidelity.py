@@ -210,7 +210,13 @@ def mode_metrics(ref: torch.Tensor, quant: torch.Tensor, targets: torch.Tensor, 
     n_positions), plus n_sequences, `summary` ({statistic: {value, ci_low, ci_high}}), `interval`
     (how), `per_sequence` ({aggregate: [N] list}) and `first_position`.
     """
-    met = position_metrics(ref, quant, targets)
+    return summarize_positions(position_metrics(ref, quant, targets), first_position, keep_positions,
+                               n_resamples=n_resamples, seed=seed)
+
+
+def summarize_positions(met: dict[str, np.ndarray], first_position: int, keep_positions: bool = False, *,
+                        n_resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict[str, Any]:
+    """One mode's result from `position_metrics` output ([N, P] arrays): see `mode_metrics`."""
     kl, nll_r, nll_q = met["kl"], met["nll_ref"], met["nll_quant"]
     ppl_r, ppl_q = math.exp(float(nll_r.mean())), math.exp(float(nll_q.mean()))
     est = cluster_summary(met, n_resamples=n_resamples, seed=seed)
