@@ -122,7 +122,13 @@ def test_fidelity_cli(tmp_path, monkeypatch):
                                  "--num-sequences", "2", "--prompt-len", "8", "--device", "cpu",
                                  "--out", str(tmp_path / "f")])
     assert r.exit_code == 0, r.output
-    assert "| snapmla | decode |" in r.stdout and (tmp_path / "f" / "fidelity.csv").exists()
+    row = next(ln for ln in r.stdout.splitlines() if ln.startswith("| snapmla | decode | 2 / 22 |"))  # 2 x (20 - 8 - 1)
+    assert row.count("[") == 6  # every statistic with its interval (the max's included)
+    import pandas as pd
+
+    df = pd.read_csv(tmp_path / "f" / "fidelity.csv")
+    assert {"kl_mean_ci_low", "top1_agree_ci_high", "share_kl_gt_0.1", "n_sequences"} <= set(df.columns)
+    assert (df["kl_mean_ci_low"] <= df["kl_mean"]).all() and (df["top1_agree"] <= df["top1_agree_ci_high"]).all()
     r = CliRunner().invoke(app, ["fidelity", "--model", str(ck), "-p", "snapmal"])
     assert r.exit_code == 2 and "snapmla" in r.output
 

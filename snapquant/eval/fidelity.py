@@ -236,12 +236,25 @@ def summarize_positions(met: dict[str, np.ndarray], first_position: int, keep_po
 
 
 def fidelity_table(results: dict[str, dict[str, Any]]) -> Any:
-    """{label: fidelity_metrics(...)} -> a pandas DataFrame, one row per (label, mode)."""
+    """{label: fidelity_metrics(...)} -> a pandas DataFrame, one row per (label, mode).
+
+    The point values, n, and each statistic of the summary as `<stat>`, `<stat>_ci_low`,
+    `<stat>_ci_high` (top-1 agreement's interval is the flip rate's, mirrored).
+    """
     import pandas as pd
 
     rows = []
     for label, res in results.items():
         for mode in MODES:
-            if mode in res:
-                rows.append({"config": label, "mode": mode, **res[mode]})
+            if mode not in res:
+                continue
+            m = res[mode]
+            row = {"config": label, "mode": mode,
+                   **{k: v for k, v in m.items() if not isinstance(v, dict) and k != "positions"}}
+            for stat, e in (m.get("summary") or {}).items():
+                row.update({stat: e["value"], f"{stat}_ci_low": e["ci_low"], f"{stat}_ci_high": e["ci_high"]})
+            if "flip_rate" in (m.get("summary") or {}):
+                row.update(top1_agree_ci_low=1.0 - m["summary"]["flip_rate"]["ci_high"],
+                           top1_agree_ci_high=1.0 - m["summary"]["flip_rate"]["ci_low"])
+            rows.append(row)
     return pd.DataFrame(rows)
