@@ -230,6 +230,7 @@ def test_table_shows_fidelity_with_intervals_and_writes_the_fidelity_tables(fid_
     row = comp[(comp["label"] == "per_tensor_fp8") & (comp["mode"] == "decode")].iloc[0]
     assert row["baseline"] == "snapmla" and (row["n_sequences"], row["n_positions"]) == (6, 126)
     assert row["kl_ratio_ci_low"] <= row["kl_ratio"] <= row["kl_ratio_ci_high"] and 0 < row["kl_delta_p"] <= 1
+    assert "intervals over 6 sequence(s) are rough" in (d / "fidelity.md").read_text()
     assert len(pd.read_csv(d / "fidelity_pairs.csv")) == 2 * 3  # 3 pairs of cells, 2 modes
     # the planted position (sequence 1, decode position 3 -> predicted token 8 + 3 + 1) is listed
     tail = (d / "fidelity_tail.md").read_text()

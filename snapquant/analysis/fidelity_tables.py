@@ -40,6 +40,7 @@ TAIL_THRESHOLD = 0.1
 TAIL_TOP = 10
 TAIL_MARKDOWN_ROWS = 100
 """Rows per cell and mode in fidelity_tail.md (all of them are in fidelity_tail.csv)."""
+FEW_SEQUENCES = 8
 CONTEXT_CHARS = 40
 CONTEXT_TOKENS = 32
 
@@ -219,6 +220,11 @@ def build_fidelity_table(
                         comps.append(row)
     for r in with_fid:
         tail += _tail_rows(r, decode, tail_threshold, tail_top, notes)
+    few = sorted({int(n) for n in (x["n_sequences"] for x in summary) if n is not None and n < FEW_SEQUENCES})
+    if few:
+        notes.append(f"intervals over {', '.join(map(str, few))} sequence(s) are rough: a bootstrap of n < "
+                     f"{FEW_SEQUENCES} sequences has few distinct resamples and covers well below 95%, and the "
+                     "sign-flip test cannot reach p < 0.05 below 6 sequences (its smallest p is 2 / 2^n)")
     comp_cols = ["label", "mode", "baseline", "n_sequences", "n_positions", "kl_delta", "kl_delta_ci_low",
                  "kl_delta_ci_high", "kl_delta_p", "kl_ratio", "kl_ratio_ci_low", "kl_ratio_ci_high", "kl_ratio_method",
                  "flip_delta", "flip_delta_ci_low", "flip_delta_ci_high", "flip_delta_p"]
