@@ -3,6 +3,7 @@
     load_model(name, ...)       -> (model in eval mode, tokenizer)
     checkpoint_mla_dims(name)   (kv_lora_rank, qk_rope_head_dim) from config.json, without loading weights
     model_info(model)           MLA dims and identity of a loaded model, recorded in every result
+    load_tokenizer(name, ...)   the tokenizer alone (reports decode the fidelity tokens with it)
 """
 
 from __future__ import annotations
@@ -111,3 +112,35 @@ def model_info(model: Any) -> dict[str, Any]:
         "num_heads": int(getattr(m0, "num_heads", getattr(cfg, "num_attention_heads", 0))),
         "num_mla_layers": len(mods),
     }
+
+
+def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
+    """The tokenizer `load_model` would return for `model` (and `tokenizer`), without loading weights."""
+    if model == "embedded" and tokenizer is None:
+        from ..embedded import load_tokenizer as embedded_tokenizer
+
+        try:
+            return embedded_tokenizer()
+        except (FileNotFoundError, OSError) as e:
+            raise ConfigError(f"model: 'embedded': {e}") from None
+    from transformers import AutoTokenizer
+
+    src = tokenizer or model
+    if not Path(src).is_dir():
+        raise ConfigError(f"tokenizer {src!r} is not a local directory (hub names cannot be downloaded here)")
+    return AutoTokenizer.from_pretrained(src)
+
+
+def token_decoder(model: str, tokenizer: str | None = None, loaded: Any = None) -> Any:
+    """`ids -> text` with the tokenizer of `model` (or the `loaded` one), or None when it cannot be loaded here."""
+    tok = loaded
+    if tok is None:
+        try:
+            tok = load_tokenizer(model, tokenizer)
+        except (ConfigError, OSError, ValueError):
+            return None
+
+    def decode(ids: Any) -> str:
+        return tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    return decode
