@@ -114,7 +114,7 @@ class FidelityTable:
         return "\n".join(out).rstrip() + "\n"
 
     def to_latex(self) -> str:
-        from .tables import _tex
+        from .tables import escape_tex
 
         parts = []
         for mode in self.modes():
@@ -124,11 +124,11 @@ class FidelityTable:
             for title, head, rows in tabs:
                 if not rows:
                     continue
-                body = [" & ".join(_tex(h) for h in head) + r" \\", r"\midrule"]
-                body += [" & ".join(_tex(x) for x in r) + r" \\" for r in rows]
+                body = [" & ".join(escape_tex(h) for h in head) + r" \\", r"\midrule"]
+                body += [" & ".join(escape_tex(x) for x in r) + r" \\" for r in rows]
                 parts += [r"\begin{table}[t]", r"\centering", r"\small",
                           rf"\begin{{tabular}}{{l{'r' * (len(head) - 1)}}}", r"\toprule", *body, r"\bottomrule",
-                          r"\end{tabular}", rf"\caption{{{_tex(title + '. ' + self.caption())}}}", r"\end{table}", ""]
+                          r"\end{tabular}", rf"\caption{{{escape_tex(title + '. ' + self.caption())}}}", r"\end{table}", ""]
         return "\n".join(parts)
 
     def tail_markdown(self) -> str:
@@ -371,9 +371,9 @@ def _code(text: str) -> str:
 
 def _md_table(head: list[str], rows: list[list[str]], numeric: int | None = None) -> list[str]:
     """Markdown rows; columns 1 .. `numeric`-1 (default all but the first) right-aligned, the rest left."""
-    from .tables import _md
+    from .tables import escape_md
 
     last = len(head) if numeric is None else numeric
-    lines = ["| " + " | ".join(_md(h) for h in head) + " |",
+    lines = ["| " + " | ".join(escape_md(h) for h in head) + " |",
              "|" + "|".join("---:" if 0 < i < last else ":---" for i in range(len(head))) + "|"]
-    return lines + ["| " + " | ".join(x if x.startswith("`") else _md(x) for x in r) + " |" for r in rows]
+    return lines + ["| " + " | ".join(x if x.startswith("`") else escape_md(x) for x in r) + " |" for r in rows]

@@ -117,20 +117,20 @@ class SweepTable:
     # ------------------------------------------------------------------ renderings
     def to_markdown(self) -> str:
         head = self.headers()
-        lines = ["| " + " | ".join(_md(h) for h in head) + " |",
+        lines = ["| " + " | ".join(escape_md(h) for h in head) + " |",
                  "|" + "|".join(":---" if i == 0 else "---:" for i in range(len(head))) + "|"]
-        lines += ["| " + " | ".join(_md(x) for x in r) + " |" for r in self.rows()]
+        lines += ["| " + " | ".join(escape_md(x) for x in r) + " |" for r in self.rows()]
         return "\n".join(lines) + "\n\n" + self.caption() + "\n"
 
     def to_latex(self) -> str:
         head = self.headers()
         spec = "l" + "r" * (len(head) - 1)
-        body = [" & ".join(_tex(h) for h in head) + r" \\", r"\midrule"]
+        body = [" & ".join(escape_tex(h) for h in head) + r" \\", r"\midrule"]
         for r in self.rows(latex=True):
-            body.append(" & ".join([_tex(r[0]), *r[1:]]) + r" \\")
+            body.append(" & ".join([escape_tex(r[0]), *r[1:]]) + r" \\")
         return "\n".join([
             r"\begin{table}[t]", r"\centering", r"\small", rf"\begin{{tabular}}{{{spec}}}", r"\toprule",
-            *body, r"\bottomrule", r"\end{tabular}", rf"\caption{{{_tex(self.caption())}}}", r"\end{table}",
+            *body, r"\bottomrule", r"\end{tabular}", rf"\caption{{{escape_tex(self.caption())}}}", r"\end{table}",
         ]) + "\n"
 
     def save(self, out_dir: str | Path, stem: str = "table") -> dict[str, Path]:
@@ -379,7 +379,8 @@ def _fidelity_n(c: pd.Series) -> str:
     return f"{int(n_seq)} / {int(n_pos)}" if all(known) else ""
 
 
-def _md(s: str) -> str:
+def escape_md(s: str) -> str:
+    """Text for a Markdown table cell (pipes escaped)."""
     return str(s).replace("|", r"\|")
 
 
@@ -388,5 +389,6 @@ _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#
         "α": r"$\alpha$", "∞": r"$\infty$"}
 
 
-def _tex(s: str) -> str:
+def escape_tex(s: str) -> str:
+    """Text for LaTeX (its special characters escaped; ±, α, ∞ as math)."""
     return "".join(_TEX.get(ch, ch) for ch in str(s))
