@@ -511,7 +511,8 @@ def _hook_generate(model: nn.Module, state: PatchState) -> None:
         for key in ("cache", "past_key_values"):
             c = model_kwargs.get(key)
             if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False) and c.get_seq_length() == 0:
-                model_kwargs[key] = LatentCache(state.config, model)
+                # FlashMLA reads latent and RoPE from one row: give it that layout, read in place
+                model_kwargs[key] = LatentCache(state.config, model, joint_rows=state.backend == "flashmla")
         return result
 
     model.__dict__["_prepare_cache_for_generation"] = prepare

@@ -88,7 +88,7 @@ def _steps(model, n_prompt=5, n_steps=3, seed=0):
 # ---------------------------------------------------------------------------------------------- registry
 def test_registering_by_name_imports_nothing_until_first_use(fake):
     assert "sq_fake_backend" not in sys.modules
-    assert backend_choices() == ("auto", "reference", "triton", "fake")
+    assert backend_choices() == ("auto", "reference", "triton", "flashmla", "fake")
     assert "fake" in BACKEND_CHOICES and list(BACKEND_CHOICES) == list(backend_choices())
     b = resolve_backend("fake", PRESETS["snapmla"], torch.device("cpu"))
     assert "sq_fake_backend" in sys.modules and b.fn is sys.modules["sq_fake_backend"].decode
@@ -212,7 +212,7 @@ def test_a_sweep_refuses_bad_backends_and_options_with_its_other_problems(fake):
         _spec(backend="fake", kernel_options={"gamma": 1}, batch_size=0)
     assert "2 problem(s)" in str(e.value) and "'gamma'" in str(e.value) and "batch_size=0" in str(e.value)
     with pytest.raises(ConfigError, match=r"backend='tritn' is not valid \(did you mean 'triton'\?\); allowed values: auto, "
-                                          r"reference, triton, fake"):
+                                          r"reference, triton, flashmla, fake"):
         _spec(backend="tritn")
     with pytest.raises(ConfigError, match="kernel_options: expected a mapping"):
         _spec(kernel_options=[1])
