@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,8 +29,8 @@ class FakeSchedMeta:
 
 @dataclass
 class Recorder:
-    calls: int = 0
-    metas: list = field(default_factory=list)
+    calls: int = 0  # every call
+    fills: int = 0  # calls that found their metadata empty and filled it (the schedule computation)
 
 
 def get_mla_metadata(*args, **kwargs) -> tuple[FakeSchedMeta, None]:
@@ -57,6 +57,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     config = (B, S, H, k_cache.shape[1], k_cache.shape[2], causal)
     if not meta.have_initialized:
         meta.have_initialized, meta.config = True, config
+        RECORDER.fills += 1
     else:
         assert meta.config == config, "metadata reused with other shapes"
     meta.calls += 1
@@ -97,7 +98,7 @@ def module() -> types.ModuleType:
 
 def install(monkeypatch) -> types.ModuleType:
     """Make `import flash_mla` return the fake for the rest of the test (monkeypatch undoes it)."""
-    RECORDER.calls = 0
+    RECORDER.calls = RECORDER.fills = 0
     mod = module()
     monkeypatch.setitem(sys.modules, "flash_mla", mod)
     return mod
