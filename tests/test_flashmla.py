@@ -194,12 +194,9 @@ def test_joint_rows_refuses_quantized_configs():
 def cpu_flashmla(fake):
     """The registry's flashmla entry, allowed on CPU (the fake runs there), and the reference's absorbed
     pipeline under another name (the reference backend runs the stock attention for identity configs)."""
-    register_backend("flashmla", "snapquant.attention.flashmla:flashmla_backend",
-                     supports="snapquant.attention.flashmla:supports", needs_cuda=False)
     register_backend("absorbed_reference", mla_decode_reference, needs_cuda=False)
-    yield fake
-    register_backend("flashmla", "snapquant.attention.flashmla:flashmla_backend",
-                     supports="snapquant.attention.flashmla:supports", needs_cuda=True)
+    with fake_flash_mla.on_cpu():
+        yield fake
     unregister_backend("absorbed_reference")
 
 

@@ -197,7 +197,7 @@ def flashmla_backend(
     call exactly: round_16bit=False (an fp32 model) or a cache not stored as bf16."""
     cfg = config or kv.config
     mod = require()
-    reason = _mismatch(kv, cfg, round_16bit)
+    reason = mismatch_reason(kv, cfg, round_16bit)
     if reason is not None:
         _warn_once(f"snapquant flashmla backend: using the reference decode because {reason}")
         return mla_decode_reference(q, kv, lengths, softmax_scale, cfg, causal=causal, round_16bit=round_16bit)
@@ -231,7 +231,8 @@ def flashmla_backend(
     return out, lse
 
 
-def _mismatch(kv: QuantizedKV, config: KVQuantConfig, round_16bit: bool) -> str | None:
+def mismatch_reason(kv: QuantizedKV, config: KVQuantConfig, round_16bit: bool = True) -> str | None:
+    """Why FlashMLA cannot run a call over `kv` exactly as the reference would (None when it can)."""
     if not round_16bit:
         return "round_16bit=False (FlashMLA rounds the query and P to bf16)"
     reason = config_reason(config)

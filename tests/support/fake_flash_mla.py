@@ -8,13 +8,16 @@ LSE returned [B, H, S] in natural log, +inf (and a zero output) for a query that
 layout conversion, block table, length or softmax scale on snapquant's side gives a wrong answer here.
 
     install(monkeypatch) -> the fake module, importable as `flash_mla` for the rest of the test
+    on_cpu()             -> (a context manager) the registry's `flashmla` backend allowed on CPU, where the fake runs
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -107,3 +110,16 @@ def install(monkeypatch) -> types.ModuleType:
 def uninstall(monkeypatch) -> None:
     """Make `import flash_mla` fail for the rest of the test, whatever is installed."""
     monkeypatch.setitem(sys.modules, "flash_mla", None)  # a None entry makes the import raise ImportError
+
+
+@contextlib.contextmanager
+def on_cpu() -> Iterator[None]:
+    """The `flashmla` backend registered with needs_cuda=False while the block runs (the fake runs on CPU)."""
+    from snapquant.attention.backends import register_backend
+
+    entry = dict(fn="snapquant.attention.flashmla:flashmla_backend", supports="snapquant.attention.flashmla:supports")
+    register_backend("flashmla", **entry, needs_cuda=False)
+    try:
+        yield
+    finally:
+        register_backend("flashmla", **entry, needs_cuda=True)
