@@ -300,7 +300,8 @@ def test_the_benchmarks_check_kernel_options_before_anything_runs(tmp_path, caps
 
     bp = plan(BenchOptions(device="cpu", variants="snapmla", kernel_options="num_splits=3,p_div=exact"))
     assert bp.kernel_options == {"num_splits": 3, "p_div": "exact"}
-    assert [v.name for v in bp.variants] == ["bf16", "snapmla", "bf16+options", "snapmla+options"]
+    # the FlashMLA anchor always comes along, with no +options twin (it takes no kernel options)
+    assert [v.name for v in bp.variants] == ["bf16", "snapmla", "flashmla", "bf16+options", "snapmla+options"]
     assert bp.record()["kernel_options"] == bp.kernel_options
     res = CliRunner().invoke(app, ["bench", "--device", "cpu", "--out", str(tmp_path / "b"),
                                    "--kernel-options", "num_split=8"])

@@ -15,6 +15,14 @@ Triton kernel on CUDA where snapquant.kernels supports the config, else the PyTo
     python scripts/bench_e2e.py --threads 1                 # CPU: 2 layers, batch 1, L = 1K, 4K, 16K
     python scripts/bench_e2e.py --device cuda --layers 8 --batch 32 --contexts 8192,32768 \\
         --backend triton --graphs --out results/bench/e2e_h200.json      # the H200 run in results/
+    python scripts/bench_e2e.py --device cuda --layers 8 --batch 32 --contexts 32768 --no-stock --graphs \\
+        --presets bf16@flashmla,snapmla --backend triton --kv-budget-gib 16   # against FlashMLA (installed)
+
+A variant is a preset on --backend or `preset@backend`: `bf16@flashmla` is the bf16 preset decoded by FlashMLA
+(the anchor: every other variant's `speedup_vs_flashmla`, tokens/s over the anchor's in the same scenario,
+context and mode, with a 95 % bootstrap interval over the steps and n). Scenario "batch" runs every variant at
+--batch; with --kv-budget-gib, scenario "kv_budget" runs each at the largest batch whose KV cache fits the budget
+(the 644-byte format fits 1.79x the requests of the 1152-byte one).
 
 (scripts/bench_e2e.py is the command line; this module is its implementation.)
 
