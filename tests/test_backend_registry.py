@@ -11,6 +11,7 @@ import inspect
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -254,7 +255,8 @@ def test_a_sweep_cell_patches_with_its_kernel_options_for_tasks_and_fidelity(fak
     monkeypatch.setattr(ev, "extract_results", lambda res, task, metric=None: ({}, {}, {}))
     monkeypatch.setattr(snapquant.eval.fidelity, "fidelity_metrics", fidelity_metrics)
     evaluator = ev.LmEvalEvaluator(patcher=patcher, lm_class=LM)
-    evaluator.model, evaluator.reference = object(), object()
+    # the real FidelityReference carries the scored tokens, which the cell's arrays file stores
+    evaluator.model, evaluator.reference = object(), SimpleNamespace(input_ids=torch.zeros(1, 4, dtype=torch.long))
     out = evaluator.evaluate(expand(spec).cells[0], spec, Progress())
     assert out["fidelity"] == {"ok": True}
     assert patches == [("snapmla", "fake", {"alpha": 1})] * 2  # the tasks' patch, then fidelity's
