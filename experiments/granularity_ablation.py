@@ -3,8 +3,8 @@
 For each granularity, with the RoPE key kept in BF16 ("latent") or quantized the same way ("both"):
 quantization SQNR of the cached latent / RoPE (mean over layers), and model-level fidelity vs the
 unquantized model (next-token KL, top-1 agreement, perplexity) with quantized prefill and in
-step-by-step decode, with 95% block-bootstrap intervals over positions for KL and top-1
-(snapquant.analysis.intervals). Query and P stay BF16 so only the cache layout varies.
+step-by-step decode, with 95% cluster-bootstrap intervals over sequences for KL and top-1
+(snapquant.analysis.uncertainty). Query and P stay BF16 so only the cache layout varies.
 
 Granularity and scale policy are separate axes: per-tensor and whole-sequence per-channel scales are
 frozen at the prefill by the cache (later tokens beyond them saturate), per-token scales are computed
@@ -29,7 +29,6 @@ from _common import load, parser, read_table, write
 from snapquant import KVQuantConfig, bytes_per_token
 from snapquant.analysis.capture import capture_mla
 from snapquant.analysis.experiment_plots import plot_granularity
-from snapquant.analysis.intervals import DEFAULT_BLOCK, block_mean_ci
 from snapquant.analysis.sensitivity import sensitivity_report, sqnr_db
 from snapquant.eval.fidelity import fidelity_metrics, fidelity_reference
 from snapquant.patching import patched
@@ -83,7 +82,6 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0], "granularity_ablation")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="positions per bootstrap block")
     p.add_argument("--token-group", type=int, default=64, help="tokens per per-channel scale group (KIVI)")
     args = p.parse_args()
     if args.replot:
@@ -108,13 +106,15 @@ def main() -> None:
             cfg = KVQuantConfig(nope_dtype="fp8_e4m3", nope_granularity=g, rope_dtype="fp8_e4m3" if scope == "both" else "bf16",
                                 rope_prescale=False, query="bf16", pv="bf16",
                                 name=f"{scope}:{_variant_name(g, group)}", **knobs)
-            fid = fidelity_metrics(model, ref, cfg, prompt_len=args.prompt_len, patcher=patched, keep_positions=True)
+            fid = fidelity_metrics(model, ref, cfg, prompt_len=args.prompt_len, patcher=patched)
             cis = {}
             for m in ("prefill", "decode"):
-                for k, pos in (("kl_mean", "kl_positions"), ("top1_agree", "top1_positions")):
-                    iv = block_mean_ci(fid[m][pos], args.block)
-                    cis.update({f"{m}_{k}_ci_low": iv.low, f"{m}_{k}_ci_high": iv.high})
-                cis[f"{m}_n_positions"] = fid[m]["n_positions"]
+                kl, flip = fid[m]["summary"]["kl_mean"], fid[m]["summary"]["flip_rate"]
+                cis.update({f"{m}_kl_mean_ci_low": kl["ci_low"], f"{m}_kl_mean_ci_high": kl["ci_high"],
+                            # top-1 agreement = 1 - flip rate: the flip rate's interval, mirrored
+                            f"{m}_top1_agree_ci_low": 1.0 - flip["ci_high"],
+                            f"{m}_top1_agree_ci_high": 1.0 - flip["ci_low"],
+                            f"{m}_n_positions": fid[m]["n_positions"], f"{m}_n_sequences": fid[m]["n_sequences"]})
             nope_sq = grouped_sq["nope"] if group else sq[("nope", g)]
             rope_sq = (grouped_sq["rope"] if group else sq[("rope", g)]) if scope == "both" else math.inf
             rows.append({"scope": scope, "granularity": g, "scale_policy": policy, "variant": _variant_name(g, group),
@@ -133,9 +133,9 @@ def main() -> None:
           "KL / top-1 / relative perplexity change vs the unquantized model, with every "
           "position attending to the quantized cache (prefill) and in token-by-token decode after a BF16 prompt. "
           "Per-tensor and per-channel scales are not causal-consistent: their prefill numbers are not what "
-          "decode sees. `_ci_low`/`_ci_high`: 95% BCa intervals of a block bootstrap over positions "
-          f"({args.block} consecutive positions per block; n_positions given).",
-          {**rep.meta, "prompt_len": args.prompt_len, "block": args.block, "token_group": args.token_group})
+          "decode sees. `_ci_low`/`_ci_high`: 95% percentile intervals of a cluster bootstrap over sequences "
+          "(whole sequences resampled; n_sequences and n_positions given).",
+          {**rep.meta, "prompt_len": args.prompt_len, "token_group": args.token_group})
     _plot(df, args.out)
     print((args.out / "table.md").read_text())
 

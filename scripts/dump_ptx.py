@@ -5,7 +5,7 @@
 
 Each config builds its launches the way the launchers do (decode plans over meta tensors of the real
 shape, `native=True`: no GPU needed) and compiles every launch for the target with Triton
-(`snapquant.bench.compile_stats.compile_launch`), writing `<config>__<launch>.ptx` and a manifest.
+(`snapquant.kernels.compile_stats.compile_launch`), writing `<config>__<launch>.ptx` and a manifest.
 `--compare` reports, per file, whether the PTX is byte-identical, identical once debug information is
 stripped (`.file` / `.loc` directives and `.debug_*` sections: source paths and line numbers), or
 different; exit status 1 when any file differs or is missing. A refactor of the kernels' Python must
@@ -150,7 +150,7 @@ def strip_debug(ptx: str) -> str:
 
 
 def dump(out: Path, only: str | None, arch: int) -> int:
-    from snapquant.bench.compile_stats import compile_launch
+    from snapquant.kernels.compile_stats import compile_launch
 
     out.mkdir(parents=True, exist_ok=True)
     manifest, failures = {}, 0

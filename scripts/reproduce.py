@@ -5,6 +5,7 @@
     python scripts/reproduce.py --gpu                        # rerun the GPU jobs (CUDA)
     python scripts/reproduce.py --gpu --only results/bench   # the jobs of one folder
     python scripts/reproduce.py --cpu --dry-run              # print the commands only
+    python scripts/reproduce.py --stale                      # results older than the code that writes them
 
 The table of jobs and the runner are snapquant.reproduce (see snapquant/reproduce.py).
 """

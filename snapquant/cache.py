@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
-from .attention.storage import DenseLatentStore, LatentStore
+from .attention.storage import DenseLatentStore, LatentStore, joint_rows_reason
 from .config import KVQuantConfig
 from .errors import ConfigError, ShapeError
 from .presets import resolve_config
@@ -47,9 +47,13 @@ class LatentLayer(_MaxCacheLen, CacheLayerMixin):
     is_compileable = False
     supports_early_init = False  # sized by the first real append (widths, dtype, device), not by export
     def __init__(self, config: KVQuantConfig | str = "snapmla", kv_lora_rank: int | None = None,
-                 rope_dim: int | None = None, max_cache_len: int | None = None, **kwargs) -> None:
+                 rope_dim: int | None = None, max_cache_len: int | None = None, joint_rows: bool = False,
+                 **kwargs) -> None:
         super().__init__()
         self.config = resolve_config(config)
+        self.joint_rows = joint_rows  # the store keeps latent and RoPE in one row (DenseLatentStore)
+        if joint_rows and (reason := joint_rows_reason(self.config)) is not None:
+            raise ConfigError(reason)
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
                                           or max_cache_len < 1):
@@ -95,10 +99,12 @@ class LatentLayer(_MaxCacheLen, CacheLayerMixin):
                 raise ShapeError(f"LatentLayer was built for {name}={want} but received width {got}")
         self.kv_lora_rank, self.rope_dim = r, d
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.store = DenseLatentStore(self.config, r, d, key_states.dtype, capacity=self.max_cache_len)
+        self.store = DenseLatentStore(self.config, r, d, key_states.dtype, capacity=self.max_cache_len,
+                                      joint_rows=self.joint_rows)
         self.is_initialized = True
 
-    def _check_room(self, new_positions: int) -> None:
+    def check_room(self, new_positions: int) -> None:
+        """Refuse (ShapeError) appending `new_positions` beyond `max_cache_len`; a no-op without one."""
         if self.max_cache_len is not None and self.seen + new_positions > self.max_cache_len:
             raise ShapeError(
                 f"appending {new_positions} position(s) to {self.seen} would exceed max_cache_len="
@@ -114,7 +120,7 @@ class LatentLayer(_MaxCacheLen, CacheLayerMixin):
             valid = torch.ones(B, S, dtype=torch.bool, device=latent.device)
         if self._stored is not None and self._stored.shape[0] != B:
             raise ShapeError(f"batch size changed from {self._stored.shape[0]} to {B} without batch_select/repeat")
-        self._check_room(S)
+        self.check_room(S)
         self.store.append(latent, rope, valid)
         valid = valid.to(latent.device, torch.bool)
         all_valid = valid is None
@@ -132,7 +138,7 @@ class LatentLayer(_MaxCacheLen, CacheLayerMixin):
         B, S = latent.shape[:2]
         if B != self.batch_size:
             raise ShapeError(f"batch size changed from {self.batch_size} to {B} without batch_select/repeat")
-        self._check_room(S)
+        self.check_room(S)
         self.store.append_static(latent, rope)
         self.advance(S)
 
@@ -296,11 +302,18 @@ class LatentCache(_MaxCacheLen, DynamicCache):
     request (rounded up to the 64-token page) at its first append and never reallocates it; going past
     N raises a ShapeError naming max_cache_len. That is what `snapquant.graphs.DecodeGraph` needs.
     Without it the stores grow by doubling.
+
+    `joint_rows=True` (16-bit caches with nothing quantized, e.g. the bf16 preset) stores each token's latent
+    and RoPE key in one row of r + d values, the page layout of FlashMLA and vLLM, so `backend="flashmla"`
+    reads the cache in place (`snapquant.attention.flashmla`).
     """
 
     def __init__(self, config: KVQuantConfig | str = "snapmla", model=None, max_cache_len: int | None = None,
-                 **kwargs) -> None:
+                 joint_rows: bool = False, **kwargs) -> None:
         self.kv_config = resolve_config(config)
+        self.joint_rows = joint_rows
+        if joint_rows and (reason := joint_rows_reason(self.kv_config)) is not None:
+            raise ConfigError(reason)
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
                                           or max_cache_len < 1):
             raise ShapeError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
@@ -316,7 +329,8 @@ class LatentCache(_MaxCacheLen, DynamicCache):
         self._max_len = max_cache_len
         for _, module, adapter in find_mla_modules(model):
             r, d = adapter.dims(module)
-            self._install(module.layer_idx, LatentLayer(self.kv_config, r, d, max_cache_len=max_cache_len))
+            self._install(module.layer_idx, LatentLayer(self.kv_config, r, d, max_cache_len=max_cache_len,
+                                                        joint_rows=joint_rows))
 
     def _install(self, layer_idx: int, layer: CacheLayerMixin) -> None:
         while len(self.layers) <= layer_idx:
@@ -368,6 +382,6 @@ def latent_layer_for(cache: Cache, layer_idx: int, config: KVQuantConfig, kv_lor
             f"start from a fresh cache (or a snapquant.LatentCache) on the patched model"
         )
     new = LatentLayer(config, kv_lora_rank, rope_dim, max_cache_len=getattr(cache, "max_cache_len", None)
-                      if isinstance(cache, LatentCache) else None)
+                      if isinstance(cache, LatentCache) else None, joint_rows=getattr(cache, "joint_rows", False))
     layers[layer_idx] = new
     return new

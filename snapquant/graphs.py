@@ -66,7 +66,7 @@ class DecodeGraph:
     is not one fixed-capacity dense segment (KIVI `token_group` residual windows), DSA sparse attention
     (`index_topk`), dynamic RoPE (`rope_type` 'dynamic' reads the max position on the host), non-MLA
     cache layers (hybrid models), going past max_cache_len, and capture on CUDA with a backend other
-    than the Triton kernel (the reference decode and quantizer create host constants each call).
+    than the Triton kernel or FlashMLA (the reference decode and quantizer create host constants each call).
     Not covered: model parts outside attention that sync (e.g. transformers' eager MoE expert loop,
     which calls nonzero); `no_host_sync()` finds them.
     """
@@ -86,7 +86,7 @@ class DecodeGraph:
             raise ConfigError(f"warmup must be a positive int, got {warmup!r}")
         self.model, self.cache, self.state = model, cache, state
         self.layers = self._check_layers(model, cache, state)
-        self._check_model(model)
+        self.check_model(model)
         first = self.layers[0].store
         self.batch_size, self.device = first.batch_size, first.lengths.device
         for i, layer in enumerate(self.layers):
@@ -111,7 +111,7 @@ class DecodeGraph:
     # ------------------------------------------------------------------ checks
     @staticmethod
     def _check_layers(model, cache: LatentCache, state) -> list[LatentLayer]:
-        mla = {hook.module.layer_idx for hook in state.hooks}
+        mla = state.layer_indices()
         for i, layer in enumerate(cache.layers):
             if not isinstance(layer, LatentLayer):
                 raise ConfigError(f"cache layer {i} is a {type(layer).__name__}: DecodeGraph needs every cache layer "
@@ -139,7 +139,7 @@ class DecodeGraph:
         return layers
 
     @staticmethod
-    def _check_model(model) -> None:
+    def check_model(model) -> None:
         cfg = getattr(model, "config", None)
         text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
         if getattr(text, "index_topk", None):
@@ -158,17 +158,26 @@ class DecodeGraph:
             raise ConfigError(f"capture=True needs the model and cache on CUDA (the cache is on {self.device})")
         for layer in self.layers:
             backend = resolve_backend(self.state.backend, layer.config, self.device)
+            round_16bit = layer.dtype in (torch.bfloat16, torch.float16) or not layer.config.is_identity
+            if backend.name == "flashmla":  # FlashMLA's BF16 decode: device work only, a fresh schedule per call
+                from .attention.flashmla import mismatch_reason
+
+                reason = mismatch_reason(layer.store.segments(static=True)[0].kv, layer.config, round_16bit)
+                if reason is not None:
+                    raise ConfigError(f"backend='flashmla' would fall back to the reference for this cache ({reason}); "
+                                      f"it cannot be captured")
+                continue
             if backend.name != "triton":
                 raise ConfigError(
                     f"backend={self.state.backend!r} runs {backend.name!r} for config {layer.config.label()!r}: "
-                    f"capturing a CUDA graph needs backend='triton' with a kernel layout (the reference decode and "
+                    f"capturing a CUDA graph needs backend='triton' with a kernel layout, or 'flashmla' for the bf16 "
+                    f"preset (the reference decode and "
                     f"quantizer create host constants every call); use capture=False to run the step eagerly"
                 )
             from .kernels.backend import kernel_mismatch
 
             kv = layer.store.segments(static=True)[0].kv
-            reason = kernel_mismatch(kv, layer.config, round_16bit=layer.dtype in (torch.bfloat16, torch.float16)
-                                     or not layer.config.is_identity)
+            reason = kernel_mismatch(kv, layer.config, round_16bit=round_16bit)
             if reason is not None:
                 raise ConfigError(f"backend='triton' would fall back to the reference for this cache ({reason}); "
                                   f"it cannot be captured")
@@ -220,7 +229,7 @@ class DecodeGraph:
     def _prepare(self) -> None:
         self._check_live()
         for layer in self.layers:
-            layer._check_room(1)
+            layer.check_room(1)
 
     def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one token per request: `input_ids [B, 1]` -> logits `[B, 1, V]` (see the class docstring)."""

@@ -87,6 +87,10 @@ class PatchState:
         """The validated kernel options for `backend` (None: none given, or it takes none)."""
         return self.parsed_options.get(backend)
 
+    def layer_indices(self) -> set[int]:
+        """The `layer_idx` of every patched MLA attention module (the cache layers the patch decodes)."""
+        return {hook.module.layer_idx for hook in self.hooks}
+
 
 @dataclass
 class _Call:
@@ -507,7 +511,8 @@ def _hook_generate(model: nn.Module, state: PatchState) -> None:
         for key in ("cache", "past_key_values"):
             c = model_kwargs.get(key)
             if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False) and c.get_seq_length() == 0:
-                model_kwargs[key] = LatentCache(state.config, model)
+                # FlashMLA reads latent and RoPE from one row: give it that layout, read in place
+                model_kwargs[key] = LatentCache(state.config, model, joint_rows=state.backend == "flashmla")
         return result
 
     model.__dict__["_prepare_cache_for_generation"] = prepare

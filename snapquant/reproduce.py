@@ -5,10 +5,12 @@
     python scripts/reproduce.py --gpu                        # rerun the GPU jobs (about 10 min on an H200)
     python scripts/reproduce.py --gpu --only results/bench   # only the jobs of one folder
     python scripts/reproduce.py --cpu --dry-run              # print the commands, run nothing
+    python scripts/reproduce.py --stale                      # results older than the code that writes them
 
 `JOBS` is the one place that says which command produces which files under `results/`; a test
 checks that every committed file there is claimed by exactly one job and that every job's script
-exists. Jobs run one after another from the repository root, with PYTHONPATH set to it (so the
+exists. Each job also declares the code its results depend on (`code`), so `--stale` can list the
+committed results that a later commit may have changed (snapquant/staleness.py). Jobs run one after another from the repository root, with PYTHONPATH set to it (so the
 checkout's code runs, not an installed copy). A job whose result is its own console output (a
 log, a pytest summary) shows it live and writes its stdout and stderr to the file it names,
 atomically once it ends. A failing job is reported and the others still run; the exit status is 1 when any failed.
@@ -41,6 +43,16 @@ DECODE_VARIANTS = ("bf16,snapmla,snapmla_kv_only,snapmla_q_fp8,snapmla_pv_fp8,to
                    "snapmla+gluon+fp8mma+bm64,snapmla+balanced,bf16+balanced")
 
 
+# What results depend on, by layer (the paths `--stale` watches; see Job.code).
+FORMATS = ("snapquant/config.py", "snapquant/presets.py", "snapquant/presets.yaml", "snapquant/constants.py",
+           "snapquant/quant")
+DECODE = (*FORMATS, "snapquant/reference", "snapquant/attention", "snapquant/cache.py", "snapquant/patching.py",
+          "snapquant/models", "snapquant/runtime.py")
+KERNELS = (*FORMATS, "snapquant/reference", "snapquant/kernels", "snapquant/runtime.py")
+EMBEDDED = ("snapquant/embedded.py", "snapquant/assets/embedded")
+BENCH = (*KERNELS, "snapquant/bench", "snapquant/commands/bench.py")
+
+
 @dataclass(frozen=True)
 class Job:
     folder: str
@@ -56,6 +68,17 @@ class Job:
     """File (in `folder`) that receives the command's stdout and stderr, or None."""
     manual: bool = False
     """Run only when `--only` names the folder (long or not bit-reproducible)."""
+    code: tuple[str, ...] = ()
+    """Paths (files or folders, relative to the root) besides the command's own script whose changes can
+    change what the job writes: a result older than the last commit touching them is stale (`--stale`)."""
+
+    @property
+    def code_paths(self) -> tuple[str, ...]:
+        """The job's script (or the module's file) and its declared `code`: what `--stale` compares against."""
+        own = [a for a in self.argv if a.endswith((".py", ".sh")) and not a.startswith("-")]
+        if self.argv[0] == "-m" and self.argv[1].split(".")[0] == "snapquant":
+            own.append(self.argv[1].replace(".", "/") + ".py")
+        return tuple(dict.fromkeys([*own, *self.code]))
 
     @property
     def target(self) -> str:
@@ -82,17 +105,21 @@ class Job:
 
 
 def _exp(name: str, *args: str, outputs: tuple[str, ...], what: str) -> Job:
-    return Job(f"results/{name}", "cpu", (f"experiments/{name}.py", "--device", "cpu", *args), outputs, what)
+    return Job(f"results/{name}", "cpu", (f"experiments/{name}.py", "--device", "cpu", *args), outputs, what,
+               code=("experiments/_common.py", *DECODE, *EMBEDDED, "snapquant/analysis", "snapquant/eval/fidelity.py",
+                     "snapquant/kernels"))
 
 
 JOBS: tuple[Job, ...] = (
     # ------------------------------------------------------------------ CPU
     Job("results/formats", "cpu",
         ("-m", "snapquant.cli", "formats", "--out", "results/formats/formats_synthetic.md"),
-        ("formats_synthetic.md",), "every preset's bytes/token and error on a synthetic cache (table)"),
+        ("formats_synthetic.md",), "every preset's bytes/token and error on a synthetic cache (table)",
+        code=(*FORMATS, "snapquant/commands/formats.py")),
     Job("results/formats", "cpu",
         ("-m", "snapquant.cli", "formats", "--out", "results/formats/formats_synthetic.csv"),
-        ("formats_synthetic.csv", "formats_synthetic.meta.json"), "the same table as CSV, with its metadata"),
+        ("formats_synthetic.csv", "formats_synthetic.meta.json"), "the same table as CSV, with its metadata",
+        code=(*FORMATS, "snapquant/commands/formats.py")),
     _exp("rope_vs_nope", outputs=("*.md", "*.csv", "*.png", "*.pdf"),
          what="RoPE vs NoPE sensitivity of the embedded model's cache"),
     _exp("granularity_ablation", "--seq-len", "256", "--num-sequences", "4", "--prompt-len", "64",
@@ -111,55 +138,61 @@ JOBS: tuple[Job, ...] = (
          what="bytes/token and tokens per GiB of every preset; decode tokens/s of the reference backend"),
     Job("results/bench", "cpu",
         ("scripts/bench_e2e.py", "--threads", "1", "--out", "results/bench/e2e_cpu.json"),
-        ("e2e_cpu.*",), "end-to-end decode step on CPU: stock transformers vs patched (reference backend)"),
+        ("e2e_cpu.*",), "end-to-end decode step on CPU: stock transformers vs patched (reference backend)",
+        code=(*DECODE, "snapquant/bench/e2e.py")),
     Job("results/bench", "cpu",
         ("scripts/bench_decode.py", "--compile-stats", "--variants",
          "bf16,snapmla,snapmla+pairs,snapmla+gluon*,snapmla_kv_only,snapmla+fp8qk",
          "--shapes", "128x16x4096,32x64x8192,128x128x4096", "--tag", "sm90_triton39", "--out", "results/bench"),
         ("compile_stats_sm90_triton39.csv",),
         "what Triton compiles for sm_90 (registers, spills, SASS per page, wgmma waits); the tag names the "
-        "Triton version it was written with"),
+        "Triton version it was written with", code=BENCH),
     # ------------------------------------------------------------------ GPU
     Job("results/bench", "gpu",
         ("scripts/bench_decode.py", "--out", "results/bench", "--budget-s", "190", "--shapes", DECODE_SHAPES,
          "--variants", DECODE_VARIANTS),
-        ("decode_h200.*", "bench_h200.*"), "decode kernels: every FP8 mode and kernel variant beside BF16"),
+        ("decode_h200.*", "bench_h200.*"), "decode kernels: every FP8 mode and kernel variant beside BF16", code=BENCH),
     Job("results/bench", "gpu",
         ("scripts/bench_e2e.py", "--device", "cuda", "--layers", "8", "--batch", "32", "--contexts", "8192,32768",
          "--backend", "triton", "--graphs", "--out", "results/bench/e2e_h200.json"),
-        ("e2e_h200.*",), "end-to-end decode step (CUDA graphs): stock vs patched bf16 vs snapmla"),
+        ("e2e_h200.*",), "end-to-end decode step (CUDA graphs): stock vs patched bf16 vs snapmla",
+        code=(*DECODE, *KERNELS, "snapquant/graphs.py", "snapquant/bench/e2e.py")),
     Job("results/kernels", "gpu",
         ("scripts/check_kernels_gpu.py", "--no-bench", "--out", "results/kernels"),
         ("kernels_check.*", "check_h200.log"), "every kernel checked against the reference at DeepSeek shapes",
-        stdout="check_h200.log"),
+        stdout="check_h200.log", code=(*DECODE, *KERNELS, *EMBEDDED, "snapquant/graphs.py")),
     Job("results/kernels", "gpu", ("-m", "pytest", "-m", "gpu", "-rfEs", "-q"),
-        ("pytest_gpu_h200.txt",), "the GPU test suite", stdout="pytest_gpu_h200.txt"),
+        ("pytest_gpu_h200.txt",), "the GPU test suite", stdout="pytest_gpu_h200.txt", code=("snapquant", "tests")),
     Job("results/kernels", "gpu", ("-m", "pytest", "-m", "gpu", "-rfEs", "-q", "tests/test_kernels_gluon.py"),
-        ("pytest_gpu_gluon_h200.txt",), "the Gluon kernels' GPU tests", stdout="pytest_gpu_gluon_h200.txt"),
+        ("pytest_gpu_gluon_h200.txt",), "the Gluon kernels' GPU tests", stdout="pytest_gpu_gluon_h200.txt",
+        code=(*KERNELS, "tests/support")),
     # The redesign's GPU check (scripts/device_check.sh runs these three in one device call, with timeouts).
     Job("results/gpu_check", "gpu", ("scripts/check_kernels_gpu.py", "--no-bench", "--out", "results/gpu_check"),
         ("check_h200.log",), "every kernel against the reference (the device call's 200 s limit cut the last five "
-        "model checks at 7c2f294)", stdout="check_h200.log"),
+        "model checks at 7c2f294)", stdout="check_h200.log", code=(*DECODE, *KERNELS, *EMBEDDED, "snapquant/graphs.py")),
     Job("results/gpu_check", "gpu", ("-m", "pytest", "-m", "gpu", "-rfEs", "-q"),
-        ("pytest_gpu_h200.txt",), "the GPU test suite", stdout="pytest_gpu_h200.txt"),
+        ("pytest_gpu_h200.txt",), "the GPU test suite", stdout="pytest_gpu_h200.txt", code=("snapquant", "tests")),
     Job("results/gpu_check", "gpu",
         ("scripts/bench_decode.py", "--out", "results/gpu_check", "--no-append", "--budget-s", "80", "--shapes",
          "128x16x4096,32x16x16384,8x16x32768,32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768",
          "--variants", "bf16,snapmla,snapmla+gluon+fp8mma"),
         ("decode_h200.*", "bench_h200.*"), "the decode benchmark at the headline shapes (defaults and the opt-in "
-        "native FP8 kernel)"),
+        "native FP8 kernel)", code=BENCH),
     Job("results/research_model", "gpu", ("scripts/train_research_model.py", "all", "--out", "results/research_model"),
         ("README.md", "*.json", "*.jsonl", "*.csv", "*.png", "*.pdf", "device_call*.log"),
         "the research-scale model at DeepSeek-V2-Lite attention dims: data, training, card, activation study, "
         "FP8 analyses (on the H200 in back-to-back calls: `bash scripts/device_research.sh 1`, then `2`, then `3`)",
-        manual=True),
+        manual=True, code=("scripts/research_card.py", "scripts/research_plots.py", "scripts/device_research.sh",
+                           *DECODE, *KERNELS, *EMBEDDED, "snapquant/training", "snapquant/data", "snapquant/analysis",
+                           "snapquant/eval", "snapquant/models/stepping.py")),
     Job("results/embedded", "gpu",
         ("scripts/train_embedded_model.py", "train", "--corpus", "build/corpus", "--device", "cuda",
          "--minutes", "8", "--out", "build/embedded_run", "--export", "build/embedded_export"),
         ("train_stdout_h200.log",),
         "training log of the shipped embedded model (needs `scripts/train_embedded_model.py build-data` first; "
         "`install` puts the result in snapquant/assets/embedded/)",
-        stdout="train_stdout_h200.log", manual=True),
+        stdout="train_stdout_h200.log", manual=True,
+        code=("snapquant/training", "snapquant/data", "snapquant/embedded.py")),
 )
 
 
@@ -199,12 +232,43 @@ def run_job(job: Job, root: Path = ROOT) -> int:
         return proc.wait()
 
 
+def committed_results(root: Path = ROOT) -> list[str]:
+    """Files under results/ in git's index (paths relative to `root`)."""
+    out = subprocess.run(["git", "ls-files", "-z", "--", "results"], cwd=root, capture_output=True, check=True)
+    return [f for f in out.stdout.decode().split("\0") if f]
+
+
+def print_stale(only: list[str] | None = None, root: Path = ROOT) -> int:
+    """Print every job's committed results, current or stale (see snapquant.staleness); 1 if any is stale."""
+    from .staleness import stale_report
+
+    files = committed_results(root)
+    if only:
+        wanted = {o.rstrip("/") for o in only}
+        files = [f for f in files if Path(f).parent.as_posix() in wanted]
+    verdicts = stale_report(JOBS, claimed_by, files, root)
+    head = _git_head(root)
+    print(f"results vs the code that writes them, at HEAD {head} (a result is stale when a later commit touches "
+          f"its job's script or declared code)")
+    for v in verdicts:
+        print(v.line())
+    n = sum(v.stale for v in verdicts)
+    print(f"{n} of {len(verdicts)} result groups stale")
+    return 1 if n else 0
+
+
+def _git_head(root: Path) -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="List and rerun the commands that produce results/.")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--list", action="store_true", help="print every job (folder, device, command) and exit")
     which.add_argument("--cpu", action="store_true", help="rerun the CPU jobs")
     which.add_argument("--gpu", action="store_true", help="rerun the GPU jobs (CUDA; the committed files are H200)")
+    which.add_argument("--stale", action="store_true",
+                       help="list committed results whose job's code changed after the commit they record (exit 1 if any)")
     p.add_argument("--only", nargs="+", metavar="FOLDER", help="only these results folders (e.g. results/bench)")
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run, run nothing")
     args = p.parse_args(argv)
@@ -215,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --only {' '.join(unknown)}: not a results folder; known: {', '.join(folders())}",
                   file=sys.stderr)
             return 2
+    if args.stale:
+        return print_stale(args.only)
     if args.list:
         for j in (j for j in JOBS if not args.only or j.folder in {o.rstrip("/") for o in args.only}):
             flag = " [manual: runs only with --only]" if j.manual else ""

@@ -11,6 +11,7 @@ import inspect
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ def _steps(model, n_prompt=5, n_steps=3, seed=0):
 # ---------------------------------------------------------------------------------------------- registry
 def test_registering_by_name_imports_nothing_until_first_use(fake):
     assert "sq_fake_backend" not in sys.modules
-    assert backend_choices() == ("auto", "reference", "triton", "fake")
+    assert backend_choices() == ("auto", "reference", "triton", "flashmla", "fake")
     assert "fake" in BACKEND_CHOICES and list(BACKEND_CHOICES) == list(backend_choices())
     b = resolve_backend("fake", PRESETS["snapmla"], torch.device("cpu"))
     assert "sq_fake_backend" in sys.modules and b.fn is sys.modules["sq_fake_backend"].decode
@@ -212,7 +213,7 @@ def test_a_sweep_refuses_bad_backends_and_options_with_its_other_problems(fake):
         _spec(backend="fake", kernel_options={"gamma": 1}, batch_size=0)
     assert "2 problem(s)" in str(e.value) and "'gamma'" in str(e.value) and "batch_size=0" in str(e.value)
     with pytest.raises(ConfigError, match=r"backend='tritn' is not valid \(did you mean 'triton'\?\); allowed values: auto, "
-                                          r"reference, triton, fake"):
+                                          r"reference, triton, flashmla, fake"):
         _spec(backend="tritn")
     with pytest.raises(ConfigError, match="kernel_options: expected a mapping"):
         _spec(kernel_options=[1])
@@ -254,7 +255,8 @@ def test_a_sweep_cell_patches_with_its_kernel_options_for_tasks_and_fidelity(fak
     monkeypatch.setattr(ev, "extract_results", lambda res, task, metric=None: ({}, {}, {}))
     monkeypatch.setattr(snapquant.eval.fidelity, "fidelity_metrics", fidelity_metrics)
     evaluator = ev.LmEvalEvaluator(patcher=patcher, lm_class=LM)
-    evaluator.model, evaluator.reference = object(), object()
+    # the real FidelityReference carries the scored tokens, which the cell's arrays file stores
+    evaluator.model, evaluator.reference = object(), SimpleNamespace(input_ids=torch.zeros(1, 4, dtype=torch.long))
     out = evaluator.evaluate(expand(spec).cells[0], spec, Progress())
     assert out["fidelity"] == {"ok": True}
     assert patches == [("snapmla", "fake", {"alpha": 1})] * 2  # the tasks' patch, then fidelity's
@@ -300,7 +302,8 @@ def test_the_benchmarks_check_kernel_options_before_anything_runs(tmp_path, caps
 
     bp = plan(BenchOptions(device="cpu", variants="snapmla", kernel_options="num_splits=3,p_div=exact"))
     assert bp.kernel_options == {"num_splits": 3, "p_div": "exact"}
-    assert [v.name for v in bp.variants] == ["bf16", "snapmla", "bf16+options", "snapmla+options"]
+    # the FlashMLA anchor always comes along, with no +options twin (it takes no kernel options)
+    assert [v.name for v in bp.variants] == ["bf16", "snapmla", "flashmla", "bf16+options", "snapmla+options"]
     assert bp.record()["kernel_options"] == bp.kernel_options
     res = CliRunner().invoke(app, ["bench", "--device", "cpu", "--out", str(tmp_path / "b"),
                                    "--kernel-options", "num_split=8"])

@@ -94,13 +94,14 @@ def test_every_kernel_variant_is_supported_and_checked_against_an_earlier_one():
             assert 0 < v.tol <= 0.25
     core_modes = {(v.layout, v.mode) for v in VARIANTS if v.priority == 0 and v.family == "fp8"}
     assert core_modes == {("snapmla", m) for m in ("q8p8", "q8p16", "q16p8", "q16p16")}  # every FP8 mode
-    assert {v.impl for v in VARIANTS if v.priority == 0} == {"kernel", "torch_matmul"}
+    assert {v.impl for v in VARIANTS if v.priority == 0} == {"kernel", "torch_matmul", "flashmla"}
 
 
 def test_select_variants():
     all_v = select_variants()
     assert [v.priority for v in all_v] == sorted(v.priority for v in all_v)
     assert select_variants("snapmla")[0].name == BASELINE  # the baseline always comes along
+    assert [v.name for v in select_variants("snapmla")] == [BASELINE, "snapmla", "flashmla"]  # and the anchor
     names = {v.name for v in select_variants("snapmla+*")}
     assert names >= {"snapmla+balanced", "snapmla+rcp", "snapmla+bm64"} and BASELINE in names
     assert all(v.priority == 0 for v in select_variants(max_priority=0))

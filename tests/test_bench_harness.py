@@ -17,6 +17,7 @@ from snapquant.bench.shapes import DecodeShape, uniform_shape
 from snapquant.bench.timing import Timing, WallTimer, calls_for, make_timer, rotation_sets, summarize
 from snapquant.bench.variants import BY_NAME, _v
 from snapquant.errors import ConfigError
+from tests.support import fake_flash_mla
 
 R, D = 64, 16  # toy widths: the interpreter runs every kernel
 
@@ -42,7 +43,7 @@ class FakeTimer:
 def tiny_spec(variants, shapes=None, **kw) -> RunSpec:
     shapes = shapes or [uniform_shape(2, 4, 70), DecodeShape("mixedtiny", 3, 2, (5, 130, 64))]
     return RunSpec(shapes=shapes, variants=variants, device=torch.device("cpu"), budget_s=600, reserve_s=0,
-                   append=False, copy=False, r=R, d=D, **kw)
+                   append=False, copy=False, read=False, r=R, d=D, **kw)
 
 
 @pytest.mark.slow  # covered by default: each kernel against the reference (test_kernels_*)
@@ -182,7 +183,8 @@ def test_plot_writes_png_and_pdf(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ command line
-def test_main_end_to_end_on_cpu_and_replot(tmp_path, capsys):
+def test_main_end_to_end_on_cpu_and_replot(tmp_path, capsys, monkeypatch):
+    fake_flash_mla.uninstall(monkeypatch)  # the FlashMLA rows say so (tests/test_bench_anchor.py: installed)
     out = tmp_path / "bench"
     rc = run_bench(BenchOptions(device="cpu", dims=f"{R},{D}", shapes="2x4x70", variants="snapmla,torch", out=out,
                                 append_tokens=16, budget_s=600), timer=FakeTimer())
@@ -192,13 +194,17 @@ def test_main_end_to_end_on_cpu_and_replot(tmp_path, capsys):
                      "decode_cpu.png"]
     rows = results.read_csv(out / "decode_cpu.csv")
     dec = {r["variant"]: r for r in rows if r["op"] == "decode"}
-    assert set(dec) == {"bf16", "snapmla", "torch"} and all(r["status"] == "ok" for r in dec.values())
+    assert set(dec) == {"bf16", "snapmla", "torch", "flashmla"}
+    assert all(r["status"] == "ok" for n, r in dec.items() if n != "flashmla")
+    assert dec["flashmla"]["status"] == "skipped" and dec["flashmla"]["error"] == "FlashMLA not installed"
+    assert [r["status"] for r in rows if r["op"] == "read"] == ["ok"]  # the read-bandwidth probe
     assert dec["snapmla"]["fp8_over_bf16"] == 1.0  # the fake timer says 100 us for everything
     app = [r for r in rows if r["op"] == "append"]
     assert {r["status"] for r in app if r["layout"] != "ds_v32"} == {"ok"}
     assert {r["status"] for r in app if r["layout"] == "ds_v32"} == {"error"}
     meta = json.loads((out / "bench_cpu.json").read_text())
-    assert meta["counts"]["ok"] == 3 + 6 and meta["environment"]["device"] == "cpu"
+    assert meta["counts"]["ok"] == 3 + 6 + 1 and meta["environment"]["device"] == "cpu"
+    assert meta["environment"]["read_gbps"] > 0
     assert "Targets: none measured" in (out / "bench_cpu.log").read_text()  # no target shape on CPU
     assert meta["options"]["resolved"]["dims"] == [R, D] and meta["options"]["resolved"]["timer"] == "wall"
     (out / "decode_cpu.png").unlink()
@@ -388,10 +394,12 @@ def test_snapquant_bench_on_cpu_uses_the_cpu_defaults(tmp_path, monkeypatch):
     from snapquant.cli import app
 
     monkeypatch.setattr(runner, "make_timer", lambda *a, **k: FakeTimer())
+    fake_flash_mla.uninstall(monkeypatch)
     out = tmp_path / "b"
     res = CliRunner().invoke(app, ["bench", "--device", "cpu", "--variants", "bf16", "--no-append", "--out", str(out)])
     assert res.exit_code == 0, res.output
     meta = json.loads((out / "bench_cpu.json").read_text())
     resolved = meta["options"]["resolved"]
     assert resolved["dims"] == [128, 16] and resolved["shapes"] == ["2x4x64", "mixed3x4"]
-    assert resolved["timer"] == "wall" and meta["counts"] == {"ok": 2, "mismatch": 0, "error": 0, "skipped": 0}
+    # the two shapes and the read probe; FlashMLA's two rows say it is not installed
+    assert resolved["timer"] == "wall" and meta["counts"] == {"ok": 3, "mismatch": 0, "error": 0, "skipped": 2}

@@ -110,3 +110,26 @@ def test_no_source_spells_a_format_constant(path):
               constants.PI_REL_FLOOR, constants.PI_ABS_FLOOR}
     for value, line in _literals(ast.parse(path.read_text())):
         assert not any(math.isclose(value, b, rel_tol=1e-9) for b in banned), f"{path.name}:{line} spells {value!r}"
+
+
+def _module_level_page_literals(tree: ast.Module):
+    """(name, line) of module-level assignments of an int literal to a name that mentions PAGE."""
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        if isinstance(value, ast.Constant) and isinstance(value.value, int):
+            for t in targets:
+                if isinstance(t, ast.Name) and "PAGE" in t.id.upper():
+                    yield t.id, node.lineno
+
+
+def test_no_module_keeps_its_own_page_size():
+    """The dense store's row rounding, the Gluon box views and the benchmark all mean the kernels' page: a
+    module-level `..._PAGE... = 64` outside constants.py is a second definition that can drift."""
+    assert list(_module_level_page_literals(ast.parse("PAGE_ROWS = 64\nx = 64\n"))) == [("PAGE_ROWS", 1)]
+    copies = [f"{p.relative_to(PKG)}:{line} {name}" for p in sorted(PKG.rglob("*.py")) if p.name != "constants.py"
+              for name, line in _module_level_page_literals(ast.parse(p.read_text()))]
+    assert not copies, copies
+    from snapquant.attention.store_policies import grow_rows
+
+    assert grow_rows(torch.zeros(2, 3), 65).shape[1] % constants.PAGE_SIZE == 0

@@ -106,3 +106,61 @@ def test_generation_reads_the_quantized_cache_and_likelihood_sees_quantized_pref
     assert len(seen) == 3 * 1 and all(isinstance(c, LatentCache) and c.nbytes() > 0 for c in seen)
     assert lls["bf16"] == pytest.approx(lls["snapmla"], abs=1e-5)  # bf16 prefill: likelihoods unchanged
     assert max(abs(a - b) for a, b in zip(lls["bf16"], lls["snapmla_q"], strict=True)) > 1e-4
+
+
+def test_generation_loop_and_hf_give_the_same_lm_eval_results(task_file, caplog):
+    """generate_until through the decode loop (eager and fixed-shape steps) and through HF generate: the same
+    strings for ragged prompts, several stop strings and max_gen_toks; the same task results; each batch's
+    path recorded in the results config; a request the loop cannot reproduce goes to HF with one warning."""
+    import copy
+    import logging
+
+    import lm_eval
+    from lm_eval.api.instance import Instance
+    from lm_eval.tasks import TaskManager
+
+    from snapquant.eval import SnapquantLM
+
+    tok = _char_tokenizer()
+    base = tiny_model("deepseek_v3", moe=True, vocab_size=128)
+    reqs = [Instance("generate_until", {}, (f"Q{i}: {'x' * i}2+{i}=", kw), i) for i, kw in enumerate(
+        [{"until": ["\n"], "max_gen_toks": 6}, {"until": ["\n", "=", "a"], "max_gen_toks": 9},
+         {"until": ["Q"], "max_gen_toks": 4, "do_sample": False}, {"until": ["\n"], "max_gen_toks": 6},
+         {"until": ["\n"], "max_gen_toks": 5, "num_beams": 2}])]
+    texts, results, infos = {}, {}, {}
+    for path, steps in (("hf", "auto"), ("loop", "eager"), ("loop", "static")):
+        lm = SnapquantLM(pretrained=copy.deepcopy(base), tokenizer=tok, kv_config="snapmla", batch_size=2,
+                         device="cpu", generation=path, gen_batch_size=3, gen_steps=steps, gen_check_every=2)
+        with caplog.at_level(logging.WARNING, logger="snapquant.eval.lm"):
+            caplog.clear()
+            texts[path, steps] = lm.generate_until(reqs)
+        warned = [r for r in caplog.records if "HF generate for these requests" in r.getMessage()]
+        assert len(warned) == (path == "loop") and (not warned or "num_beams=2" in warned[0].getMessage())
+        if steps == "eager":  # generate_until above already compared the eager loop
+            continue
+        out = lm_eval.simple_evaluate(model=lm, tasks=_tasks(task_file)[:1], limit=4, bootstrap_iters=0,
+                                      log_samples=True, task_manager=TaskManager(include_defaults=False))
+        results[path, steps] = ([s["resps"] for s in out["samples"]["snapquant_tiny_gen"]],
+                                out["results"]["snapquant_tiny_gen"]["exact_match,none"])
+        infos[path, steps] = out["config"]["snapquant_generation"]
+    assert texts["loop", "eager"] == texts["hf", "auto"] == texts["loop", "static"]
+    assert any(texts["hf", "auto"]) and len(set(texts["hf", "auto"])) > 1  # real, differing generations
+    assert results["hf", "auto"] == results["loop", "static"]
+    hf, loop = infos["hf", "auto"], infos["loop", "static"]
+    assert hf["default_path"] == "hf" and loop["default_path"] == "loop" and loop["steps"] == "static"
+    paths = {(b["path"], b["reason"]): b["count"] for b in loop["batches"]}
+    assert paths["loop", "generation='loop'"] >= 3 and any(p == "hf" and "num_beams" in r for p, r in paths)
+
+
+def test_generation_auto_is_hf_on_cpu_and_bad_options_fail_before_loading():
+    from snapquant.errors import ConfigError
+    from snapquant.eval import SnapquantLM
+
+    lm = SnapquantLM(pretrained=tiny_model("deepseek_v3", vocab_size=128), tokenizer=_char_tokenizer(),
+                     kv_config="snapmla", batch_size=2, device="cpu")
+    info = lm.get_model_info()["snapquant_generation"]
+    assert info["requested"] == "auto" and info["default_path"] == "hf" and "cpu" in info["default_reason"]
+    for kw, field in (({"generation": "fast"}, "generation"), ({"gen_steps": "x"}, "gen_steps"),
+                      ({"gen_batch_size": "0"}, "gen_batch_size"), ({"gen_check_every": 1.5}, "gen_check_every")):
+        with pytest.raises(ConfigError, match=f"^{field} must be"):
+            SnapquantLM(pretrained="/nonexistent/checkpoint", **kw)

@@ -122,22 +122,43 @@ def test_fidelity_cli(tmp_path, monkeypatch):
                                  "--num-sequences", "2", "--prompt-len", "8", "--device", "cpu",
                                  "--out", str(tmp_path / "f")])
     assert r.exit_code == 0, r.output
-    assert "| snapmla | decode |" in r.stdout and (tmp_path / "f" / "fidelity.csv").exists()
+    row = next(ln for ln in r.stdout.splitlines() if ln.startswith("| snapmla | decode | 2 / 22 |"))  # 2 x (20 - 8 - 1)
+    assert row.count("[") == 6  # every statistic with its interval (the max's included)
+    import pandas as pd
+
+    df = pd.read_csv(tmp_path / "f" / "fidelity.csv")
+    assert {"kl_mean_ci_low", "top1_agree_ci_high", "share_kl_gt_0.1", "n_sequences"} <= set(df.columns)
+    assert (df["kl_mean_ci_low"] <= df["kl_mean"]).all() and (df["top1_agree"] <= df["top1_agree_ci_high"]).all()
     r = CliRunner().invoke(app, ["fidelity", "--model", str(ck), "-p", "snapmal"])
     assert r.exit_code == 2 and "snapmla" in r.output
 
 
-def test_kept_positions_are_the_values_behind_the_means(model, ids):
+def test_kept_positions_are_the_values_behind_the_means_and_intervals(model, ids):
     import numpy as np
 
     from snapquant.patching import patched
 
     ref = fidelity_reference(model, ids)
-    out = fidelity_metrics(model, ref, PRESETS["per_tensor_fp8"], prompt_len=8, patcher=patched, keep_positions=True)
-    for mode, n_pos in (("prefill", 23), ("decode", 24 - 8 - 1)):
-        kl, top1 = out[mode]["kl_positions"], out[mode]["top1_positions"]
-        assert kl.shape == top1.shape == (2, n_pos) and kl.dtype == np.float64
-        assert kl.mean() == pytest.approx(out[mode]["kl_mean"], rel=1e-12) and kl.max() == out[mode]["kl_max"]
-        assert top1.mean() == out[mode]["top1_agree"] and set(np.unique(top1)) <= {0.0, 1.0}
-    plain = fidelity_metrics(model, ref, PRESETS["per_tensor_fp8"], modes=("decode",), prompt_len=8, patcher=patched)
-    assert "kl_positions" not in plain["decode"]  # cell JSONs stay as they were
+    out = fidelity_metrics(model, ref, PRESETS["per_tensor_fp8"], prompt_len=8, patcher=patched, keep_positions=True,
+                           n_resamples=200)
+    for mode, n_pos, first in (("prefill", 23, 0), ("decode", 24 - 8 - 1, 8)):
+        res = out[mode]
+        pos = res["positions"]
+        kl, flip = pos["kl"], pos["flip"]
+        assert kl.shape == flip.shape == pos["ref_top1"].shape == (2, n_pos) and kl.dtype == np.float64
+        assert kl.mean() == pytest.approx(res["kl_mean"], rel=1e-12) and kl.max() == res["kl_max"]
+        assert 1 - flip.mean() == res["top1_agree"] and set(np.unique(flip)) <= {0.0, 1.0}
+        assert (flip == (pos["ref_top1"] != pos["quant_top1"])).all()
+        # position j predicts token first + j + 1: the reference's top-1 there is the reference's argmax
+        np.testing.assert_array_equal(pos["ref_top1"], ref.logprobs[:, first:first + n_pos].argmax(-1).numpy())
+        assert res["first_position"] == first and res["n_sequences"] == 2 and res["n_positions"] == 2 * n_pos
+        s = res["summary"]
+        assert s["kl_mean"]["value"] == pytest.approx(res["kl_mean"], rel=1e-12)
+        assert s["kl_mean"]["ci_low"] <= s["kl_mean"]["value"] <= s["kl_mean"]["ci_high"]
+        assert s["flip_rate"]["value"] == pytest.approx(1 - res["top1_agree"], abs=1e-15)
+        assert res["per_sequence"]["kl_sum"] == pytest.approx(kl.sum(1).tolist(), rel=1e-12)
+        assert res["per_sequence"]["n_positions"] == [n_pos, n_pos]
+    plain = fidelity_metrics(model, ref, PRESETS["per_tensor_fp8"], modes=("decode",), prompt_len=8, patcher=patched,
+                             n_resamples=200)
+    assert "positions" not in plain["decode"]  # cell JSONs hold the per-sequence sums, not the positions
+    assert plain["tokens_sha256"] == out["tokens_sha256"] and len(plain["tokens_sha256"]) == 16

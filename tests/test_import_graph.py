@@ -1,163 +1,38 @@
-"""snapquant's import graph has no cycle, and the kernels import nothing from the layers above them.
+"""snapquant's import graph has no cycle, the kernels import nothing from the layers above them, and no
+module reaches into another's private names.
 
-The graph is read from the source (no module is imported): every `import` / `from ... import` of a
-snapquant module anywhere in a file (module level, inside functions, methods and `try` blocks;
-relative and absolute), except those under `if TYPE_CHECKING:`, which never run. A function-level
-import counts: it hides a cycle from Python's partial-initialization error but not from the design
-(the two modules still cannot be understood, tested or moved one without the other). Dynamic
-imports (`importlib.import_module`, the backend registry's "module:attr" entries) are not edges:
-they run on first use, after both modules are loaded.
+The graph is read from the sources by `tests.support.import_graph` (what counts as an edge is said
+there: function-level imports count, `if TYPE_CHECKING:` imports do not).
 """
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "snapquant"
+from tests.support.import_graph import (
+    cycle_path,
+    cycle_report,
+    cycles,
+    edges_of,
+    import_graph,
+    module_files,
+    private_attribute_uses,
+    private_imports,
+    within,
+)
 
-# Layers above the kernels: the kernels are called by them and must not import them back.
-ABOVE_KERNELS = ("snapquant.attention", "snapquant.cache", "snapquant.patching", "snapquant.graphs")
-
-
-
-def module_files(root: Path = PACKAGE) -> dict[str, Path]:
-    """Dotted module name -> file, for every .py under `root` (packages by their __init__)."""
-    out = {}
-    for p in sorted(root.rglob("*.py")):
-        parts = p.relative_to(root.parent).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = p
-    return out
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _import_nodes(tree: ast.AST):
-    """Every Import / ImportFrom in `tree`, skipping the bodies of `if TYPE_CHECKING:` blocks."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-            continue
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
-        stack.extend(ast.iter_child_nodes(node))
-
-
-def _owner(name: str, modules: dict[str, Path]) -> str | None:
-    """The snapquant module that defines dotted `name` (a module, or an attribute of one)."""
-    while name:
-        if name in modules:
-            return name
-        name = name.rpartition(".")[0]
-    return None
-
-
-def imports_of(module: str, modules: dict[str, Path]) -> set[str]:
-    """The snapquant modules `module` imports (see the module docstring for what counts)."""
-    path = modules[module]
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    targets: list[str] = []
-    for node in _import_nodes(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            targets += [a.name for a in node.names]
-            continue
-        base = node.module or ""
-        if node.level:
-            up = package.split(".")
-            up = up[: len(up) - (node.level - 1)]
-            base = ".".join(up + ([base] if base else []))
-        # `from pkg import name`: the submodule pkg.name when there is one, else pkg itself.
-        targets += [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-    found = {_owner(t, modules) for t in targets}
-    return {m for m in found if m is not None and m != module}
-
-
-def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
-    modules = module_files(root)
-    return {m: imports_of(m, modules) for m in modules}
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components with more than one module (Tarjan's algorithm, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    on_stack: set[str] = set()
-    stack: list[str] = []
-    out: list[list[str]] = []
-    counter = 0
-    for start in sorted(graph):
-        if start in index:
-            continue
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = counter
-        counter += 1
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            v, children = work[-1]
-            w = next(children, None)
-            if w is not None:
-                if w not in index:
-                    index[w] = low[w] = counter
-                    counter += 1
-                    stack.append(w)
-                    on_stack.add(w)
-                    work.append((w, iter(sorted(graph.get(w, ())))))
-                elif w in on_stack:
-                    low[v] = min(low[v], index[w])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[v])
-            if low[v] == index[v]:
-                comp = []
-                while True:
-                    w = stack.pop()
-                    on_stack.discard(w)
-                    comp.append(w)
-                    if w == v:
-                        break
-                if len(comp) > 1:
-                    out.append(sorted(comp))
-    return sorted(out)
-
-
-def _path_in(graph: dict[str, set[str]], comp: list[str]) -> str:
-    """One closed import path through the cycle `comp`, for the failure message (a -> b -> ... -> a)."""
-    members, start = set(comp), comp[0]
-    prev: dict[str, str] = {}
-    frontier = [start]
-    while frontier:  # breadth-first from start back to start, inside the component
-        nxt = []
-        for v in frontier:
-            for w in sorted(graph[v] & members):
-                if w == start:
-                    path = [start]
-                    while v != start:
-                        path.append(v)
-                        v = prev[v]
-                    return " -> ".join([start, *reversed(path[1:]), start])
-                if w not in prev:
-                    prev[w] = v
-                    nxt.append(w)
-        frontier = nxt
-    return ", ".join(comp)
+# Layers above the kernels: the kernels are called by them (the benchmark times them) and must not import
+# them back.
+ABOVE_KERNELS = ("snapquant.attention", "snapquant.cache", "snapquant.patching", "snapquant.graphs",
+                 "snapquant.bench")
+TESTS = Path(__file__).resolve().parent
 
 
 def kernel_seam_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
     """(kernels module, module above the kernels) pairs the kernels import."""
-    return {(m, t) for m, ts in graph.items() if m == "snapquant.kernels" or m.startswith("snapquant.kernels.")
-            for t in ts if any(t == a or t.startswith(a + ".") for a in ABOVE_KERNELS)}
+    return {(m, t) for m, ts in graph.items() if within(m, "snapquant.kernels") for t in ts if within(t, ABOVE_KERNELS)}
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +65,27 @@ def test_walker_sees_function_level_relative_and_absolute_imports_but_not_type_c
     assert g["snapquant.c"] == {"snapquant.sub.b"}
     assert g["snapquant.d"] == {"snapquant.c"}  # the else branch runs
     assert cycles(g) == [["snapquant.c", "snapquant.sub.b"]]
-    assert _path_in(g, ["snapquant.c", "snapquant.sub.b"]) == "snapquant.c -> snapquant.sub.b -> snapquant.c"
+    assert cycle_path(g, ["snapquant.c", "snapquant.sub.b"]) == "snapquant.c -> snapquant.sub.b -> snapquant.c"
+    assert cycle_report(g) == "cycle of 2 modules: snapquant.c -> snapquant.sub.b -> snapquant.c"
+    modules = module_files(pkg)
+    [a_edge] = edges_of("snapquant.a", modules)
+    assert (a_edge.target, a_edge.lazy, a_edge.relative) == ("snapquant.sub.b", True, True)
+    [b_edge] = edges_of("snapquant.sub.b", modules)
+    assert (b_edge.lazy, b_edge.relative, b_edge.names) == (True, False, ())
+    c_edge = edges_of("snapquant.c", modules)[0]
+    assert (c_edge.target, c_edge.lazy, c_edge.relative, c_edge.names) == ("snapquant.sub.b", False, True, ("K",))
+
+
+def test_walker_reports_private_names_taken_from_another_module(tmp_path):
+    pkg = _write(tmp_path, {
+        "snapquant/__init__.py": "",
+        "snapquant/a.py": "def _helper():\n    pass\nclass L:\n    def _room(self):\n        self._n = 1\n",
+        "snapquant/b.py": "from .a import _helper, L\ndef f(layer: L):\n    layer._room()\n    return layer._n\n",
+        "snapquant/c.py": "import torch\ndef g(x):\n    return torch.ops.aten._to_copy(x)\n",
+    })
+    assert private_imports(pkg) == ["snapquant.b:1 imports _helper from snapquant.a"]
+    assert [u.split(" (")[0] for u in private_attribute_uses(pkg)] == [
+        "snapquant.b:3 reads layer._room", "snapquant.b:4 reads layer._n"]
 
 
 def test_walker_finds_a_long_cycle_and_the_kernels_importing_upward(tmp_path):
@@ -212,7 +107,7 @@ def test_walker_finds_a_long_cycle_and_the_kernels_importing_upward(tmp_path):
 def test_no_import_cycle(graph):
     new = cycles(graph)
     assert not new, "import cycles in snapquant/:\n" + "\n".join(
-        f"  {len(c)} modules {c}, e.g. {_path_in(graph, c)}" for c in new)
+        f"  {len(c)} modules {c}, e.g. {cycle_path(graph, c)}" for c in new)
 
 
 def test_kernels_import_nothing_from_the_layers_above_them(graph):
@@ -221,6 +116,44 @@ def test_kernels_import_nothing_from_the_layers_above_them(graph):
         f"  {m} imports {t}" for m, t in bad)
 
 
+def test_the_walk_sees_real_edges(graph):
+    assert "snapquant.kernels.triton.append" in graph["snapquant.kernels.paged"]
+    assert {"snapquant.cache", "snapquant.patching", "snapquant.runtime"} <= graph["snapquant.graphs"]
+
+
 def test_the_runtime_guards_are_a_leaf(graph):
     """snapquant.runtime is what the kernels, the seam, the cache and the graph step share: it imports none."""
     assert graph["snapquant.runtime"] <= {"snapquant.errors"}
+
+
+def test_no_module_takes_another_modules_private_names():
+    """A name shared between modules is their API: it is public. Private names stay in their module (the
+    walker's own check above shows this can fail)."""
+    assert private_imports() == []
+    assert private_attribute_uses() == []
+
+
+def test_the_layering_of_evaluation_sweeps_and_analysis(graph):
+    """sweep -> eval -> analysis -> results_io only go one way: analysis reads results through results_io and
+    imports nothing from sweep or eval, eval nothing from sweep, and the results layer none of the three."""
+    bad = [f"{m} imports {i}" for m, deps in graph.items() for i in deps
+           if (within(m, "snapquant.analysis") and within(i, ("snapquant.sweep", "snapquant.eval")))
+           or (within(m, "snapquant.eval") and within(i, "snapquant.sweep"))
+           or (m in ("snapquant.results_io", "snapquant.environment")
+               and within(i, ("snapquant.sweep", "snapquant.eval", "snapquant.analysis")))]
+    assert bad == []
+    assert "snapquant.results_io" in graph["snapquant.analysis.results"]  # the walk sees real edges
+
+
+def test_kernel_tests_do_not_depend_on_the_benchmark():
+    """The kernel tests spell their shapes and knobs themselves (tests/support/kernel_cases.py): a benchmark
+    change must not change what they check."""
+    import ast
+
+    bad = []
+    for f in [*sorted(TESTS.glob("test_kernels_*.py")), TESTS / "support" / "kernel_cases.py"]:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{f.name}:{node.lineno} imports {n}" for n in names if within(n, "snapquant.bench")]
+    assert not bad, bad

@@ -191,4 +191,10 @@ def test_patched_model_triton_matches_reference(triton_on_cpu, name, dtype):
             unpatch(model)
     diff = (logits["triton"] - logits["reference"]).abs().amax(dim=(0, 2))
     scale = logits["reference"].abs().amax(dim=(0, 2))
-    assert (diff <= 2e-3 * scale).all(), (diff / scale).max()
+    # fp32 models: kernel and reference differ only in fp32 summation order (~1e-6 relative), so 2e-3
+    # leaves room for its growth through the layers. A bf16 model rounds every layer output to bf16
+    # (8 significant bits): an order-of-summation difference that crosses one rounding boundary is a
+    # full bf16 ulp, 2^-8..2^-7 of the value, and reaches the logits as a few ulps of their scale. So
+    # bf16 is held to 2^-6 of the scale (2-4 ulps); a real kernel error (wrong scale, mask, head) is O(scale).
+    rel = 2.0 ** -6 if dtype == torch.bfloat16 else 2e-3
+    assert (diff <= rel * scale).all(), (diff / scale).max()

@@ -1,9 +1,12 @@
 """tile="gluon": the Gluon decode kernels (snapquant/kernels/gluon/, Hopper).
 
 Gluon has no interpreter, so on CPU the kernel is compiled for Hopper (sm_90) and its structure is
-checked (TMA copies, wgmma, no register spills, shared memory within the SM's 227 KB), and the host
-side's refusals are checked; the numbers are checked against the reference on a GPU (`-m gpu`, and
-`scripts/check_kernels_gpu.py`)."""
+checked (TMA copies, wgmma of the right operand types in the right proportions, no serialized MMA chain,
+registers and shared memory within the SM's), and the host side's refusals are checked; the numbers are
+checked against the reference on a GPU (`-m gpu`, and `scripts/check_kernels_gpu.py`).
+
+The structural checks are properties that hold across Triton versions (see `tests.support.kernel_cases`);
+the exact instruction counts of one Triton version are a snapshot at the end, skipped on other versions."""
 
 from __future__ import annotations
 
@@ -13,57 +16,59 @@ import pytest
 import torch
 
 from snapquant import PRESETS, mla_decode_reference
-from snapquant.bench.compile_stats import decode_compile_stats
-from snapquant.bench.shapes import uniform_shape
-from snapquant.bench.variants import BY_NAME
 from snapquant.errors import ConfigError
 from snapquant.kernels import PagedMLACache, mla_decode, mla_decode_plan
 from snapquant.kernels.dispatch import gluon_format_reason
 from snapquant.kernels.gluon import HAVE_GLUON
+from tests.support.kernel_cases import SMEM_LIMIT, meta_plan, sm90_stats, wgmma_mix
 
 needs_gluon = pytest.mark.skipif(not HAVE_GLUON, reason="this triton has no Gluon")
-SMEM_LIMIT = 227 * 1024  # H100 / H200 shared memory per block (opt-in maximum)
+ROPE16 = "bf16.bf16 m64n16k16"  # the narrow kernels' RoPE QK: d / 16 per page (16 query rows as N)
+ROPE32 = "bf16.bf16 m64n32k16"  # the 32- and 64-row kernels' RoPE QK per warpgroup
+NARROW = dict(B=8, H=16, L=2048)  # <= 16 query rows: the narrow kernels
+WIDE = dict(B=32, H=64, L=8192)  # 64 query rows: the 64-row (and 32-row native FP8) kernels
 
 
-@needs_gluon
-def test_gluon_kernel_compiles_for_sm90_with_tma_and_wgmma():
-    rows = decode_compile_stats(BY_NAME["snapmla+gluon+s1"], uniform_shape(8, 16, 2048))
-    assert [r["kernel"] for r in rows] == ["decode_gluon_narrow_tile", "combine"]
-    st = rows[0]
-    assert st["smem"] <= SMEM_LIMIT // 2 - 1024  # one slot, in place: two programs per SM
-    # the default at r = 512: gluon.narrow (register A operands, no fp16 tile), two slots, two programs per SM
-    regs = decode_compile_stats(BY_NAME["snapmla+gluon"], uniform_shape(8, 16, 2048))[0]
-    assert "error" not in regs, regs.get("error")
-    assert regs["kernel"] == "decode_gluon_narrow"
-    assert regs["smem"] <= SMEM_LIMIT // 2 - 1024
-    assert regs["wgmma"] == 68 and (regs.get("wgmma_waits") or 0) <= 8
-    assert regs["ptxas_advice"] in ("", None) and regs["spill_bytes"] <= 128
-    assert "error" not in st, st.get("error")
-    # QK 32 + RoPE 4 + PV 32 wgmma instructions per page at r = 512 (m64n16k16), no mma.sync
-    assert st["wgmma"] == 68 and st["mma_sync"] == 0
-    assert st["async_loads"] > 0 and st["cvt_e4m3"] > 0
-    assert 0 < st["smem"] <= SMEM_LIMIT
+def _unserialized(st):
+    """ptxas keeps the wgmma chains asynchronous: a few waits, not one per instruction (a wgmma wait deferred
+    into the next loop iteration once caused one per wgmma: the whole loop serialized), and no C75xx
+    advisory (e.g. C7515: serialized wgmma). Registers within the SM's 255, spills a few bytes at most
+    (Triton 3.6 (H200): none; 3.9: up to 112 bytes)."""
     if st.get("regs") is None:
-        pytest.skip("cuobjdump not bundled with this triton: no register report")
-    # Triton 3.6 (the H200 image): 190 registers, no spills; 3.9 (CI): 255 and a few spilled bytes
-    assert st["regs"] <= 255 and st["spill_bytes"] <= 128
-    # ptxas keeps the wgmma chains asynchronous: a few waits, not one per instruction (which a
-    # wgmma wait deferred into the next loop iteration caused: 68 waits, the whole loop serialized)
-    assert st["wgmma_waits"] <= 8, st["wgmma_waits"]
-    assert st["ptxas_advice"] in ("", None)  # no C75xx advisory (e.g. C7515: serialized wgmma)
+        return  # cuobjdump not bundled with this triton: no SASS / register report
+    assert st["regs"] <= 255 and st["spill_bytes"] <= 128, (st["regs"], st["spill_bytes"])
+    assert st["wgmma_waits"] <= st["wgmma"] / 4, (st["wgmma_waits"], st["wgmma"])
+    assert st["ptxas_advice"] in ("", None), st["ptxas_advice"]
 
 
 @needs_gluon
-@pytest.mark.parametrize("variant", ["snapmla+gluon+fp8qk", "snapmla+gluon+fp8qk+s1"])
-def test_native_fp8_qk_variant_compiles_unserialized(variant):
-    st = decode_compile_stats(BY_NAME[variant], uniform_shape(8, 16, 2048))[0]
-    assert "error" not in st, st.get("error")
-    assert st["wgmma"] == 52  # QK as 4 x 4 m64n16k32 (fp8), RoPE 4, PV 32
-    if variant.endswith("s1"):  # in place, fp8 query operand: two programs per SM
+@pytest.mark.parametrize("stages,kernel", [(2, "decode_gluon_narrow"), (1, "decode_gluon_narrow_tile")])
+def test_narrow_gluon_kernels_compile_to_exact_16bit_wgmma(stages, kernel):
+    """<= 16 rows, exact MMAs: the default at r = 512 (gluon.narrow: register A operands widened from two TMA
+    slots) and the in-place slot (gluon.narrow_tile). Per page QK r / 16 and PV r / 16 fp16 m64n16k16 wgmma
+    (the codes widened to fp16, by cvt e4m3x2 -> f16x2), RoPE d / 16 in bf16; no mma.sync, no e4m3 MMA;
+    <= half an SM's shared memory (two programs per SM)."""
+    st = sm90_stats("snapmla", **NARROW, tile="gluon", num_stages=stages)
+    assert st["kernel"] == kernel
+    assert wgmma_mix(st, ROPE16) == {ROPE16: 1, "f16.f16 m64n16k16": 2 * 512 / 64}
+    assert st["mma_sync"] == 0 and st["async_loads"] > 0 and st["cvt_e4m3"] > 0
+    assert 0 < st["smem"] <= SMEM_LIMIT // 2 - 1024
+    _unserialized(st)
+
+
+@needs_gluon
+@pytest.mark.parametrize("stages", [2, 1])
+def test_native_fp8_qk_variant_compiles_to_e4m3_qk_and_exact_pv(stages):
+    """fp8_mma="qk": QK as e4m3 m64n16k32 straight from the TMA slot (r / 32 per page, half the exact
+    kernel's QK instructions), RoPE d / 16 bf16, PV still exact fp16 (r / 16)."""
+    st = sm90_stats("snapmla", **NARROW, tile="gluon", fp8_mma="qk", num_stages=stages)
+    assert st["kernel"] == "decode_gluon_narrow_tile"
+    assert wgmma_mix(st, ROPE16) == {ROPE16: 1, "e4m3.e4m3 m64n16k32": 512 / 32 / 4, "f16.f16 m64n16k16": 512 / 16 / 4}
+    exact = sm90_stats("snapmla", **NARROW, tile="gluon", num_stages=1)
+    assert st["wgmma"] < exact["wgmma"] and st["mma_sync"] == 0
+    if stages == 1:  # in place, fp8 query operand: two programs per SM
         assert st["smem"] <= SMEM_LIMIT // 2 - 1024
-    if st.get("regs") is not None:
-        assert st["spill_bytes"] <= 128 and st["wgmma_waits"] <= 8, st["wgmma_waits"]
-        assert st["ptxas_advice"] in ("", None)
+    _unserialized(st)
 
 
 def _cache(B=2, L=100, H=16):
@@ -83,10 +88,11 @@ def test_gluon_tile_refuses_cpu_with_a_clear_error():
 @pytest.mark.parametrize("r,d", [(256, 32), (128, 64)])
 def test_gluon_kernel_compiles_at_other_widths(r, d):
     """kv_lora_rank 256 / 128 (two / one 128-code boxes): the in-place slot's chunk 0 then overlaps a box
-    still being read, which the kernel guards with a barrier."""
-    st = decode_compile_stats(BY_NAME["snapmla+gluon"], uniform_shape(4, 16, 1024), r=r, d=d)[0]
-    assert st["kernel"] == "decode_gluon_narrow_tile" and "error" not in st, st.get("error")
-    assert st["wgmma"] > 0 and st["smem"] <= SMEM_LIMIT // 2 - 1024
+    still being read, which the kernel guards with a barrier. QK and PV r / 16 each per RoPE's d / 16."""
+    st = sm90_stats("snapmla", B=4, H=16, L=1024, r=r, d=d, tile="gluon")
+    assert st["kernel"] == "decode_gluon_narrow_tile"
+    assert wgmma_mix(st, ROPE16) == {ROPE16: 1, "f16.f16 m64n16k16": 2 * r / d}
+    assert st["smem"] <= SMEM_LIMIT // 2 - 1024
 
 
 def test_gluon_tile_refuses_other_formats_and_schedules():
@@ -196,56 +202,54 @@ def test_gluon_kernel_matches_the_reference_at_other_widths(r, d):
 
 # ------------------------------------------------------------------ the 64-row kernel (gluon/wide.py)
 @needs_gluon
-@pytest.mark.parametrize("variant", ["snapmla+gluon", "bf16+gluon"])
-def test_wide_gluon_kernel_compiles_unserialized(variant):
-    """Past 16 rows tile="gluon" is gluon.wide's two-warpgroup kernel: per page QK 32 + RoPE 4 and PV 4
-    (m64n256k16) wgmma, kept asynchronous by ptxas, within one SM's shared memory."""
-    rows = decode_compile_stats(BY_NAME[variant], uniform_shape(32, 64, 8192))
-    st = rows[0]
-    assert st["kernel"] == "decode_gluon_wide" and "error" not in st, st.get("error")
-    assert st["wgmma"] == 40 and st["mma_sync"] == 0 and st["async_loads"] > 0
-    assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT  # two TMA slots: one program per SM
-    assert (st["cvt_e4m3"] > 0) == variant.startswith("snapmla")
-    assert st["grid"].startswith("1x32x")  # one 64-row tile, 32 requests, splits
-    if st.get("regs") is not None:
-        # Triton 3.6 (the H200 image): fp8 255 registers, bf16 215, no spills; 3.9 (CI): 255 with 72 spilled
-        # bytes, 240
-        assert st["regs"] <= 255 and st["spill_bytes"] <= 128
-        assert st["wgmma_waits"] <= 4 and st["ptxas_advice"] in ("", None)
-    two_tiles = decode_compile_stats(BY_NAME[variant], uniform_shape(4, 128, 1024))[0]
-    assert two_tiles["grid"].startswith("2x4x")  # the row tiles of a request are adjacent programs (L2)
+@pytest.mark.parametrize("preset", ["snapmla", "bf16"])
+def test_wide_gluon_kernel_compiles_unserialized(preset):
+    """Past 16 rows tile="gluon" is gluon.wide's two-warpgroup kernel: per page and warpgroup QK r / 16
+    (m64n32k16) beside RoPE d / 16, and PV as r / 128 m64n256k16 (two warpgroups split the 512 channels);
+    16-bit operands (the fp8 codes widened to fp16, the bf16 cache read by wgmma directly), asynchronous
+    within one SM's shared memory (two TMA slots: one program per SM)."""
+    st = sm90_stats(preset, **WIDE, tile="gluon")
+    assert st["kernel"] == "decode_gluon_wide"
+    if preset == "snapmla":
+        assert wgmma_mix(st, ROPE32) == {ROPE32: 1, "f16.f16 m64n32k16": 8, "f16.f16 m64n256k16": 1}
+        assert st["cvt_e4m3"] > 0
+    else:  # QK and RoPE are both bf16 m64n32k16: 32 + 4 per 4 PV
+        assert wgmma_mix(st, "bf16.bf16 m64n256k16") == {"bf16.bf16 m64n256k16": 1, ROPE32: 9}
+        assert st["cvt_e4m3"] == 0
+    assert st["mma_sync"] == 0 and st["async_loads"] > 0
+    assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT
+    _unserialized(st)
+
+
+@needs_gluon
+def test_wide_gluon_grid_keeps_a_requests_row_tiles_adjacent():
+    assert meta_plan("snapmla", **WIDE, tile="gluon").launches[0].grid[:2] == (1, 32)  # one 64-row tile, 32 requests
+    # the row tiles of a request are adjacent programs (they share its pages in L2)
+    assert meta_plan("bf16", B=4, H=128, L=1024, tile="gluon").launches[0].grid[:2] == (2, 4)
 
 
 @needs_gluon
 @pytest.mark.parametrize("block_m", [32, 64])
 def test_native_fp8_kernels_compile_to_fp8_mmas(block_m):
-    """fp8_mma=True past 16 rows: per page QK 16 e4m3 (m64n32k32) + RoPE 4 bf16 wgmma per warpgroup, PV from
-    V^T in registers (16 8-byte loads and 64 byte permutes per thread per 256 channels), no fp16
-    widening, no transposed tile. block_m 32 (gluon.narrow8): PV 16 e4m3 m64n32k32 for the page's 512
-    channels, <= half an SM's shared memory (two programs per SM); 64 (gluon.wide8): PV 8 m64n64k32 per
-    warpgroup, one program per SM."""
-    v = BY_NAME["snapmla+gluon+fp8mma" if block_m == 32 else "snapmla+gluon+fp8mma+bm64"]
-    st = decode_compile_stats(v, uniform_shape(32, 64, 8192))[0]
-    kernel, wgmma = {32: ("decode_gluon_narrow8", 36), 64: ("decode_gluon_wide8", 28)}[block_m]
-    assert st["kernel"] == kernel and "error" not in st, st.get("error")
-    assert st["wgmma"] == wgmma and st["mma_sync"] == 0 and st["async_loads"] > 0 and st["cvt_e4m3"] == 0
+    """fp8_mma=True past 16 rows: per page and warpgroup QK r / 32 e4m3 (m64n32k32) beside RoPE d / 16 bf16
+    wgmma, PV e4m3 from V^T in registers, no fp16 widening (no cvt e4m3 -> f16). block_m 32
+    (gluon.narrow8): PV r / 32 m64n32k32 too, <= half an SM's shared memory (two programs per SM); 64
+    (gluon.wide8): PV r / 64 m64n64k32 per warpgroup, one program per SM."""
+    st = sm90_stats("snapmla", **WIDE, tile="gluon", fp8_mma=True, **({"block_m": 64} if block_m == 64 else {}))
     if block_m == 32:
+        assert st["kernel"] == "decode_gluon_narrow8"
+        assert wgmma_mix(st, ROPE32) == {ROPE32: 1, "e4m3.e4m3 m64n32k32": 8}  # QK 16 + PV 16 per RoPE 4
         assert st["smem"] <= SMEM_LIMIT // 2
     else:
+        assert st["kernel"] == "decode_gluon_wide8"
+        assert wgmma_mix(st, ROPE32) == {ROPE32: 1, "e4m3.e4m3 m64n32k32": 4, "e4m3.e4m3 m64n64k32": 2}
         assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT
-    if st.get("regs") is not None:
-        # Triton 3.6 (the H200 image): 255 registers, 16 / 48 bytes of stack
-        assert st["regs"] <= 255 and st["spill_bytes"] <= 128
-        assert st["wgmma_waits"] <= 4 and st["ptxas_advice"] in ("", None)
+    assert st["mma_sync"] == 0 and st["async_loads"] > 0 and st["cvt_e4m3"] == 0
+    _unserialized(st)
 
 
 def _meta_plan(layout_cfg, H, r=512, d=64, **knobs):
-    from snapquant.kernels.decode import plan_decode
-    from snapquant.kernels.operands import KernelOperands
-
-    cache = PagedMLACache.empty(2, 256, r, d, layout_cfg, device="meta")
-    q = torch.empty(2, H, r + d, dtype=torch.bfloat16, device="meta")
-    return plan_decode(q, KernelOperands.from_paged(cache), 0.1, layout_cfg, native=True, num_sms=132, **knobs)
+    return meta_plan(layout_cfg, B=2, H=H, L=256, r=r, d=d, arch=None, **knobs)
 
 
 @needs_gluon
@@ -463,3 +467,43 @@ def test_register_operand_kernel_plans_and_refusals():
     assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_stages=2, fp8_mma="qk").launches[0].name == "decode_gluon_narrow_tile"
     with pytest.raises(ConfigError, match="kv_lora_rank 512"):
         _meta_plan(PRESETS["snapmla"], 16, r=256, d=32, tile="gluon", num_stages=2)
+
+
+# ------------------------------------------------------------------ one Triton version's exact counts
+# The wgmma instructions each case compiles to, per Triton version: an exact record (a change means the
+# kernel or the compiler changed what a page issues) that the properties above only bound. Other
+# versions skip; to add one, print `sm90_stats(...)["wgmma_kinds"]` of each case there.
+SNAPSHOT_CASES = {
+    "narrow": ("snapmla", NARROW, {"tile": "gluon", "num_stages": 2}),
+    "narrow_tile": ("snapmla", NARROW, {"tile": "gluon", "num_stages": 1}),
+    "narrow_tile fp8 qk": ("snapmla", NARROW, {"tile": "gluon", "fp8_mma": "qk", "num_stages": 1}),
+    "wide": ("snapmla", WIDE, {"tile": "gluon"}),
+    "wide bf16": ("bf16", WIDE, {"tile": "gluon"}),
+    "narrow8": ("snapmla", WIDE, {"tile": "gluon", "fp8_mma": True}),
+    "wide8": ("snapmla", WIDE, {"tile": "gluon", "fp8_mma": True, "block_m": 64}),
+}
+WGMMA_SNAPSHOTS = {
+    "3.9.0": {
+        "narrow": {ROPE16: 4, "f16.f16 m64n16k16": 64},
+        "narrow_tile": {ROPE16: 4, "f16.f16 m64n16k16": 64},
+        "narrow_tile fp8 qk": {ROPE16: 4, "e4m3.e4m3 m64n16k32": 16, "f16.f16 m64n16k16": 32},
+        "wide": {ROPE32: 4, "f16.f16 m64n256k16": 4, "f16.f16 m64n32k16": 32},
+        "wide bf16": {"bf16.bf16 m64n256k16": 4, ROPE32: 36},
+        "narrow8": {ROPE32: 4, "e4m3.e4m3 m64n32k32": 32},
+        "wide8": {ROPE32: 4, "e4m3.e4m3 m64n32k32": 16, "e4m3.e4m3 m64n64k32": 8},
+    },
+}
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+@needs_gluon
+@pytest.mark.skipif(_triton_version() not in WGMMA_SNAPSHOTS, reason="no wgmma snapshot for this Triton version")
+@pytest.mark.parametrize("case", sorted(SNAPSHOT_CASES))
+def test_wgmma_counts_match_this_triton_versions_snapshot(case):
+    preset, shape, knobs = SNAPSHOT_CASES[case]
+    assert sm90_stats(preset, **shape, **knobs)["wgmma_kinds"] == WGMMA_SNAPSHOTS[_triton_version()][case]

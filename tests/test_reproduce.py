@@ -1,6 +1,7 @@
 """`snapquant.reproduce`: every committed results file is claimed by exactly one listed command, and
 every listed command's script exists (the commands themselves are not run here)."""
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -88,3 +89,77 @@ def test_run_job_keeps_a_failing_commands_log(tmp_path, capsys):
     assert "line one" in capsys.readouterr().out
     plain = reproduce.Job("results/y", "cpu", ("scripts/noisy.py",), ("*",), "test")
     assert reproduce.run_job(plain, root=tmp_path) == 3 and (tmp_path / "results/y").is_dir()
+
+
+# ---------------------------------------------------------------------------------------------- --stale
+def test_every_jobs_declared_code_exists():
+    for job in JOBS:
+        missing = [p for p in job.code_paths if not (ROOT / p).exists()]
+        assert not missing, f"{job.command()}: declared code paths that do not exist: {missing}"
+
+
+def test_recorded_commit_reads_json_jsonl_and_text(tmp_path):
+    from snapquant.staleness import recorded_commit
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    (tmp_path / "a.json").write_text(json.dumps({"env": {"git_commit": sha}}))
+    (tmp_path / "b.jsonl").write_text('{"commit": null}\nnot json\n{"x": [{"commit": "abcdef1"}]}\n')
+    (tmp_path / "c.md").write_text("| git_commit | 7c2f294 |\n")
+    (tmp_path / "d.md").write_text("Produced on an H200 at commit a0ae444 (two calls).\n")
+    (tmp_path / "e.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "f.png").write_bytes(b"\x89PNG commit abcdef1")
+    got = [recorded_commit(tmp_path / n) for n in ("a.json", "b.jsonl", "c.md", "d.md", "e.csv", "f.png")]
+    assert got == [sha, "abcdef1", "7c2f294", "a0ae444", None, None]
+
+
+def _git(root, *args):
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_stale_report_compares_the_recorded_commit_with_the_jobs_code(tmp_path):
+    """A result is current until a commit touches its job's script or declared code; commits elsewhere and
+    files without a recorded commit (they take the job's) do not change that; an unknown commit is reported."""
+    from snapquant.staleness import stale_report
+
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "scripts" / "make.py").write_text("print(1)\n")
+    (tmp_path / "pkg" / "code.py").write_text("x = 1\n")
+    (tmp_path / "other.py").write_text("y = 1\n")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "code")
+    produced_at = _git(tmp_path, "rev-parse", "HEAD")
+    out = tmp_path / "results" / "x"
+    out.mkdir(parents=True)
+    (out / "r.json").write_text(json.dumps({"git_commit": produced_at}))
+    (out / "r.png").write_bytes(b"png")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "results")
+    job = reproduce.Job("results/x", "cpu", ("scripts/make.py",), ("r.*",), "test", code=("pkg",))
+    files = ["results/x/r.json", "results/x/r.png"]
+
+    def report():
+        return stale_report((job,), lambda f: [job], files, tmp_path)
+
+    [v] = report()
+    assert not v.stale and v.files == tuple(files) and v.commit == produced_at and "current" in v.line()
+    (tmp_path / "other.py").write_text("y = 2\n")
+    _git(tmp_path, "commit", "-qam", "unrelated")
+    assert not report()[0].stale
+    (tmp_path / "pkg" / "code.py").write_text("x = 2\n")
+    _git(tmp_path, "commit", "-qam", "change the code")
+    [v] = report()
+    assert v.stale and v.later == 1 and "change the code" in v.newest and v.line().lstrip().startswith("STALE")
+    (out / "r.json").write_text(json.dumps({"git_commit": "deadbee"}))
+    [v] = report()
+    assert v.stale and v.commit is None and "unknown commit deadbee" in v.line()
+
+
+def test_cli_stale_lists_every_committed_group(capsys):
+    committed = _committed_results()
+    rc = main(["--stale"])
+    out = capsys.readouterr().out
+    assert rc in (0, 1) and "result groups stale" in out
+    assert all(f"{Path(f).parent.as_posix()}: " in out for f in committed)  # every folder has a verdict line

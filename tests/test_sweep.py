@@ -222,6 +222,43 @@ def test_inline_sweep_three_presets_two_tasks_and_resume(tmp_path):
     assert len(rep3.ran) == 1 and ev3.evaluated == [files[0].stem]
 
 
+def test_fidelity_arrays_are_written_beside_the_cell_and_a_cell_is_done_only_with_both(tmp_path):
+    import numpy as np
+
+    from snapquant.results_io import ARRAYS_KEY, read_arrays
+    from tests.support.sweep_fakes import fake_fidelity
+
+    fid = {"num_sequences": 3, "seq_len": 20, "prompt_len": 6}
+    spec = SweepSpec.from_dict(spec_dict(tmp_path, presets=["bf16", "snapmla"], fidelity=fid))
+    rep = run_sweep(spec, FakeEvaluator(fidelity=True), show_progress=False)
+    assert len(rep.ran) == 2 and not rep.failed
+    store = ResultStore(tmp_path / "out")
+    cells = {c.label: c for c in rep.cells}
+    cid = cells["snapmla"].cell_id
+    d = json.loads(store.path(cid).read_text())
+    assert d[ARRAYS_KEY]["file"] == f"{cid}.npz" and store.arrays_path(cid).is_file()
+    assert "arrays" not in d and "positions" not in d["fidelity"]["decode"]  # arrays only in the .npz
+    assert d["fidelity"]["decode"]["per_sequence"]["n_positions"] == [13, 13, 13]  # 20 - 6 - 1 decode positions
+    got = read_arrays(d, store.path(cid))
+    _, want = fake_fidelity(cells["snapmla"].config, spec)
+    assert set(got) == set(want) == {"input_ids", "prefill_kl", "prefill_ref_top1", "prefill_quant_top1", "decode_kl",
+                                     "decode_ref_top1", "decode_quant_top1"}
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+    assert got["decode_kl"].dtype == np.float64 and got["decode_kl"].shape == (3, 13)
+    # the JSON without its arrays file is not a finished cell: dry-run lists it as to do, resume redoes it only
+    store.arrays_path(cid).unlink()
+    assert not store.is_done(cid) and store.is_done(cells["bf16"].cell_id)
+    assert run_sweep(spec, FakeEvaluator(fidelity=True), dry_run=True).already_done == [cells["bf16"].cell_id]
+    ev = FakeEvaluator(fidelity=True)
+    assert run_sweep(spec, ev, show_progress=False).ran == [cid] and ev.evaluated == [cid]
+    assert store.is_done(cid)
+    # an arrays file other than the one the JSON was written with is refused, naming it
+    store.arrays_path(cid).write_bytes(store.arrays_path(cells["bf16"].cell_id).read_bytes())
+    with pytest.raises(ValueError, match=f"{cid}.npz is not the arrays file"):
+        read_arrays(json.loads(store.path(cid).read_text()), store.path(cid))
+
+
 def test_dry_run_lists_without_running(tmp_path):
     spec = SweepSpec.from_dict(spec_dict(tmp_path))
     ev = FakeEvaluator()

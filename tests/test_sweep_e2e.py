@@ -60,6 +60,13 @@ def test_real_sweep_three_presets_two_tasks(tiny_ckpt, tmp_path):
     assert "| bf16 (baseline) |" in md and "sq_code_completion (exact_match)" in md
     assert {p.name for p in res.plots} >= {"accuracy_vs_bytes.png", "accuracy_vs_bytes.pdf", "task_deltas.pdf",
                                            "fidelity_vs_bytes.png", "fidelity_vs_bytes.pdf"}
+    # fidelity with intervals, its arrays beside each cell, the tail decoded with the sweep's tokenizer
+    assert len(list((tmp_path / "out" / "cells").glob("*.npz"))) == 3
+    s = cells["snapmla"]["fidelity"]["decode"]["summary"]["kl_mean"]
+    assert s["ci_low"] <= s["value"] <= s["ci_high"] and "KL mean [95% CI]" in md
+    assert {"fidelity_markdown", "fidelity_tail_markdown"} <= set(res.files)
+    tail = res.fidelity.tail[res.fidelity.tail["label"] == "snapmla"]
+    assert len(tail) and not tail["context"].str.contains("<[0-9]+>").any() and tail["context"].str.len().max() > 0
     tab = res.table.long.set_index(["label", "task"])
     assert tab.loc[("snapmla", "sq_code_ppl"), "delta"] == 0.0
     # rerun: everything is finished, nothing is evaluated, the model is not even loaded

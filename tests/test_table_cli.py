@@ -8,6 +8,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
@@ -200,3 +201,88 @@ def test_single_non_cell_json_is_an_error_even_when_skipping(tmp_path):
     f.write_text(json.dumps([1]))
     line = _one_line_error(_invoke("table", f, "--skip-corrupt"))
     assert "x.json is not a snapquant sweep cell result (the JSON is an array, not an object)" in line
+
+
+# ---------------------------------------------------------------------- fidelity tables
+FID = {"num_sequences": 6, "seq_len": 30, "prompt_len": 8}
+
+
+@pytest.fixture(scope="module")
+def fid_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fid") / "out"
+    spec = SweepSpec.from_dict({
+        "name": "f", "model": "embedded", "fidelity": FID, "output_dir": str(out),
+        "tasks": [{"name": "fake_a", "limit": 30}], "presets": ["bf16", "snapmla", "per_tensor_fp8"]})
+    run_sweep(spec, FakeEvaluator(fidelity=True), show_progress=False)
+    return out
+
+
+def test_table_shows_fidelity_with_intervals_and_writes_the_fidelity_tables(fid_dir, tmp_path):
+    d = tmp_path / "res"
+    shutil.copytree(fid_dir, d)
+    r = _invoke("table", d, "--baseline", "snapmla")
+    assert r.exit_code == 0, r.output
+    assert "KL mean [95% CI]" in r.stdout and "| 6 / 126 |" in r.stdout  # 6 sequences x (30 - 8 - 1) decode positions
+    for name in ("fidelity.md", "fidelity.tex", "fidelity.csv", "fidelity_summary.csv", "fidelity_pairs.csv",
+                 "fidelity_tail.md", "fidelity_tail.csv"):
+        assert (d / name).is_file(), name
+    comp = pd.read_csv(d / "fidelity.csv")
+    row = comp[(comp["label"] == "per_tensor_fp8") & (comp["mode"] == "decode")].iloc[0]
+    assert row["baseline"] == "snapmla" and (row["n_sequences"], row["n_positions"]) == (6, 126)
+    assert row["kl_ratio_ci_low"] <= row["kl_ratio"] <= row["kl_ratio_ci_high"] and 0 < row["kl_delta_p"] <= 1
+    assert "intervals over 6 sequence(s) are rough" in (d / "fidelity.md").read_text()
+    assert len(pd.read_csv(d / "fidelity_pairs.csv")) == 2 * 3  # 3 pairs of cells, 2 modes
+    # the planted position (sequence 1, decode position 3 -> predicted token 8 + 3 + 1) is listed
+    tail = (d / "fidelity_tail.md").read_text()
+    assert re.search(r"## snapmla \(decode\): 1 of 126 positions above 0\.1, carrying \d+% of the summed KL", tail)
+    assert "| 1 | 12 | 2 |" in tail
+    # an unquantized baseline has no KL to divide by
+    r = _invoke("table", d)
+    comp = pd.read_csv(d / "fidelity.csv")
+    assert comp["kl_ratio"].isna().all() and (comp["kl_ratio_method"].str.contains("unquantized")).all()
+
+
+def test_tail_lists_the_planted_position_with_its_decoded_context(fid_dir):
+    from snapquant.analysis import build_fidelity_table
+    from tests.support.sweep_fakes import PLANTED, LetterTokenizer, fake_tokens
+
+    tab = build_fidelity_table(load_results(fid_dir), decode=LetterTokenizer().decode, tail_threshold=0.5, tail_top=3)
+    t = tab.tail[(tab.tail["label"] == "snapmla") & (tab.tail["mode"] == "decode")]
+    assert len(t) == 3 and t["kl"].is_monotonic_decreasing  # 1 above 0.5, filled up to the top 3
+    top = t.iloc[0]
+    seq, pos = PLANTED[0], FID["prompt_len"] + PLANTED[1] + 1
+    ids = fake_tokens(FID["num_sequences"], FID["seq_len"])
+    assert (top["sequence"], top["position"], top["kl"]) == (seq, pos, PLANTED[2])
+    assert top["context"] == "".join(map(chr, ids[seq, :pos]))[-40:]
+    assert top["next_token"] == top["ref_top1"] == chr(ids[seq, pos]) and top["quant_top1"] != top["ref_top1"]
+    assert top["kl_share"] == pytest.approx(PLANTED[2] / top["kl_total"]) and top["kl_share"] > 0.5
+    assert tab.tail[tab.tail["label"] == "bf16"].empty  # nothing moved: nothing listed
+
+
+def _strip_to_old_format(d: Path) -> None:
+    """Cells as written before intervals: no summary / per-sequence sums / arrays file, no n_sequences."""
+    from snapquant.results_io import ARRAYS_KEY
+
+    for f in (d / "cells").glob("*.json"):
+        c = json.loads(f.read_text())
+        c.pop(ARRAYS_KEY, None)
+        for m in ("prefill", "decode"):
+            for k in ("summary", "per_sequence", "interval", "n_sequences", "first_position"):
+                c["fidelity"][m].pop(k, None)
+        c["fidelity"].pop("tokens_sha256")
+        f.write_text(json.dumps(c))
+    for f in (d / "cells").glob("*.npz"):
+        f.unlink()
+
+
+def test_old_format_cells_still_make_the_table_without_the_new_columns(fid_dir, tmp_path):
+    d = tmp_path / "old"
+    shutil.copytree(fid_dir, d)
+    _strip_to_old_format(d)
+    r = _invoke("table", d)
+    assert r.exit_code == 0, r.output
+    row = next(ln for ln in r.stdout.splitlines() if ln.startswith("| snapmla |"))
+    assert "[" not in row.split("|")[4]  # KL mean without an interval
+    fid = (d / "fidelity.md").read_text()
+    assert "paired comparison" not in fid and "point values only" in r.stderr
+    assert "no per-position arrays file" in (d / "fidelity_tail.md").read_text()

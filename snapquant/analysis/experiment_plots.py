@@ -68,11 +68,12 @@ def plot_pv_pipeline(per_layer: pd.DataFrame, table: pd.DataFrame, out_dir: str 
     exp = int(np.floor(np.log10(float(np.nanmax(table["decode_kl_mean"]))))) if top > 0 else 0
     _points(axes[1], x, table, "decode_kl_mean", cs, scale=10.0**exp)
     axes[1].set_ylim(0, top / 10.0**exp * 1.15)
-    n = table.get("decode_kl_mean_n_positions")
+    n, seqs = table.get("decode_kl_mean_n_positions"), table.get("decode_kl_mean_n_sequences")
+    n_words = (f"{int(seqs.iloc[0])} sequences / " if seqs is not None else "") + (
+        f"{int(n.iloc[0])} positions" if n is not None else "")
     axes[1].set(ylabel=f"mean KL ($10^{{{exp}}}$ nats), linear from 0",
-                title="decode next-token KL vs unquantized" + ("\n95% block-bootstrap CI" if _yerr(
-                    table, "decode_kl_mean") is not None else "") + (f", n = {int(n.iloc[0])} positions"
-                                                                    if n is not None else ""))
+                title="decode next-token KL vs unquantized" + ("\n95% CI" if _yerr(
+                    table, "decode_kl_mean") is not None else "") + (f", n = {n_words}" if n_words else ""))
     if has_ratio:
         # a ratio reads on a log axis: x2 and /2 sit at the same distance from 1
         ref = tuple(i for i, p in enumerate(pipelines) if p == "snapmla")  # 1 by definition: the line below

@@ -27,7 +27,8 @@ def load_results(*paths: str | Path, all_runs: bool = False, skip_corrupt: bool 
     schema are ignored.
 
     A file that should be a cell but cannot be read (truncated, not JSON, not a cell) is a
-    ConfigError naming it: a table with silently fewer rows is a wrong table. With `skip_corrupt`
+    ConfigError naming it: a table with silently fewer rows is a wrong table. Each cell dict gets
+    "_file", the path it was read from (its arrays file, if any, is beside it). With `skip_corrupt`
     each such file is left out with a `CorruptResultWarning` naming it instead. Raises ConfigError
     when nothing is found.
     """
@@ -50,7 +51,7 @@ def load_results(*paths: str | Path, all_runs: bool = False, skip_corrupt: bool 
             if why is not None:
                 corrupt(f"{p}: {why}; {EXPECTED}")
             else:
-                out.append(data)
+                out.append({**data, "_file": str(p)})
         elif (p / "cells").is_dir():
             out.extend(_from_store(ResultStore(p), all_runs, corrupt))
         elif p.is_dir():
@@ -65,7 +66,7 @@ def load_results(*paths: str | Path, all_runs: bool = False, skip_corrupt: bool 
                 if why is not None:
                     corrupt(f"{f}: {why}; expected a cell result JSON (schema {CELL_SCHEMA!r})")
                 else:
-                    out.append(data)
+                    out.append({**data, "_file": str(f)})
             if files and others == len(files):
                 raise ConfigError(f"no finished cell results under {p}: none of its {len(files)} JSON file(s) "
                                   f"has schema {CELL_SCHEMA!r}; {EXPECTED}")
@@ -111,7 +112,7 @@ def _from_store(store: ResultStore, all_runs: bool, corrupt) -> list[dict[str, A
         if why is not None:
             corrupt(f"corrupt cell result {f}: {why}; `snapquant sweep` redoes the cell when resumed")
         else:
-            results[data["cell_id"]] = data
+            results[data["cell_id"]] = {**data, "_file": str(f)}
     if wanted is None:
         return list(results.values())
     return [results[c] for c in wanted if c in results]

@@ -141,6 +141,8 @@ _SUM_AGGREGATES: dict[str, tuple[int, Callable[[np.ndarray, int], np.ndarray]]] 
     "perplexity": (1, lambda s, n: np.exp(-s[..., 0] / n)),
     "weighted_perplexity": (2, lambda s, n: np.exp(-s[..., 0] / s[..., 1])),
     "bits_per_byte": (2, lambda s, n: -s[..., 0] / s[..., 1] / math.log(2)),
+    # (sum, count) pairs -> sum / count over all items: a mean over positions of per-sequence sums
+    "pooled_mean": (2, lambda s, n: s[..., 0] / s[..., 1]),
 }
 
 
@@ -176,6 +178,8 @@ def aggregation_fn(name: str) -> Callable[[list[Any]], float]:
         return lambda items: math.exp(-sum(a for a, _ in items) / sum(b for _, b in items))
     if name == "bits_per_byte":
         return lambda items: -sum(a for a, _ in items) / sum(b for _, b in items) / math.log(2)
+    if name == "pooled_mean":
+        return lambda items: sum(a for a, _ in items) / sum(b for _, b in items)
     return _mean
 
 

@@ -7,7 +7,8 @@ difference is real (p < alpha, per task and cell, uncorrected for multiple compa
 caption says so). The last row is each task's
 minimum detectable effect (alpha, power 0.8) at its n, and the caption names each task's test and
 n (`significance` has the tests and the MDE formulas). The last columns are the cache bytes per
-token per layer and, when measured, decode fidelity (mean KL, top-1 agreement).
+token per layer and, when measured, decode fidelity (mean KL, top-1 agreement, each with its
+cluster-bootstrap interval and n; the full fidelity tables are `fidelity_tables`).
 Markdown and LaTeX are written here rather than through DataFrame.to_markdown/to_latex so the
 output does not depend on the optional `tabulate` / `jinja2` packages.
 """
@@ -65,7 +66,7 @@ class SweepTable:
         metrics = dict(zip(self.long["task"], self.long["metric"], strict=False))
         cols = ["cell"] + [f"{t} ({metrics[t]})" for t in self.tasks] + ["B/token"]
         if self._has_fidelity():
-            cols += ["KL mean", "top-1"]
+            cols += ["KL mean [95% CI]", "top-1 [95% CI]", "fidelity n (seq / pos)"]
         return cols
 
     def rows(self, latex: bool = False) -> list[list[str]]:
@@ -77,11 +78,11 @@ class SweepTable:
                 row.append(_entry(sel.iloc[0], self.alpha, latex) if len(sel) else "")
             row.append(_num(c["bytes_per_token"], 4))
             if self._has_fidelity():
-                row += [_num(c.get("kl_mean"), 3), _num(c.get("top1_agree"), 4)]
+                row += [_with_ci(c, "kl_mean", 3), _with_ci(c, "top1_agree", 4), _fidelity_n(c)]
             out.append(row)
         if self.tasks:
             mde = self._task_tests().set_index("task")["mde"]
-            tail = [""] * (1 + 2 * self._has_fidelity())
+            tail = [""] * (1 + 3 * self._has_fidelity())
             out.append([self.mde_label(), *[_mde(mde.get(t), latex) for t in self.tasks], *tail])
         return out
 
@@ -107,25 +108,29 @@ class SweepTable:
                 f"{self.mde_label()} = the smallest |delta| the test detects with probability {POWER:g} at "
                 "that n (exact McNemar power at the pooled observed discordance for 0/1 metrics, "
                 "(t_{1-α/2} + t_{power}) x pooled SE otherwise; ∞: no outcome reaches α at that n). "
-                "B/token = cache bytes per token per layer at the model's dims.")
+                "B/token = cache bytes per token per layer at the model's dims."
+                + (" Fidelity (decode, else prefill) vs the unquantized model: mean next-token KL and top-1 "
+                   "agreement [95% cluster-bootstrap interval over sequences], n = sequences / positions; "
+                   "fidelity.md has the distribution and the paired comparisons, fidelity_tail.md the "
+                   "largest positions." if self._has_fidelity() else ""))
 
     # ------------------------------------------------------------------ renderings
     def to_markdown(self) -> str:
         head = self.headers()
-        lines = ["| " + " | ".join(_md(h) for h in head) + " |",
+        lines = ["| " + " | ".join(escape_md(h) for h in head) + " |",
                  "|" + "|".join(":---" if i == 0 else "---:" for i in range(len(head))) + "|"]
-        lines += ["| " + " | ".join(_md(x) for x in r) + " |" for r in self.rows()]
+        lines += ["| " + " | ".join(escape_md(x) for x in r) + " |" for r in self.rows()]
         return "\n".join(lines) + "\n\n" + self.caption() + "\n"
 
     def to_latex(self) -> str:
         head = self.headers()
         spec = "l" + "r" * (len(head) - 1)
-        body = [" & ".join(_tex(h) for h in head) + r" \\", r"\midrule"]
+        body = [" & ".join(escape_tex(h) for h in head) + r" \\", r"\midrule"]
         for r in self.rows(latex=True):
-            body.append(" & ".join([_tex(r[0]), *r[1:]]) + r" \\")
+            body.append(" & ".join([escape_tex(r[0]), *r[1:]]) + r" \\")
         return "\n".join([
             r"\begin{table}[t]", r"\centering", r"\small", rf"\begin{{tabular}}{{{spec}}}", r"\toprule",
-            *body, r"\bottomrule", r"\end{tabular}", rf"\caption{{{_tex(self.caption())}}}", r"\end{table}",
+            *body, r"\bottomrule", r"\end{tabular}", rf"\caption{{{escape_tex(self.caption())}}}", r"\end{table}",
         ]) + "\n"
 
     def save(self, out_dir: str | Path, stem: str = "table") -> dict[str, Path]:
@@ -280,7 +285,16 @@ def _cell_row(r: dict[str, Any]) -> dict[str, Any]:
         row.update(fidelity_mode="decode" if fid.get("decode") else "prefill",
                    kl_mean=from_json_number(mode.get("kl_mean")), kl_p99=from_json_number(mode.get("kl_p99")),
                    top1_agree=from_json_number(mode.get("top1_agree")),
-                   ppl_delta=from_json_number(mode.get("ppl_delta")))
+                   ppl_delta=from_json_number(mode.get("ppl_delta")),
+                   fidelity_n_sequences=mode.get("n_sequences", fid.get("num_sequences")),
+                   fidelity_n_positions=mode.get("n_positions"))
+        summ = mode.get("summary")
+        if isinstance(summ, dict):  # cells written with intervals (a top-1 interval is the flip rate's, mirrored)
+            kl, flip = summ.get("kl_mean", {}), summ.get("flip_rate", {})
+            row.update(kl_mean_ci_low=from_json_number(kl.get("ci_low")),
+                       kl_mean_ci_high=from_json_number(kl.get("ci_high")),
+                       top1_agree_ci_low=1.0 - from_json_number(flip.get("ci_high")),
+                       top1_agree_ci_high=1.0 - from_json_number(flip.get("ci_low")))
         for m in ("prefill", "decode"):
             if isinstance(fid.get(m), dict):
                 row.update({f"{m}_{k}": from_json_number(fid[m].get(k))
@@ -350,7 +364,23 @@ def _num(v: Any, sig: int) -> str:
     return f"{f:.0f}" if f.is_integer() and abs(f) >= 1 else f"{f:.{sig}g}"
 
 
-def _md(s: str) -> str:
+def _with_ci(c: pd.Series, key: str, sig: int) -> str:
+    """`value [low, high]`, or the value alone for a cell written without intervals."""
+    v = _num(c.get(key), sig)
+    lo, hi = c.get(f"{key}_ci_low"), c.get(f"{key}_ci_high")
+    if v and lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi):
+        v += f" [{lo:.{sig}g}, {hi:.{sig}g}]"
+    return v
+
+
+def _fidelity_n(c: pd.Series) -> str:
+    n_seq, n_pos = c.get("fidelity_n_sequences"), c.get("fidelity_n_positions")
+    known = [x is not None and not (isinstance(x, float) and math.isnan(x)) for x in (n_seq, n_pos)]
+    return f"{int(n_seq)} / {int(n_pos)}" if all(known) else ""
+
+
+def escape_md(s: str) -> str:
+    """Text for a Markdown table cell (pipes escaped)."""
     return str(s).replace("|", r"\|")
 
 
@@ -359,5 +389,6 @@ _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#
         "α": r"$\alpha$", "∞": r"$\infty$"}
 
 
-def _tex(s: str) -> str:
+def escape_tex(s: str) -> str:
+    """Text for LaTeX (its special characters escaped; ±, α, ∞ as math)."""
     return "".join(_TEX.get(ch, ch) for ch in str(s))

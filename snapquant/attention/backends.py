@@ -11,6 +11,8 @@ known before any implementation loads:
 
     reference   snapquant.reference:mla_decode_reference   the exact PyTorch reference (any device)
     triton      snapquant.kernels:triton_backend           the paged FP8 kernels (CUDA); needs triton
+    flashmla    snapquant.attention.flashmla:flashmla_backend   FlashMLA's BF16 decode (CUDA, bf16 preset);
+                                                           needs the optional flash_mla package
 
 `backend_choices()` (and the live sequence `BACKEND_CHOICES`) is "auto" plus every registered name:
 what `snapquant.patch`, the CLI and sweep YAMLs accept, so a backend registered with
@@ -323,6 +325,10 @@ def kernel_options_from_text(text: str) -> dict[str, Any]:
 register_backend("reference", "snapquant.reference:mla_decode_reference", needs_cuda=False, auto=False, options=None)
 register_backend("triton", "snapquant.kernels:triton_backend", supports="snapquant.kernels:supports",
                  needs_cuda=True, auto=True, options="snapquant.kernels.options:as_options")
+# FlashMLA's BF16 decode for the bf16 preset (never an automatic choice: it is the benchmarks' anchor, an
+# optional package); `supports` is False while flash_mla is not importable, with the reason quoted.
+register_backend("flashmla", "snapquant.attention.flashmla:flashmla_backend",
+                 supports="snapquant.attention.flashmla:supports", needs_cuda=True, auto=False, options=None)
 
 
 # ---------------------------------------------------------------------------------------------- static path

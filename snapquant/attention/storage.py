@@ -37,17 +37,18 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..config import KVQuantConfig
+from ..constants import PAGE_SIZE
 from ..errors import ConfigError, ShapeError
 from ..quant.dtypes import ELEMENT_FORMATS, ElementFormat
 from ..quant.quantizer import QuantizedKV, quantize_kv
 from ..quant.scales import get_scale_format
 from ..quant.tensor import QuantizedTensor
 from .store_policies import (
-    PAGE_ROWS,
     GroupScales,
     KiviWindow,
     PartPolicy,
     PassThrough,
+    grow_rows,
     part_policy,
     select_rows,
 )
@@ -66,6 +67,18 @@ def native_format(dtype: torch.dtype) -> ElementFormat:
     if dtype == torch.float16:
         return ELEMENT_FORMATS["fp16"]
     raise ShapeError(f"unsupported activation dtype {dtype}; expected float32, bfloat16 or float16")
+
+
+def joint_rows_reason(config: KVQuantConfig) -> str | None:
+    """Why a store of `config` cannot keep latent and RoPE in one row (`joint_rows=True`); None when it can:
+    scales or two element formats cannot share a row."""
+    if config.nope_format.is_quantized or config.rope_format.is_quantized or config.rope_prescale:
+        return (f"joint_rows=True needs a cache with nothing quantized (one 16-bit row of latent then RoPE); "
+                f"config {config.label()!r} stores nope_dtype={config.nope_dtype}, rope_dtype={config.rope_dtype}")
+    if config.nope_dtype != config.rope_dtype:
+        return (f"joint_rows=True needs one dtype for the latent and the RoPE key, got "
+                f"nope_dtype={config.nope_dtype} and rope_dtype={config.rope_dtype}")
+    return None
 
 
 @dataclass
@@ -122,14 +135,14 @@ class DenseLatentStore:
     """
 
     def __init__(self, config: KVQuantConfig, kv_lora_rank: int, rope_dim: int, act_dtype: torch.dtype,
-                 capacity: int | None = None):
+                 capacity: int | None = None, joint_rows: bool = False):
         config.check_dims(kv_lora_rank, rope_dim)
         if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
             raise ShapeError(f"max_cache_len must be a positive int, got {capacity!r}")
         self.config = config
         # Preallocated stores: rows per request, a multiple of the 64-token page; allocated at the first
         # append and never reallocated (lengths and buffers keep their memory: CUDA graphs read them).
-        self.capacity = None if capacity is None else math.ceil(capacity / PAGE_ROWS) * PAGE_ROWS
+        self.capacity = None if capacity is None else math.ceil(capacity / PAGE_SIZE) * PAGE_SIZE
         self._static: dict = {}  # cached index tensors / kernel views of the static append path
         # append_static through the fused Triton kernel: None = on CUDA when the layout allows (True also
         # runs it in the Triton interpreter on CPU, for tests).
@@ -146,6 +159,15 @@ class DenseLatentStore:
         else:
             sfmt = get_scale_format(config.scale_format)
             self.parts = {p: part_policy(config, p, w, sfmt) for p, w in widths}
+        # joint_rows: one [B, capacity, r + d] buffer whose column slices are the two parts' codes, a token's
+        # latent then RoPE key in one row (FlashMLA's and vLLM's page layout, read by them in place). Only
+        # for unscaled parts of one dtype: scales or two element formats cannot share a row.
+        self.joint_rows = bool(joint_rows)
+        self._joint: torch.Tensor | None = None
+        if self.joint_rows:
+            reason = joint_rows_reason(config)
+            if reason is not None:
+                raise ConfigError(reason)
         grouped = any(isinstance(p, GroupScales) for p in self.parts.values())
         self.group = config.token_group if grouped else None
         # KIVI residual window: the last `lengths % group` tokens of each request, in the model's dtype.
@@ -282,15 +304,15 @@ class DenseLatentStore:
         if kernel_mismatch(kv, self.config) is None and nope.layout in ("none", "row") and all(
                 t is None or t.is_contiguous() for t in (nope.codes, nope.scale, rp.codes)):
             B, cap = self.batch_size, self.capacity
-            pages = B * cap // PAGE_ROWS
+            pages = B * cap // PAGE_SIZE
             scale = None
             if nope.scale is not None:
-                scale = nope.scale.view(pages, PAGE_ROWS, nope.scale.shape[-1])
+                scale = nope.scale.view(pages, PAGE_SIZE, nope.scale.shape[-1])
                 if scale.shape[-1] == 1:
-                    scale = scale.view(pages, PAGE_ROWS)
+                    scale = scale.view(pages, PAGE_SIZE)
             dev = self.lengths.device
             view = PagedMLACache(
-                nope.codes.view(pages, PAGE_ROWS, self.r), scale, rp.codes.view(pages, PAGE_ROWS, self.d),
+                nope.codes.view(pages, PAGE_SIZE, self.r), scale, rp.codes.view(pages, PAGE_SIZE, self.d),
                 torch.zeros(B, 1, dtype=torch.int32, device=dev), torch.zeros(B, dtype=torch.int32, device=dev),
                 self.config,
             )
@@ -320,6 +342,8 @@ class DenseLatentStore:
         keep = torch.arange(N, device=latent.device).view(1, N) < counts.view(B, 1)
         b_idx, k_idx = keep.nonzero(as_tuple=True)
         t_idx = start[b_idx] + k_idx
+        if self.joint_rows:
+            self._ensure_joint(B, need, q.latent.data)
         for name, qt in (("nope", q.latent), ("rope", q.rope)):
             part = self.parts[name]
             part.ensure(B, need, qt.data, qt.scale, self.capacity)
@@ -338,6 +362,21 @@ class DenseLatentStore:
             start = self.lengths - held
             self._write_group_rows(pend_l[:, :rows], pend_r[:, :rows], full * G, start)
         self.window.keep(pend_l, pend_r, full * G, total - full * G)
+
+    def _ensure_joint(self, batch: int, need: int, like: torch.Tensor) -> None:
+        """Allocate (or grow, keeping the rows) the joint buffer and point both parts' codes at its slices."""
+        if self._joint is None:
+            rows = self.capacity if self.capacity is not None else math.ceil(need / PAGE_SIZE) * PAGE_SIZE
+            self._joint = like.new_zeros(batch, rows, self.r + self.d)
+        elif self.capacity is None and self._joint.shape[1] < need:
+            self._joint = grow_rows(self._joint, need)
+        else:
+            return
+        self._point_parts()
+
+    def _point_parts(self) -> None:
+        self.parts["nope"].codes = self._joint[..., : self.r]
+        self.parts["rope"].codes = self._joint[..., self.r:]
 
     def _write_group_rows(self, latent: torch.Tensor, rope: torch.Tensor, counts: torch.Tensor, start: torch.Tensor):
         """Quantize whole groups: `latent [B, F*G, r]` (first counts[b] rows valid, a multiple of G)."""
@@ -471,8 +510,12 @@ class DenseLatentStore:
             return
         idx = idx.to(self.lengths.device).long()
         fixed = self.capacity is not None
-        for part in self.parts.values():
-            part.index_select(idx, in_place=fixed)
+        if self._joint is not None:  # select whole rows once; the parts stay slices of the one buffer
+            self._joint = select_rows(self._joint, idx, fixed)
+            self._point_parts()
+        else:
+            for part in self.parts.values():
+                part.index_select(idx, in_place=fixed)
         if self.window is not None:
             self.window.index_select(idx)
         self.lengths = select_rows(self.lengths, idx, fixed)

@@ -23,11 +23,10 @@ from typing import ClassVar
 import torch
 
 from ..config import KVQuantConfig
+from ..constants import PAGE_SIZE
 from ..errors import ShapeError
 from ..quant.dtypes import ElementFormat
 from ..quant.tensor import QuantizedTensor
-
-PAGE_ROWS = 64  # rows are allocated in multiples of a 64-token page
 
 
 class PartPolicy:
@@ -281,10 +280,10 @@ def select_rows(t: torch.Tensor, idx: torch.Tensor, in_place: bool) -> torch.Ten
 
 def grow_rows(t: torch.Tensor, capacity: int) -> torch.Tensor:
     """`t [B, rows, ...]` with at least `capacity` rows (doubling, in whole pages), the old rows kept."""
-    cap = max(PAGE_ROWS, t.shape[1])
+    cap = max(PAGE_SIZE, t.shape[1])
     while cap < capacity:
         cap *= 2
-    cap = math.ceil(cap / PAGE_ROWS) * PAGE_ROWS
+    cap = math.ceil(cap / PAGE_SIZE) * PAGE_SIZE
     out = t.new_zeros(t.shape[0], cap, *t.shape[2:])
     out[:, : t.shape[1]] = t
     return out

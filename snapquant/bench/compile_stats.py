@@ -1,220 +1,21 @@
-"""What the compiler makes of each decode variant, without a GPU.
+"""What the compiler makes of each benchmark decode variant at a benchmark shape, without a GPU.
 
-Triton compiles for any target on any machine: this module builds a variant's launch plan over
-meta tensors of the real shape (`plan_decode(native=True)`), specializes the arguments as the JIT
-would (pointer alignment, integers equal to 1 or divisible by 16), compiles each kernel for the
-target (sm_90 = Hopper by default) and reads back:
-
-    regs, spill_bytes   from the cubin's resource usage (cuobjdump), spills = local-memory stack
-    smem                shared memory per program
-    async_loads         cp.async / TMA copies in the TTGIR (prologue and loop)
-    async_tiles         2-D tiles the page loop copies asynchronously (software-pipelined,
-                        `num_stages - 1` pages ahead), e.g. "64x512:f8E4M3FN" = the latent tile
-    sync_tiles          2-D tiles the page loop loads synchronously (it waits for them each page)
-    wgmma, mma_sync     Hopper warp-group MMAs vs Ampere-style MMAs in the PTX
-    wgmma_waits         SASS waits on the warpgroup MMA pipe (WARPGROUP.DEPBAR); one per wgmma means
-                        ptxas serialized them, costly for the MMA chain
-    ptxas_advice        the performance advisories ptxas prints and Triton hides (its C75xx codes, e.g.
-                        C7512 "wgmma serialized: insufficient register resources", C7515 "...: non
-                        wgmma instructions defining accumulator registers"), "" when none
-    cvt_e4m3            fp8 -> 16-bit conversion instructions in the PTX
-    loop_*              the SASS instruction mix of the page loop (the backward branch whose body
-                        holds the most MMA instructions): total, MMA, conversions (F2FP/F2F/I2F...),
-                        shared-memory loads/stores, global loads, MUFU (exp2, rcp), FP32 ALU
-These are predictions' raw material (docs/kernels.md), not timings. Triton versions
-differ (the H200 machine runs 3.6, CI 3.9): regenerate there with `--compile-stats` when it matters.
+`decode_compile_stats(variant, shape)` builds the variant's plan over meta tensors of the shape and
+compiles it with `snapquant.kernels.compile_stats` (whose docstring lists what each column means);
+`snapquant bench --compile-stats` writes the rows as compile_stats_<tag>.csv.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import tempfile
-from collections import Counter
 from typing import Any
 
 import torch
 
+from ..kernels.compile_stats import compile_launch, kernel_stats, loop_mix, plan_compile_stats, tile_loads
 from .shapes import DecodeShape
 from .variants import Variant
 
-SASS_GROUPS = {
-    "mma": ("HMMA", "HGMMA", "IMMA", "QMMA", "WGMMA"),
-    "cvt": ("F2FP", "F2F", "I2F", "F2I", "I2FP", "HADD2.F32"),
-    "lds": ("LDS", "LDSM"),
-    "sts": ("STS",),
-    "ldg": ("LDG", "LDGSTS", "UTMALDG"),
-    "mufu": ("MUFU",),
-    "falu": ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FCHK"),
-}
-
-
-def _specialize(value: Any) -> tuple[str, list | None]:
-    """(signature type, attributes) of one runtime argument, as the JIT specializes it."""
-    from triton.backends.compiler import BaseBackend
-
-    try:
-        from triton._C.libtriton import native_specialize_impl
-
-        t, a = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
-        return t, (BaseBackend.parse_attr(a) if isinstance(a, str) else None)
-    except ImportError:  # older triton: the same rules by hand
-        if isinstance(value, torch.Tensor):
-            names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
-                     torch.int64: "i64", torch.int16: "i16", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
-            return "*" + names[value.dtype], [["tt.divisibility", 16]] if value.data_ptr() % 16 == 0 else None
-        if isinstance(value, bool):
-            return "u1", None
-        if isinstance(value, int):
-            if value == 1:
-                return "constexpr", None
-            return ("i32" if -(2**31) <= value < 2**31 else "i64"), ([["tt.divisibility", 16]] if value % 16 == 0 else None)
-        return "fp32", None
-
-
-def compile_launch(launch: Any, arch: int = 90) -> Any:
-    """Compile one `KernelLaunch` of a plan for CUDA compute capability `arch`."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kernel = launch.kernel
-    names = [p.name for p in kernel.params]
-    values = dict(zip(names, launch.args, strict=False))
-    options = {}
-    for k, v in launch.kwargs.items():
-        if k in names:
-            values[k] = v
-        if k not in names or k == "num_warps":  # a Gluon kernel also reads num_warps as a constexpr
-            options[k] = v
-    # FP fusion as the launch gets it (the launch passes no enable_fp_fusion, so Triton applies
-    # TRITON_DEFAULT_FP_FUSION: on in 3.9, off from 3.10). Asking for it explicitly compiles the same
-    # kernel without Triton 3.9's warning that the unset default will change.
-    default_fusion = getattr(triton.knobs.language, "default_fp_fusion", None) if hasattr(triton, "knobs") else None
-    if default_fusion is not None:
-        options.setdefault("enable_fp_fusion", bool(default_fusion))
-    sig, constexprs, attrs = {}, {}, {}
-    for i, p in enumerate(kernel.params):
-        v = values[p.name] if p.name in values else p.default  # a constexpr left at its default
-        if p.is_constexpr:
-            sig[p.name] = "constexpr"
-            constexprs[(i,)] = v
-            continue
-        t, a = _specialize(v)
-        sig[p.name] = t
-        if t == "constexpr":
-            constexprs[(i,)] = v
-        elif a:
-            attrs[(i,)] = a
-    if getattr(kernel, "is_gluon", lambda: False)():  # a Gluon kernel (tile="gluon") has its own source type
-        from triton.experimental.gluon._runtime import GluonASTSource
-
-        src = GluonASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
-    else:
-        src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-
-
-def _tool(name: str) -> str | None:
-    import triton
-
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    return path if os.path.exists(path) else None
-
-
-def kernel_stats(compiled: Any) -> dict[str, Any]:
-    """Resource usage and instruction mix of a compiled kernel (see the module docstring)."""
-    asm = compiled.asm
-    ttgir, ptx = asm.get("ttgir", ""), asm.get("ptx", "")
-    st: dict[str, Any] = {
-        "smem": getattr(compiled.metadata, "shared", None),
-        "async_loads": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy"),
-        **tile_loads(ttgir),
-        "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
-        "cvt_e4m3": len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)),
-    }
-    cubin = asm.get("cubin")
-    tool = _tool("cuobjdump")
-    if cubin and tool:
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(cubin)
-            path = f.name
-        try:
-            res = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, timeout=60).stdout
-            m = re.search(r"REG:(\d+)", res)
-            st["regs"] = int(m.group(1)) if m else None
-            m = re.search(r"STACK:(\d+)", res)
-            st["spill_bytes"] = int(m.group(1)) if m else None
-            sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, timeout=120).stdout
-            st.update(loop_mix(sass))
-            st["wgmma_waits"] = sass.count("WARPGROUP.DEPBAR")
-            st["ptxas_advice"] = ptxas_advice(ptx)
-        finally:
-            os.unlink(path)
-    return st
-
-
-def ptxas_advice(ptx: str, arch: str = "sm_90a") -> str | None:
-    """The C75xx performance advisory codes `ptxas -v` prints for `ptx` (comma list; None without ptxas).
-    Uses the ptxas Triton itself compiles sm_90 with (3.9 ships two and picks the newer)."""
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        tool = get_ptxas(90).path
-    except Exception:
-        tool = _tool("ptxas")
-    if tool is None or not ptx:
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([tool, f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True, timeout=300)
-    return ",".join(sorted(set(re.findall(r"\((C75\d\d)\)", res.stdout + res.stderr))))
-
-
-_ASYNC = re.compile(r"async_copy_global_to_local [^\n]*?tensor<(\d+)x(\d+)x!tt\.ptr<(\w+)>")
-_LOAD = re.compile(r"= tt\.load [^\n]*?tensor<(\d+)x(\d+)x!tt\.ptr<(\w+)>")
-
-
-def tile_loads(ttgir: str) -> dict[str, str]:
-    """2-D tiles loaded inside the main loop: `async_tiles` (software-pipelined: copied to shared
-    memory pages ahead) and `sync_tiles` (plain loads: the loop waits for them), as RxC:dtype."""
-    body = ttgir[ttgir.find("scf.for"):] if "scf.for" in ttgir else ""
-
-    def shapes(rx: re.Pattern) -> str:
-        return ",".join(sorted({f"{a}x{b}:{t}" for a, b, t in rx.findall(body)}))
-
-    return {"async_tiles": shapes(_ASYNC), "sync_tiles": shapes(_LOAD)}
-
-
-_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
-
-
-def loop_mix(sass: str) -> dict[str, Any]:
-    """Instruction mix of the SASS loop (a backward branch) holding the most MMA instructions."""
-    instrs = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _INSTR.finditer(sass)]
-    loops = []
-    for addr, op, args in instrs:
-        if op.startswith("BRA"):
-            m = re.search(r"0x([0-9a-f]+)", args)
-            if m and int(m.group(1), 16) < addr:
-                loops.append((int(m.group(1), 16), addr))
-    best: tuple[int, Counter] | None = None
-    for lo, hi in loops:
-        ops = Counter(op.split(".")[0] for a, op, _ in instrs if lo <= a <= hi)
-        n_mma = sum(ops[o] for o in SASS_GROUPS["mma"])
-        if best is None or n_mma > best[0]:
-            best = (n_mma, ops)
-    if best is None:
-        return {"loop_total": None}
-    ops = best[1]
-    out = {"loop_total": sum(ops.values())}
-    for g, names in SASS_GROUPS.items():
-        out[f"loop_{g}"] = sum(ops[o] for o in names)
-    return out
+__all__ = ["compile_launch", "decode_compile_stats", "kernel_stats", "loop_mix", "tile_loads"]
 
 
 def decode_compile_stats(v: Variant, shape: DecodeShape, *, arch: int = 90, num_sms: int = 132,
@@ -231,13 +32,4 @@ def decode_compile_stats(v: Variant, shape: DecodeShape, *, arch: int = 90, num_
     q = torch.empty(shape.batch, shape.q_tokens, shape.heads, r + d, dtype=torch.bfloat16, device="meta")
     plan = plan_decode(q, KernelOperands.from_paged(cache), 0.07, cfg, native=True, num_sms=num_sms,
                        **v.kernel_kwargs(shape, num_sms))
-    out = []
-    for ln in plan.launches:
-        row = {"variant": v.name, "shape": shape.name, "kernel": ln.name, "grid": "x".join(map(str, ln.grid)),
-               "num_warps": ln.kwargs.get("num_warps"), "num_stages": ln.kwargs.get("num_stages")}
-        try:
-            row.update(kernel_stats(compile_launch(ln, arch)))
-        except Exception as e:  # one kernel that does not compile must not hide the others
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        out.append(row)
-    return out
+    return [{"variant": v.name, "shape": shape.name, **row} for row in plan_compile_stats(plan, arch)]

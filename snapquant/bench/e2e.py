@@ -15,6 +15,14 @@ Triton kernel on CUDA where snapquant.kernels supports the config, else the PyTo
     python scripts/bench_e2e.py --threads 1                 # CPU: 2 layers, batch 1, L = 1K, 4K, 16K
     python scripts/bench_e2e.py --device cuda --layers 8 --batch 32 --contexts 8192,32768 \\
         --backend triton --graphs --out results/bench/e2e_h200.json      # the H200 run in results/
+    python scripts/bench_e2e.py --device cuda --layers 8 --batch 32 --contexts 32768 --no-stock --graphs \\
+        --presets bf16@flashmla,snapmla --backend triton --kv-budget-gib 16   # against FlashMLA (installed)
+
+A variant is a preset on --backend or `preset@backend`: `bf16@flashmla` is the bf16 preset decoded by FlashMLA
+(the anchor: every other variant's `speedup_vs_flashmla`, tokens/s over the anchor's in the same scenario,
+context and mode, with a 95 % bootstrap interval over the steps and n). Scenario "batch" runs every variant at
+--batch; with --kv-budget-gib, scenario "kv_budget" runs each at the largest batch whose KV cache fits the budget
+(the 644-byte format fits 1.79x the requests of the 1152-byte one).
 
 (scripts/bench_e2e.py is the command line; this module is its implementation.)
 
@@ -138,7 +146,8 @@ def time_graph(graph, batch: int, steps: int, device: str) -> tuple[list[float],
 
 
 def graph_timing(model, cache, batch: int, length: int, steps: int, device: str) -> tuple:
-    """("graph", ms per replayed step, kernel ms per step, max |logit diff| / max |logit| vs eager)."""
+    """("graph", ms per replayed step, kernel ms per step, max |logit diff| / max |logit| vs eager, the replayed
+    steps' seconds)."""
     from snapquant.graphs import DecodeGraph
 
     ref = eager_logits(model, cache, batch, length, device)
@@ -152,7 +161,7 @@ def graph_timing(model, cache, batch: int, length: int, steps: int, device: str)
         graph.rewind(1)
 
     kern = kernel_seconds_per_step(graph_step) * 1e3 if device.startswith("cuda") else None
-    return "graph", statistics.median(times) * 1e3, kern, rel
+    return "graph", statistics.median(times) * 1e3, kern, rel, times
 
 
 def kernel_seconds_per_step(run_step, steps: int = 5) -> float:
@@ -194,9 +203,70 @@ def fit_max_context(points: list[tuple[int, float]], budget_bytes: float) -> int
     return max(0, int((budget_bytes - (p0 - slope * l0)) / slope) // 64 * 64)
 
 
-CSV_COLUMNS = ("context", "variant", "mode", "ms_per_step", "tokens_per_s", "kernel_ms_per_step",
-               "step_over_kernels", "speedup_vs_stock", "speedup_vs_patched_bf16", "logits_rel_vs_eager",
+CSV_COLUMNS = ("scenario", "context", "batch", "variant", "backend", "mode", "ms_per_step", "tokens_per_s", "steps",
+               "kernel_ms_per_step", "step_over_kernels", "speedup_vs_stock", "speedup_vs_patched_bf16",
+               "speedup_vs_flashmla", "speedup_vs_flashmla_lo", "speedup_vs_flashmla_hi", "logits_rel_vs_eager",
                "cache_bytes", "bytes_per_token_layer", "peak_gib", "max_context_in_budget")
+ANCHOR = "bf16@flashmla"  # the bf16 preset decoded by FlashMLA: what a vLLM / SGLang user runs on Hopper
+
+
+def parse_variants(text: str, default_backend: str) -> list[tuple[str, str, str]]:
+    """--presets as (name, preset, backend): "snapmla" runs on --backend, "bf16@flashmla" on FlashMLA.
+    ConfigError (one line, naming the entry) for an unknown preset or backend."""
+    from snapquant.attention.backends import check_backend_name
+    from snapquant.errors import ConfigError
+    from snapquant.presets import resolve_config
+
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        preset, _, backend = item.partition("@")
+        try:
+            resolve_config(preset)
+            check_backend_name(backend or default_backend)
+        except ConfigError as e:
+            raise ConfigError(f"--presets entry {item!r}: {e}") from None
+        out.append((item, preset, backend or default_backend))
+    if not out:
+        raise ConfigError("--presets is empty; e.g. bf16@flashmla,snapmla")
+    return out
+
+
+def budget_batch(budget_gib: float, preset: str, layers: int, context: int, max_batch: int) -> int:
+    """The largest batch whose KV cache (`context` + 1 tokens per request, every layer, the format's own
+    bytes per token) fits `budget_gib`; at most `max_batch`."""
+    from snapquant.presets import resolve_config
+    from snapquant.quant import bytes_per_token
+
+    per_request = layers * (context + 1) * bytes_per_token(resolve_config(preset), R, D)
+    return max(0, min(max_batch, int(budget_gib * 2**30 // per_request)))
+
+
+def compare_to_anchor(rows: list[dict], anchor_samples: dict, samples: dict) -> list[dict]:
+    """speedup_vs_flashmla = tokens/s of the row / tokens/s of the `ANCHOR` row of the same scenario, context and
+    mode (ratio of the medians over steps; batches may differ: the memory-budget scenario), and its 95 %
+    percentile-bootstrap interval over the two sets of step samples (timing noise of this process only);
+    returns one summary entry per comparison. anchor_samples: (scenario, context, mode) -> (step seconds,
+    batch); samples: ((scenario, context, mode), variant) -> step seconds."""
+    from .results import ratio_interval
+
+    out = []
+    for r in rows:
+        key = (r.get("scenario"), r["context"], r["mode"])
+        a = anchor_samples.get(key)
+        mine = samples.get((key, r["variant"]))
+        if a is None or mine is None or r["variant"] == ANCHOR:
+            continue
+        a_s, batch_a = a
+        num, den = [r["batch"] / x for x in mine], [batch_a / x for x in a_s]  # tokens/s per step
+        r["speedup_vs_flashmla"] = statistics.median(num) / statistics.median(den)
+        ci = ratio_interval(num, den)
+        if ci is not None:
+            r["speedup_vs_flashmla_lo"], r["speedup_vs_flashmla_hi"] = ci
+        out.append({"scenario": r.get("scenario"), "context": r["context"], "mode": r["mode"], "variant": r["variant"],
+                    "batch": r["batch"], "anchor_batch": batch_a, "tokens_per_s": statistics.median(num),
+                    "anchor_tokens_per_s": statistics.median(den), "speedup_vs_flashmla": r["speedup_vs_flashmla"],
+                    "ci95": list(ci) if ci else None, "n": [len(num), len(den)]})
+    return out
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
@@ -253,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16")
-    p.add_argument("--presets", default="bf16,snapmla")
+    p.add_argument("--presets", default="bf16,snapmla",
+                   help="variants: a preset, run on --backend, or preset@backend (bf16@flashmla: the bf16 preset on "
+                        "FlashMLA, the anchor every other variant's speedup_vs_flashmla is measured against; list it "
+                        "first)")
     p.add_argument("--backend", default="auto", help="snapquant decode backend: auto, reference, triton or another "
                                                     "registered one")
     p.add_argument("--kernel-options", default=None,
@@ -262,17 +335,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time DecodeGraph steps: captured CUDA graphs on CUDA, the same fixed-shape step on CPU")
     p.add_argument("--no-stock", action="store_true", help="skip stock transformers")
     p.add_argument("--budget-gib", type=float, default=64.0, help="memory budget for the largest-context column")
+    p.add_argument("--kv-budget-gib", type=float, default=None,
+                   help="also run each variant at the largest batch whose KV cache (context + 1 tokens, every layer) "
+                        "fits this many GiB (scenario 'kv_budget'; the default scenario is 'batch', at --batch)")
+    p.add_argument("--max-batch", type=int, default=256, help="cap of the kv-budget batch")
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--out", default="results/bench_e2e.json")
     args = p.parse_args(argv)
 
+    from snapquant.attention import flashmla
     from snapquant.attention.backends import check_kernel_options, kernel_options_from_text
     from snapquant.errors import ConfigError
 
     try:  # bad options are one line before any model is built
         kernel_options = kernel_options_from_text(args.kernel_options) if args.kernel_options else None
         check_kernel_options(args.backend, kernel_options)
+        variants = parse_variants(args.presets, args.backend)
+        if args.kv_budget_gib is not None and not args.kv_budget_gib > 0:
+            raise ConfigError(f"--kv-budget-gib={args.kv_budget_gib} is not valid; expected a positive number of GiB")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -290,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     contexts = [int(x) for x in args.contexts.split(",") if x]
-    presets = [x for x in args.presets.split(",") if x]
+    presets = [name for name, _, _ in variants]
     model, _ = build_model(args.layers, dtype, device, args.vocab)
     env = {
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
@@ -326,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         return float(torch.cuda.max_memory_allocated())
 
+    samples: dict = {}  # ((scenario, context, mode), variant) -> step seconds
+    anchor_samples: dict = {}  # (scenario, context, mode) -> (step seconds, batch) of the ANCHOR variant
+    comparisons: list[dict] = []
     for L in contexts:
         stock_ms = None
         if not args.no_stock:
@@ -334,8 +418,9 @@ def main(argv: list[str] | None = None) -> int:
             t = time_eager(model, cache, args.batch, L, args.steps, args.warmup, device)
             peak = measure_peak(lambda c=cache, n=L: time_eager(model, c, args.batch, n, 1, 0, device))
             stock_ms = statistics.median(t) * 1e3
-            row = {"context": L, "variant": "stock", "mode": "eager", "ms_per_step": stock_ms,
-                   "ms_per_token": stock_ms / args.batch, "tokens_per_s": args.batch / (stock_ms * 1e-3),
+            row = {"scenario": "batch", "context": L, "batch": args.batch, "variant": "stock", "mode": "eager",
+                   "ms_per_step": stock_ms, "ms_per_token": stock_ms / args.batch,
+                   "tokens_per_s": args.batch / (stock_ms * 1e-3), "steps": len(t),
                    "cache_bytes": stock_cache_bytes(cache),
                    "bytes_per_token_layer": stock_cache_bytes(cache) / (L * args.batch * args.layers)}
             if cuda:
@@ -344,42 +429,65 @@ def main(argv: list[str] | None = None) -> int:
                 row["step_over_kernels"] = stock_ms / row["kernel_ms_per_step"]
             record(row, peak)
             del cache
-        bf16_ms: dict[str, float] = {}
-        for preset in presets:
-            snapquant.patch(model, preset, backend=args.backend, kernel_options=kernel_options)
-            cache_kw = {"max_cache_len": L + 64} if args.graphs else {}
-            cache = fill_cache(LatentCache(preset, model, **cache_kw), model, args.batch, L, dtype, device)
-            t = time_eager(model, cache, args.batch, L, args.steps, args.warmup, device)
-            eager_ms = statistics.median(t) * 1e3
-            peak = measure_peak(lambda c=cache, n=L: time_eager(model, c, args.batch, n, 1, 0, device))
-            base = {"context": L, "variant": preset, "cache_bytes": cache.nbytes(),
-                    "bytes_per_token_layer": cache.bytes_per_token()}
-            timed = [("eager", eager_ms, None, None)]
-            if args.graphs:
-                try:
-                    timed.append(graph_timing(model, cache, args.batch, L, args.steps, device))
-                except Exception as e:  # keep the eager numbers and the other variants
-                    import traceback
+        scenarios = [("batch", {name: args.batch for name, _, _ in variants})]
+        if args.kv_budget_gib is not None:
+            scenarios.append(("kv_budget", {name: budget_batch(args.kv_budget_gib, preset, args.layers, L, args.max_batch)
+                                            for name, preset, _ in variants}))
+        for scenario, batches in scenarios:
+            bf16_ms: dict[str, float] = {}
+            for name, preset, backend in variants:
+                batch = batches[name]
+                if batch < 1:
+                    print(f"[{scenario} L={L}] {name}: no request fits {args.kv_budget_gib} GiB of KV cache", flush=True)
+                    continue
+                if backend == "flashmla" and not flashmla.available():
+                    print(f"[{scenario} L={L}] {name}: {flashmla.NOT_INSTALLED}", flush=True)
+                    env.setdefault("skipped", []).append(f"{name}: {flashmla.NOT_INSTALLED}")
+                    continue
+                snapquant.patch(model, preset, backend=backend,
+                                kernel_options=kernel_options if backend == args.backend else None)
+                cache_kw = {"max_cache_len": L + 64} if args.graphs else {}
+                # FlashMLA reads latent and RoPE from one row: the joint layout lets it read the cache in place
+                cache = LatentCache(preset, model, joint_rows=backend == "flashmla", **cache_kw)
+                cache = fill_cache(cache, model, batch, L, dtype, device)
+                t = time_eager(model, cache, batch, L, args.steps, args.warmup, device)
+                eager_ms = statistics.median(t) * 1e3
+                peak = measure_peak(lambda c=cache, n=L, b=batch: time_eager(model, c, b, n, 1, 0, device))
+                base = {"scenario": scenario, "context": L, "batch": batch, "variant": name, "backend": backend,
+                        "cache_bytes": cache.nbytes(), "bytes_per_token_layer": cache.bytes_per_token()}
+                timed = [("eager", eager_ms, None, None, t)]
+                if args.graphs:
+                    try:
+                        timed.append(graph_timing(model, cache, batch, L, args.steps, device))
+                    except Exception as e:  # keep the eager numbers and the other variants
+                        import traceback
 
-                    traceback.print_exc()
-                    base["graph_error"] = f"{type(e).__name__}: {e}"[:300]
-            for mode, ms, kern, rel in timed:
-                row = dict(base, mode=mode, ms_per_step=ms, ms_per_token=ms / args.batch,
-                           tokens_per_s=args.batch / (ms * 1e-3))
-                if kern is not None:
-                    row.update(kernel_ms_per_step=kern, step_over_kernels=ms / kern)
-                if rel is not None:
-                    row["logits_rel_vs_eager"] = rel
-                if stock_ms is not None:
-                    row["speedup_vs_stock"] = stock_ms / ms
-                    row["stock_over_patched"] = stock_ms / ms  # name kept from the CPU results
-                if preset == "bf16":
-                    bf16_ms[mode] = ms
-                elif mode in bf16_ms:  # same mode (eager vs eager, graph vs graph)
-                    row["speedup_vs_patched_bf16"] = bf16_ms[mode] / ms
-                record(row, peak if mode == "eager" else None)
-            del cache
+                        traceback.print_exc()
+                        base["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+                for mode, ms, kern, rel, secs in timed:
+                    row = dict(base, mode=mode, ms_per_step=ms, ms_per_token=ms / batch,
+                               tokens_per_s=batch / (ms * 1e-3), steps=len(secs))
+                    if kern is not None:
+                        row.update(kernel_ms_per_step=kern, step_over_kernels=ms / kern)
+                    if rel is not None:
+                        row["logits_rel_vs_eager"] = rel
+                    if stock_ms is not None and batch == args.batch:
+                        row["speedup_vs_stock"] = stock_ms / ms
+                        row["stock_over_patched"] = stock_ms / ms  # name kept from the CPU results
+                    if name == "bf16":
+                        bf16_ms[mode] = ms
+                    elif mode in bf16_ms and batch == batches.get("bf16"):  # same mode and batch
+                        row["speedup_vs_patched_bf16"] = bf16_ms[mode] / ms
+                    key = (scenario, L, mode)
+                    samples[(key, name)] = list(secs)
+                    if name == ANCHOR:
+                        anchor_samples[key] = (list(secs), batch)
+                    record(row, peak if mode == "eager" and scenario == "batch" else None)
+                del cache
+                snapquant.unpatch(model)
         snapquant.unpatch(model)
+        comparisons = compare_to_anchor(rows, anchor_samples, samples)
+        env["comparisons"] = comparisons
         budget = args.budget_gib * 2**30
         for r in rows:
             r["max_context_in_budget"] = fit_max_context(peaks.get(r["variant"], []), budget)
@@ -387,16 +495,22 @@ def main(argv: list[str] | None = None) -> int:
         write_csv(out_path.with_suffix(".csv"), rows)
 
     if cuda:
-        plot(out_path.with_suffix(".png"), rows, env)
+        plot(out_path.with_suffix(".png"), [r for r in rows if r.get("scenario", "batch") == "batch"], env)
+    for c in comparisons:
+        ci = f" [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]" if c["ci95"] else ""
+        print(f"{c['scenario']} L={c['context']} {c['mode']}: {c['variant']} (batch {c['batch']}) "
+              f"{c['tokens_per_s']:.0f} tok/s vs {ANCHOR} (batch {c['anchor_batch']}) {c['anchor_tokens_per_s']:.0f} "
+              f"tok/s: x{c['speedup_vs_flashmla']:.3f}{ci} (95 % bootstrap, n = {c['n'][0]} / {c['n'][1]} steps)")
     print()
-    print(f"{'L':>6} {'variant':>8} {'mode':>6} {'ms/step':>9} {'tok/s':>9} {'kern ms':>8} {'step/kern':>9} "
-          f"{'vs stock':>8} {'vs bf16':>8} {'B/tok/layer':>11} {'max L':>8}")
+    print(f"{'scenario':>9} {'B':>4} {'L':>6} {'variant':>13} {'mode':>6} {'ms/step':>9} {'tok/s':>9} {'kern ms':>8} "
+          f"{'step/kern':>9} {'vs stock':>8} {'vs bf16':>8} {'vs FlashMLA':>11} {'B/tok/layer':>11} {'max L':>8}")
     for r in rows:
         def f(k, fmt, r=r):
             return format(r[k], fmt) if r.get(k) is not None else ""
-        print(f"{r['context']:>6} {r['variant']:>8} {r['mode']:>6} {f('ms_per_step', '.2f'):>9} "
-              f"{f('tokens_per_s', '.0f'):>9} {f('kernel_ms_per_step', '.2f'):>8} {f('step_over_kernels', '.2f'):>9} "
-              f"{f('speedup_vs_stock', '.2f'):>8} {f('speedup_vs_patched_bf16', '.2f'):>8} "
+        print(f"{r.get('scenario', ''):>9} {r.get('batch', ''):>4} {r['context']:>6} {r['variant']:>13} {r['mode']:>6} "
+              f"{f('ms_per_step', '.2f'):>9} {f('tokens_per_s', '.0f'):>9} {f('kernel_ms_per_step', '.2f'):>8} "
+              f"{f('step_over_kernels', '.2f'):>9} {f('speedup_vs_stock', '.2f'):>8} "
+              f"{f('speedup_vs_patched_bf16', '.2f'):>8} {f('speedup_vs_flashmla', '.3f'):>11} "
               f"{f('bytes_per_token_layer', '.1f'):>11} {f('max_context_in_budget', 'd'):>8}")
     return 0
 

@@ -210,6 +210,8 @@ def prepare_variant(v: Variant, data: ShapeData, num_sms: int) -> Prepared:
         plans = [mla_decode_plan(q, cache, data.tau, cfg, check_bounds=i == 0, **kw)
                  for i, (q, cache) in enumerate(zip(data.queries, data.caches[v.layout], strict=True))]
         return Prepared([p.run for p in plans], {"knobs": plans[0].knobs}, plans)
+    if v.impl == "flashmla":
+        return _prepare_flashmla(data)
     fn = torch_matmul_decode if v.impl == "torch_matmul" else torch_sdpa_decode
     if v.impl == "torch_sdpa" and data.device.type == "cuda":
         sh = data.shape
@@ -221,6 +223,24 @@ def prepare_variant(v: Variant, data: ShapeData, num_sms: int) -> Prepared:
     fns = [(lambda q=q, kv=kv, m=m: fn(q, kv, m, data.tau, data.r))
            for q, (kv, m) in zip(data.queries, data.dense, strict=True)]
     return Prepared(fns, {"knobs": {}})
+
+
+def _prepare_flashmla(data: ShapeData) -> Prepared:
+    """FlashMLA BF16 over the bf16 cache's values: each set's pages repacked into FlashMLA's
+    [pages, 64, 1, r + d] rows (same page ids, so the same block table and lengths), its schedule metadata
+    filled by one call here, outside every timed region (the timed calls reuse it: same shapes and lengths)."""
+    from ..attention import flashmla
+
+    mod = flashmla.load()
+    if mod is None:
+        raise VariantSkipped(flashmla.NOT_INSTALLED)
+    calls = []
+    for q, cache in zip(data.queries, data.caches["bf16"], strict=True):
+        k_cache = flashmla.pages_from_paged(cache.latent, cache.rope)
+        call = flashmla.AnchorDecode(mod, q, k_cache, cache.block_table, cache.lengths, data.tau, data.r)
+        call.prime()
+        calls.append(call)
+    return Prepared(list(calls), {"knobs": {}})
 
 
 def compiled_facts(plan: Any) -> dict[str, Any]:
@@ -256,6 +276,8 @@ def decode_row(shape: DecodeShape, v: Variant, r: int = acc.R, d: int = acc.D) -
 
 def finish_row(row: dict[str, Any], t: Timing) -> dict[str, Any]:
     row.update(us=t.us, us_p20=t.us_p20, us_p80=t.us_p80, runs=t.runs, calls_per_run=t.calls_per_run, timer=t.timer)
+    if t.samples:
+        row["samples_us"] = list(t.samples)  # in memory only (intervals on ratios); not a CSV column
     row["gbps"] = acc.rate(row["bytes"], t.us)
     row["gbps_with_io"] = acc.rate(row["bytes"] + row.get("io_bytes", 0.0), t.us)
     if "flops" in row:
@@ -391,6 +413,27 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
+READ_PROBE_BYTES = 4 << 30  # >> any L2: the probe streams from HBM
+CPU_READ_PROBE_BYTES = 64 << 20
+
+
+def measure_read(device: torch.device, nbytes: int | None = None) -> dict[str, Any]:
+    """Read bandwidth: `torch.sum` over `nbytes` of fp32 (4 GiB on CUDA), the ceiling of a decode kernel,
+    which reads its cache and writes almost nothing (a device copy also writes, and reaches less)."""
+    nbytes = nbytes or (READ_PROBE_BYTES if device.type == "cuda" else CPU_READ_PROBE_BYTES)
+    row: dict[str, Any] = {"op": "read", "shape": f"read{nbytes >> 20}MiB", "label": "read bandwidth (torch.sum)",
+                           "variant": "torch_sum", "family": "torch", "impl": "torch", "bytes": float(nbytes),
+                           "status": "ok", "error": ""}
+    try:
+        x = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+        timer = CudaGraphTimer(runs=10, target_ms=5.0) if device.type == "cuda" else WallTimer(runs=3)
+        finish_row(row, time_fns(timer, [lambda x=x: torch.sum(x)], device, print))
+        del x
+    except Exception as e:
+        row.update(status="error", error=f"{type(e).__name__}: {e}"[:400])
+    return row
+
+
 def measure_copy(device: torch.device, nbytes: int = 1 << 30) -> dict[str, Any]:
     """Device-to-device copy bandwidth (bytes read + written), the practical ceiling for GB/s."""
     row: dict[str, Any] = {"op": "copy", "shape": f"copy{nbytes >> 20}MiB", "label": "device copy",
@@ -419,6 +462,8 @@ class RunSpec:
     append_tokens: int = 65536
     append_variants: tuple[tuple[str, str, int], ...] = APPEND_VARIANTS
     copy: bool = True
+    read: bool = True  # the read-bandwidth probe (the ceiling of the efficiency columns)
+    read_bytes: int | None = None  # None: 4 GiB on CUDA, 64 MiB on CPU
     r: int = acc.R
     d: int = acc.D
     seed: int = 0
@@ -446,9 +491,14 @@ def run(spec: RunSpec, timer: Any, *, log: Callable[[str], None] = print,
     if spec.copy and dev.type == "cuda":
         rows.append(measure_copy(dev))
         log(f"device copy: {rows[-1].get('gbps', float('nan')):.0f} GB/s (read + write)")
+    if spec.read:
+        rows.append(measure_read(dev, spec.read_bytes))
+        log(f"read bandwidth: {rows[-1].get('gbps', float('nan')):.0f} GB/s (torch.sum over "
+            f"{rows[-1]['bytes'] / 2**30:.2f} GiB; the ceiling of the efficiency columns)")
     datas: dict[str, ShapeData] = {}
     layouts_of = {s.name: {v.layout for v in spec.variants if v.applies(s)} | {"bf16"} for s in spec.shapes}
-    dense_of = {s.name: any(v.impl != "kernel" and v.applies(s) for v in spec.variants) for s in spec.shapes}
+    dense_of = {s.name: any(v.impl in ("torch_matmul", "torch_sdpa") and v.applies(s) for v in spec.variants)
+                for s in spec.shapes}
     priorities = sorted({v.priority for v in spec.variants})
     referenced = {v.check_vs for v in spec.variants if v.check_vs}
     last_s: dict[str, float] = {}  # seconds of the latest measurement per shape name, "any" and "append"
@@ -458,7 +508,7 @@ def run(spec: RunSpec, timer: Any, *, log: Callable[[str], None] = print,
     for prio in priorities:
         for shape in spec.shapes:
             vs = [v for v in spec.variants if v.priority == prio and v.applies(shape)
-                  and (v.impl == "kernel" or shape.q_tokens == 1)]
+                  and (v.impl in ("kernel", "flashmla") or shape.q_tokens == 1)]
             if not vs:
                 continue
             if not budget.ok(spec.reserve_s):

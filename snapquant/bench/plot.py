@@ -1,6 +1,6 @@
 """The side-by-side figure of a decode benchmark run (PNG + PDF).
 
-Top: time per decode step of each shape for our BF16 kernel, plain PyTorch, SnapMLA (fp8 query and
+Top: time per decode step of each shape for our BF16 kernel, FlashMLA BF16 (when installed), plain PyTorch, SnapMLA (fp8 query and
 P) with default knobs and its fastest passing variant, and the fastest FP8-cache variant with bf16
 query and P. Bottom: the same variants as speedup over our BF16 kernel (default knobs), with the
 performance target of the shapes that have one.
@@ -16,13 +16,14 @@ from .results import TARGETS, best, find
 
 SERIES = (  # label, how to pick the row on a shape
     ("our BF16 kernel", {"variant": "bf16"}),
+    ("FlashMLA BF16", {"variant": "flashmla"}),
     ("BF16 best knobs", {"family": "bf16", "_best": True}),
     ("PyTorch (bf16)", {"variant": "torch"}),
     ("SnapMLA FP8", {"variant": "snapmla"}),
     ("SnapMLA FP8 best", {"family": "fp8", "layout": "snapmla", "mode": "q8p8", "_best": True}),
     ("FP8 cache, bf16 q/P best", {"family": "fp8", "layout": "snapmla", "mode": "q16p16", "_best": True}),
 )
-COLORS = ("#4c72b0", "#8fa8d4", "#999999", "#c44e52", "#e8938f", "#55a868")
+COLORS = ("#4c72b0", "#222222", "#8fa8d4", "#999999", "#c44e52", "#e8938f", "#55a868")
 
 
 def _pick(rows: list[dict[str, Any]], shape: str, how: dict[str, Any]) -> dict[str, Any] | None:

@@ -1,8 +1,16 @@
 """Benchmark rows -> ratios, the performance targets, CSV / markdown / JSON files (written atomically).
 
-Ratios are per shape against our BF16 kernel with default knobs (variant "bf16"):
+Ratios are per shape against our BF16 kernel with default knobs (variant "bf16") and against FlashMLA BF16
+(variant "flashmla", the kernel users run instead; measured in the same process on the same values):
     fp8_over_bf16    = us(variant) / us(bf16)   (the FP8/BF16 time ratio: < 1 is faster)
     speedup_vs_bf16  = us(bf16) / us(variant)
+    vs_flashmla      = us(variant) / us(flashmla), with vs_flashmla_lo / _hi its 95 % percentile-bootstrap
+                       interval over the two rows' timed samples (n = runs each): it covers the timing noise
+                       of this process, not the spread between machines or runs
+Efficiency, where the run measured the read bandwidth (op "read": torch.sum over 4 GiB):
+    read_frac        = gbps_with_io / read GB/s (the fraction of the measured read ceiling reached)
+    roofline_us      = max((bytes + io_bytes) / read bandwidth, flops / bf16 peak)   (accounting.roofline_us)
+    roofline_frac    = roofline_us / us
 Targets are judged twice: "default" compares the default-knob snapmla variant with the default BF16
 kernel; "best" the fastest snapmla-mode (fp8 query, fp8 P) variant whose numerical check passed
 with the fastest passing BF16-kernel variant (best against best: tuning one side only is unfair).
@@ -19,15 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write_json
+from . import accounting as acc
 
 COLUMNS = [
     "op", "shape", "label", "B", "H", "S", "L_max", "tokens", "variant", "family", "layout", "mode", "impl",
     "priority", "knobs", "resolved", "status", "us", "us_p20", "us_p80", "gbps", "gbps_with_io", "tflops",
-    "fp8_over_bf16", "speedup_vs_bf16", "bytes", "io_bytes", "flops", "check_vs", "check_rel_l2", "timer",
+    "fp8_over_bf16", "speedup_vs_bf16", "vs_flashmla", "vs_flashmla_lo", "vs_flashmla_hi", "read_frac",
+    "roofline_us", "roofline_frac", "bytes", "io_bytes", "flops", "check_vs", "check_rel_l2", "timer",
     "runs", "calls_per_run", "l2_sets", "regs", "spills", "smem", "first_call_s", "seconds", "error",
 ]
 _NUMERIC = {"B", "H", "S", "L_max", "tokens", "priority", "us", "us_p20", "us_p80", "gbps", "gbps_with_io", "tflops",
-            "fp8_over_bf16", "speedup_vs_bf16", "bytes", "io_bytes", "flops", "check_rel_l2", "runs",
+            "fp8_over_bf16", "speedup_vs_bf16", "vs_flashmla", "vs_flashmla_lo", "vs_flashmla_hi", "read_frac",
+            "roofline_us", "roofline_frac", "bytes", "io_bytes", "flops", "check_rel_l2", "runs",
             "calls_per_run", "l2_sets", "regs", "spills", "smem", "first_call_s", "seconds"}
 SNAPMLA_MODE = "q8p8"
 
@@ -60,15 +71,56 @@ def _ok(row: dict[str, Any]) -> bool:
     return row.get("status") == "ok" and isinstance(us, (int, float)) and math.isfinite(us) and us > 0
 
 
-def add_ratios(rows: list[dict[str, Any]], baseline: str = "bf16") -> list[dict[str, Any]]:
-    """Fill fp8_over_bf16 and speedup_vs_bf16 of every decode row that has a baseline on its shape."""
-    base = {r["shape"]: r["us"] for r in rows if r.get("op") == "decode" and r.get("variant") == baseline and _ok(r)}
-    for r in rows:
+ANCHOR = "flashmla"
+
+
+def add_ratios(rows: list[dict[str, Any]], baseline: str = "bf16", anchor: str = ANCHOR) -> list[dict[str, Any]]:
+    """Fill the ratios against our BF16 kernel and against FlashMLA (with its interval) of every decode row
+    that has them on its shape, and the efficiency columns when the run measured the read bandwidth."""
+    dec = [r for r in rows if r.get("op") == "decode" and _ok(r)]
+    base = {r["shape"]: r["us"] for r in dec if r.get("variant") == baseline}
+    anchors = {r["shape"]: r for r in dec if r.get("variant") == anchor}
+    read = next((r for r in rows if r.get("op") == "read" and _ok(r) and r.get("gbps")), None)
+    for r in dec:
         b = base.get(r.get("shape"))
-        if r.get("op") == "decode" and b and _ok(r):
+        if b:
             r["fp8_over_bf16"] = r["us"] / b
             r["speedup_vs_bf16"] = b / r["us"]
+        a = anchors.get(r.get("shape"))
+        if a is not None:
+            r["vs_flashmla"] = r["us"] / a["us"]
+            ci = ratio_interval(r.get("samples_us") or (), a.get("samples_us") or ())
+            if ci is not None:
+                r["vs_flashmla_lo"], r["vs_flashmla_hi"] = ci
+        if read is not None and r.get("bytes") is not None:
+            moved = r["bytes"] + (r.get("io_bytes") or 0.0)
+            r["read_frac"] = moved / (r["us"] * 1e-6) / 1e9 / read["gbps"]
+            if r.get("flops") is not None:
+                r["roofline_us"] = acc.roofline_us(moved, r["flops"], gbps=read["gbps"])
+                r["roofline_frac"] = r["roofline_us"] / r["us"]
     return rows
+
+
+def ratio_interval(num: Any, den: Any, confidence: float = 0.95, n_resamples: int = 2000,
+                   seed: int = 0) -> tuple[float, float] | None:
+    """Percentile-bootstrap interval of median(num) / median(den) over two independent sets of timing samples
+    (None with fewer than 3 samples on a side, or when the samples leave no spread to resample)."""
+    import numpy as np
+    from scipy import stats
+
+    a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    if a.size < 3 or b.size < 3:
+        return None
+    if a.min() == a.max() and b.min() == b.max():  # no spread: the interval is the point (scipy would warn)
+        v = float(a[0] / b[0])
+        return v, v
+
+    def stat(x: Any, y: Any, axis: int = -1) -> Any:
+        return np.median(x, axis=axis) / np.median(y, axis=axis)
+
+    res = stats.bootstrap((a, b), stat, paired=False, vectorized=True, n_resamples=n_resamples,
+                          confidence_level=confidence, method="percentile", rng=np.random.default_rng(seed))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 def best(rows: Iterable[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
@@ -173,16 +225,30 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
+def _ci(lo: Any, hi: Any) -> str:
+    if not isinstance(lo, float) or not isinstance(hi, float) or math.isnan(lo) or math.isnan(hi):
+        return ""
+    return f"[{lo:.3g}, {hi:.3g}]"
+
+
 def to_markdown(rows: list[dict[str, Any]], env: dict[str, Any], targets: list[dict[str, Any]]) -> str:
     """The summary: environment, targets, then one table per shape (fastest first)."""
     lines = [f"# MLA decode benchmark on {env.get('gpu') or env.get('device')}", ""]
     meta = ", ".join(f"{k} {env[k]}" for k in ("torch", "triton", "cuda", "date", "git_commit") if env.get(k))
     lines += [meta, ""]
+    read = next((r for r in rows if r.get("op") == "read" and _ok(r)), None)
+    if read is not None:
+        lines += [f"Read bandwidth (torch.sum over {read['bytes'] / 2**30:.2f} GiB): {read['gbps']:.0f} GB/s, the "
+                  "ceiling of read_frac and roofline_frac.", ""]
     if env.get("copy_gbps"):
         lines += [f"Device copy bandwidth (read + write): {env['copy_gbps']:.0f} GB/s.", ""]
+    anchor = [r for r in rows if r.get("op") == "decode" and r.get("variant") == ANCHOR]
+    if anchor and not any(_ok(r) for r in anchor):
+        lines += [f"FlashMLA rows: {anchor[0].get('error') or anchor[0].get('status')} (no vs_flashmla column).", ""]
     lines += ["GB/s counts each format's own cache bytes (bf16 1152, snapmla 644, ds_v32 656 per token); "
-              "ratio = us / us(our BF16 kernel, default knobs) on the same shape; check = relative L2 of the "
-              "output against the variant named (same inputs).", ""]
+              "ratio = us / us(our BF16 kernel, default knobs) on the same shape; vs_flashmla = us / us(FlashMLA "
+              "BF16) on the same values, [lo, hi] its 95 % bootstrap interval over the timed samples; check = "
+              "relative L2 of the output against the variant named (same inputs).", ""]
     lines += ["## Targets", "", "| target | pick | value | threshold | pass | variants |", "|---|---|---|---|---|---|"]
     for t in targets:
         passed = "" if t["passed"] is None else ("yes" if t["passed"] else "**no**")
@@ -193,13 +259,14 @@ def to_markdown(rows: list[dict[str, Any]], env: dict[str, Any], targets: list[d
     for r in rows:
         if r.get("shape") not in order:
             order.append(r.get("shape"))
-    cols = ["variant", "knobs", "status", "us", "gbps", "tflops", "fp8_over_bf16", "check_rel_l2", "timer",
-            "regs", "spills", "error"]
+    cols = ["variant", "knobs", "status", "us", "gbps", "tflops", "fp8_over_bf16", "vs_flashmla", "vs_flashmla_ci",
+            "read_frac", "check_rel_l2", "timer", "regs", "spills", "error"]
     for shape in order:
         rs = [r for r in rows if r.get("shape") == shape]
         rs.sort(key=lambda r: (not _ok(r), r.get("us") or float("inf")))
         lines += [f"## {rs[0].get('label') or shape}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in rs:
-            lines.append("| " + " | ".join(_fmt(r.get(c)).replace("|", "/") for c in cols) + " |")
+            cells = {**r, "vs_flashmla_ci": _ci(r.get("vs_flashmla_lo"), r.get("vs_flashmla_hi"))}
+            lines.append("| " + " | ".join(_fmt(cells.get(c)).replace("|", "/") for c in cols) + " |")
         lines.append("")
     return "\n".join(lines)

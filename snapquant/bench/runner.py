@@ -295,6 +295,9 @@ def run_bench(opts: BenchOptions, *, timer: Any = None, echo: bool = True) -> in
         copy = next((rw for rw in rows if rw.get("op") == "copy" and rw.get("status") == "ok"), None)
         if copy:
             env["copy_gbps"] = copy["gbps"]
+        read = next((rw for rw in rows if rw.get("op") == "read" and rw.get("status") == "ok"), None)
+        if read:
+            env["read_gbps"] = read["gbps"]
         targets = write_outputs(rows, env, p, final=True, log=log)
         counts = {s: sum(rw.get("status") == s for rw in rows) for s in ("ok", "mismatch", "error", "skipped")}
         from .results import write_json

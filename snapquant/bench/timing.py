@@ -39,6 +39,7 @@ class Timing:
     runs: int  # timed samples
     calls_per_run: int
     timer: str
+    samples: tuple[float, ...] = ()  # every per-call sample (us), for intervals on ratios between rows
 
 
 def rotation_sets(footprint_bytes: float, l2_bytes: float = DEFAULT_L2_BYTES, factor: float = 4.0,
@@ -60,7 +61,7 @@ def summarize(samples_us: Sequence[float], calls: int, timer: str) -> Timing:
         raise RuntimeError("no timing samples")
     xs = sorted(samples_us)
     q = statistics.quantiles(xs, n=5) if len(xs) >= 2 else [xs[0]] * 4
-    return Timing(statistics.median(xs), q[0], q[3], len(xs), calls, timer)
+    return Timing(statistics.median(xs), q[0], q[3], len(xs), calls, timer, tuple(samples_us))
 
 
 def _sync(device: torch.device) -> None:

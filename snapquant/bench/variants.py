@@ -31,15 +31,15 @@ from ..errors import ConfigError
 from ..presets import PRESETS
 from .shapes import HEADLINE, DecodeShape
 
-FAMILIES = ("bf16", "fp8", "torch")
-IMPLS = ("kernel", "torch_matmul", "torch_sdpa")
+FAMILIES = ("bf16", "fp8", "torch", "anchor")
+IMPLS = ("kernel", "torch_matmul", "torch_sdpa", "flashmla")
 WHERE = ("all", "headline", "small_rows", "small_rows_headline", "rows16", "rows_gt16")
 
 
 @dataclass(frozen=True)
 class Variant:
     name: str
-    family: str  # bf16 | fp8 | torch
+    family: str  # bf16 | fp8 | torch | anchor (FlashMLA, the kernel users run instead)
     layout: str  # bf16 | snapmla | ds_v32 (the cache format it reads)
     query: str = "bf16"
     pv: str = "bf16"
@@ -118,6 +118,13 @@ VARIANTS: tuple[Variant, ...] = (
     _v("snapmla_pv_fp8", "fp8", "snapmla", "bf16", P8, check="bf16", tol=0.25, note="FP8 cache, bf16 query, fp8 P"),
     _v("torch", "torch", "bf16", impl="torch_matmul", check="bf16", tol=2e-2,
        note="plain PyTorch absorbed attention: bf16 bmm over [c|r], fp32 softmax, bf16 P"),
+    # FlashMLA BF16 on the same values (its [pages, 64, 1, r + d] layout, same block table): the anchor of
+    # every time ratio (vs_flashmla). Its check against our BF16 kernel: both round P to bf16 (independent
+    # roundings: ~u / sqrt(3) each in relative L2 on random data, u = 2^-8) and FlashMLA rounds its output
+    # to bf16 (<= u): ~6e-3 expected, 2e-2 (the same arithmetic as the plain PyTorch row) detects any layout
+    # or block-table error, which is O(1).
+    _v("flashmla", "anchor", "bf16", impl="flashmla", check="bf16", tol=2e-2,
+       note="FlashMLA BF16 decode (split-KV kernel + combine), when flash_mla is importable"),
     # ---- 1: kernel variants
     _v("snapmla+balanced", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", schedule="balanced"),
     _v("bf16+balanced", "bf16", "bf16", priority=1, check="bf16", schedule="balanced"),
@@ -220,12 +227,14 @@ BY_NAME = {v.name: v for v in VARIANTS}
 QUICK = ("bf16", "snapmla", "snapmla_kv_only", "torch", "snapmla+balanced", "snapmla+rcp", "snapmla+fp8qk",
          "snapmla+rows", "snapmla+bm64", "bf16+bm64")
 BASELINE = "bf16"
+ANCHOR = "flashmla"
 
 
 def select_variants(spec: str | None = None, *, quick: bool = False, max_priority: int = 2,
                     registry: tuple[Variant, ...] = VARIANTS) -> list[Variant]:
     """Variants named by `spec` (comma list of names or globs; None = all), at most `max_priority`,
-    in priority then registry order. The BF16 baseline is always included (every ratio needs it)."""
+    in priority then registry order. The BF16 baseline and the FlashMLA anchor are always included (every
+    ratio needs them; without flash_mla the anchor's rows say "FlashMLA not installed")."""
     names = [v.name for v in registry]
     if spec:
         wanted: set[str] = set()
@@ -236,8 +245,8 @@ def select_variants(spec: str | None = None, *, quick: bool = False, max_priorit
             wanted.update(hits)
     else:
         wanted = {n for n in names if not quick or n in QUICK}
-    wanted.add(BASELINE)
-    chosen = [v for v in registry if v.name in wanted and (v.priority <= max_priority or v.name == BASELINE)]
+    wanted.update((BASELINE, ANCHOR))
+    chosen = [v for v in registry if v.name in wanted and (v.priority <= max_priority or v.name in (BASELINE, ANCHOR))]
     return sorted(chosen, key=lambda v: v.priority)
 
 

@@ -58,6 +58,8 @@ def sweep(
                   f"{len(rep.failed)} failed; results in {rep.out_dir}")
     if res.table is not None:
         typer.echo(res.table.to_markdown())
+    if res.fidelity is not None:
+        typer.echo(res.fidelity.to_markdown())
         console.print("wrote " + ", ".join(str(p) for p in [*res.files.values(), *res.plots]))
     if rep.failed:
         for cid, why in rep.failed.items():

@@ -21,22 +21,58 @@ def table(
     all_runs: bool = typer.Option(False, help="Include cells from earlier sweep settings (other eval keys)."),
     skip_corrupt: bool = typer.Option(False, "--skip-corrupt", help=SKIP_CORRUPT_HELP),
     latex: bool = typer.Option(False, help="Print LaTeX instead of Markdown."),
+    tail_threshold: float = typer.Option(0.1, help="fidelity_tail.md lists every position with KL above this (nats)."),
+    tail_top: int = typer.Option(10, help="... and at least this many of each cell's largest-KL positions."),
 ) -> None:
-    """Rows = cells, columns = tasks: value ± stderr, delta vs baseline (* = paired test p < alpha), bytes/token."""
-    from ..analysis import build_table
+    """Rows = cells, columns = tasks: value ± stderr, delta vs baseline (* = paired test p < alpha), bytes/token.
+
+    With fidelity measured: also fidelity.md/.tex/.csv (KL distribution with intervals, paired
+    comparisons with the baseline) and fidelity_tail.md (the largest-KL positions with their text).
+    """
+    from ..analysis import build_fidelity_table, build_table, has_fidelity
     from ..errors import ConfigError
 
     try:
+        check_tail(tail_threshold, tail_top)
         metrics = parse_metrics(metric)
         res = load_cells(results, all_runs, skip_corrupt)
         tab = build_table(res, baseline, alpha=alpha, metrics=metrics)
+        fid = build_fidelity_table(res, baseline, decode=cell_decoder(res), tail_threshold=tail_threshold,
+                                   tail_top=tail_top) if has_fidelity(res) else None
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     dest = out or (results[0] if results[0].is_dir() else results[0].parent)
     files = tab.save(dest)
     typer.echo(tab.to_latex() if latex else tab.to_markdown())
+    if fid is not None:
+        files.update(fid.save(dest))
+        typer.echo(fid.to_latex() if latex else fid.to_markdown())
+        for note in fid.notes:
+            typer.secho(f"note: {note}", err=True, fg="yellow")
     typer.echo("wrote " + ", ".join(str(p) for p in files.values()), err=True)
+
+
+def check_tail(threshold: float, top: int) -> None:
+    import math
+
+    from ..errors import ConfigError
+
+    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
+        raise ConfigError(f"--tail-threshold={threshold!r}: expected a KL in nats >= 0 (e.g. 0.1)")
+    if top < 0:
+        raise ConfigError(f"--tail-top={top}: expected an integer >= 0")
+
+
+def cell_decoder(results: list[dict]):
+    """`ids -> text` with the tokenizer of the sweep that wrote these cells (None when it is not here)."""
+    from ..eval.model import token_decoder
+
+    for r in results:
+        spec = (r.get("sweep") or {}).get("spec") or {}
+        if r.get("fidelity") and spec.get("model"):
+            return token_decoder(spec["model"], spec.get("tokenizer"))
+    return None
 
 
 def parse_metrics(items: list[str] | None) -> dict[str, str]:

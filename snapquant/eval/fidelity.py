@@ -13,17 +13,31 @@ Two modes, because they exercise different paths (docs/numerics.md, "Why per-tok
   then feed the remaining tokens one at a time through the patched model with its quantized cache;
   only the decode-step positions are scored. This is what generation sees.
 Both run the patched model through `snapquant.patched`.
+
+Per mode the result also holds `summary` (every statistic of `analysis.uncertainty.cluster_summary`
+with its cluster-bootstrap interval over sequences and n) and `per_sequence` (the per-sequence sums
+of `sequence_aggregates`, which pair two configurations on the same positions); `keep_positions`
+adds the per-position arrays themselves (`positions`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
+from ..analysis.uncertainty import (
+    BOOTSTRAP_RESAMPLES,
+    SUMMARY_METHOD,
+    cluster_summary,
+    position_metrics,
+    sequence_aggregates,
+)
 from ..config import KVQuantConfig
 from ..errors import ConfigError, ShapeError
 from ..models.stepping import decode_steps
@@ -89,7 +103,8 @@ def compare_logprobs(ref: torch.Tensor, quant: torch.Tensor, targets: torch.Tens
 
     Computed in float64: KL of near-identical distributions is a difference of close numbers.
     `keep_positions` adds "kl_positions" and "top1_positions" ([M] float64 numpy), the per-position
-    values behind the means, for intervals over positions (snapquant.analysis.intervals).
+    values behind the means. (`fidelity_metrics` scores whole sequences through
+    `analysis.uncertainty.position_metrics`, whose intervals need to know the sequences.)
     """
     if ref.shape != quant.shape or ref.dim() != 2 or targets.shape != ref.shape[:1]:
         raise ShapeError(f"ref {tuple(ref.shape)}, quant {tuple(quant.shape)} must be [M, V] and targets [M], "
@@ -152,13 +167,18 @@ def fidelity_metrics(
     make_cache: Any = None,
     on_step: Any = None,
     keep_positions: bool = False,
+    n_resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Fidelity of `config` on `model` vs the cached unpatched reference; one dict per mode.
 
     `patcher(model, config[, backend=])` is a context manager (default `snapquant.patched`);
     `make_cache(model, config)` optionally builds the cache object decode should use;
-    `on_step(n)` is called after each forward pass (progress bars); `keep_positions` adds each
-    mode's per-position KL and top-1 agreement as [N, positions] arrays (see `compare_logprobs`).
+    `on_step(n)` is called after each forward pass (progress bars); `n_resamples` / `seed` are the
+    cluster bootstrap's; `keep_positions` adds each mode's per-position metrics as [N, positions]
+    arrays under "positions" (`analysis.uncertainty.position_metrics`: kl, flip, nll_ref,
+    nll_quant, ref_top1, quant_top1). Position j of a mode predicts token `first_position + j + 1`
+    of its sequence.
     """
     for m in modes:
         if m not in MODES:
@@ -173,37 +193,85 @@ def fidelity_metrics(
 
     ids, ref = reference.input_ids, reference.logprobs
     N, T = ids.shape
-    out: dict[str, Any] = {"num_sequences": N, "seq_len": T, "causal_consistent": config.causal_consistent}
+    out: dict[str, Any] = {"num_sequences": N, "seq_len": T, "causal_consistent": config.causal_consistent,
+                           "tokens_sha256": tokens_fingerprint(ids)}
+    stats = {"n_resamples": n_resamples, "seed": seed}
     if "prefill" in modes:
         with patch(config.replace(prefill="quantized")):
             lp = prefill_logprobs(model, ids)
         if on_step:
             on_step(1)
-        V = lp.shape[-1]
-        out["prefill"] = compare_logprobs(ref[:, :-1].reshape(-1, V), lp[:, :-1].reshape(-1, V),
-                                          ids[:, 1:].reshape(-1), keep_positions)
+        out["prefill"] = mode_metrics(ref[:, :-1], lp[:, :-1], ids[:, 1:], 0, keep_positions, **stats)
     if "decode" in modes:
         with patch(config):
             cache = make_cache(model, config) if make_cache is not None else None
             lp = decode_logprobs(model, ids, prompt_len, cache, on_step)
-        V = lp.shape[-1]
         # step t consumed token t and predicts token t + 1, for t in [prompt_len, T - 2]
-        out["decode"] = compare_logprobs(ref[:, prompt_len:T - 1].reshape(-1, V), lp.reshape(-1, V),
-                                         ids[:, prompt_len + 1:].reshape(-1), keep_positions)
+        out["decode"] = mode_metrics(ref[:, prompt_len:T - 1], lp, ids[:, prompt_len + 1:], prompt_len,
+                                     keep_positions, **stats)
         out["decode"]["prompt_len"] = prompt_len
-    for m in modes if keep_positions else ():
-        for k in ("kl_positions", "top1_positions"):  # rows = sequences, as the bootstrap blocks need
-            out[m][k] = out[m][k].reshape(N, -1)
     return out
 
 
+def tokens_fingerprint(ids: torch.Tensor) -> str:
+    """A short hash of the scored token ids: two results pair position by position only when it agrees."""
+    return hashlib.sha256(ids.to(torch.int64).cpu().numpy().tobytes() + str(tuple(ids.shape)).encode()).hexdigest()[:16]
+
+
+def mode_metrics(ref: torch.Tensor, quant: torch.Tensor, targets: torch.Tensor, first_position: int,
+                 keep_positions: bool = False, *, n_resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+                 ) -> dict[str, Any]:
+    """[N, P, V] reference and quantized log-probs, [N, P] true next tokens -> one mode's result.
+
+    The point values of `compare_logprobs` (kl_mean, kl_p99, kl_max, top1_agree, ppl_*,
+    n_positions), plus n_sequences, `summary` ({statistic: {value, ci_low, ci_high}}), `interval`
+    (how), `per_sequence` ({aggregate: [N] list}) and `first_position`.
+    """
+    return summarize_positions(position_metrics(ref, quant, targets), first_position, keep_positions,
+                               n_resamples=n_resamples, seed=seed)
+
+
+def summarize_positions(met: dict[str, np.ndarray], first_position: int, keep_positions: bool = False, *,
+                        n_resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict[str, Any]:
+    """One mode's result from `position_metrics` output ([N, P] arrays): see `mode_metrics`."""
+    kl, nll_r, nll_q = met["kl"], met["nll_ref"], met["nll_quant"]
+    ppl_r, ppl_q = math.exp(float(nll_r.mean())), math.exp(float(nll_q.mean()))
+    est = cluster_summary(met, n_resamples=n_resamples, seed=seed)
+    res: dict[str, Any] = {
+        "kl_mean": float(kl.mean()), "kl_p99": float(np.quantile(kl, 0.99)), "kl_max": float(kl.max()),
+        "top1_agree": float(1.0 - met["flip"].mean()), "ppl_ref": ppl_r, "ppl_quant": ppl_q,
+        "ppl_delta": ppl_q - ppl_r, "ppl_rel_delta": ppl_q / ppl_r - 1.0,
+        "n_positions": int(kl.size), "n_sequences": int(kl.shape[0]), "first_position": int(first_position),
+        "summary": {e.statistic: {"value": e.value, "ci_low": e.ci_low, "ci_high": e.ci_high} for e in est},
+        "interval": {"method": f"cluster bootstrap over sequences, {SUMMARY_METHOD}", "confidence": 0.95,
+                     "n_resamples": n_resamples, "seed": seed},
+        "per_sequence": {k: v.tolist() for k, v in sequence_aggregates(met).items()},
+    }
+    if keep_positions:
+        res["positions"] = met
+    return res
+
+
 def fidelity_table(results: dict[str, dict[str, Any]]) -> Any:
-    """{label: fidelity_metrics(...)} -> a pandas DataFrame, one row per (label, mode)."""
+    """{label: fidelity_metrics(...)} -> a pandas DataFrame, one row per (label, mode).
+
+    The point values, n, and each statistic of the summary as `<stat>`, `<stat>_ci_low`,
+    `<stat>_ci_high` (top-1 agreement's interval is the flip rate's, mirrored).
+    """
     import pandas as pd
 
     rows = []
     for label, res in results.items():
         for mode in MODES:
-            if mode in res:
-                rows.append({"config": label, "mode": mode, **res[mode]})
+            if mode not in res:
+                continue
+            m = res[mode]
+            row = {"config": label, "mode": mode,
+                   **{k: v for k, v in m.items() if not isinstance(v, dict) and k != "positions"}}
+            for stat, e in (m.get("summary") or {}).items():
+                row.update({stat: e["value"], f"{stat}_ci_low": e["ci_low"], f"{stat}_ci_high": e["ci_high"]})
+            if "flip_rate" in (m.get("summary") or {}):
+                row.update(top1_agree_ci_low=1.0 - m["summary"]["flip_rate"]["ci_high"],
+                           top1_agree_ci_high=1.0 - m["summary"]["flip_rate"]["ci_low"])
+            rows.append(row)
     return pd.DataFrame(rows)

@@ -7,8 +7,18 @@
   which for per-token formats equals what step-by-step decode would see; docs/numerics.md, "Why
   per-token matters"). With
   `prefill: bf16` they reproduce the unquantized model, by design.
-- `get_model_info()` adds `snapquant_preset`, `snapquant_config`, `snapquant_backend` and
-  `snapquant_kernel_options`, so the results JSON (`results["config"]`) records which scheme produced
+- `generation="auto"|"loop"|"hf"` picks what runs `generate_until` batches: `hf` is HF `generate`; `loop`
+  is `snapquant.eval.generation.DecodeLoop` (one preallocated LatentCache per batch, fixed-shape decode
+  steps captured as a CUDA graph on GPUs, HF's stopping rules checked off the critical path: the same
+  tokens HF generate returns, so the same strings after lm-eval's post-processing); `auto` runs the loop
+  on CUDA when the model, config and backend can be captured, HF elsewhere (on CPU the loop has nothing
+  to win). Requests the loop cannot reproduce (beam search, repetition penalty, ...) go to HF with one
+  warning naming the reason. `gen_batch_size` overrides `batch_size` for generation only (the loop
+  pays off at large batches); `gen_steps` ('auto', 'graph', 'static', 'eager') and `gen_check_every`
+  are the loop's knobs.
+- `get_model_info()` adds `snapquant_preset`, `snapquant_config`, `snapquant_backend`,
+  `snapquant_kernel_options` and `snapquant_generation` (requested path, the path each batch took and
+  why), so the results JSON (`results["config"]`) records which scheme and which decode path produced
   the numbers.
 
 Importing this module registers the model type `snapquant` with lm-eval, so after
@@ -19,6 +29,8 @@ model_args="pretrained=PATH,kv_config=snapmla,backend=auto", tasks=[...])` works
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from typing import Any
 
 from lm_eval.api.registry import register_model
@@ -26,9 +38,13 @@ from lm_eval.models.huggingface import HFLM
 
 from ..cache import LatentCache
 from ..config import KVQuantConfig
+from ..errors import ConfigError
 from ..models.stepping import cache_kwarg
 from ..patching import patch
 from ..presets import resolve_config
+
+log = logging.getLogger(__name__)
+GENERATION_PATHS = ("auto", "loop", "hf")
 
 
 @register_model("snapquant")
@@ -36,7 +52,18 @@ class SnapquantLM(HFLM):
     """HFLM whose model runs MLA attention over the quantized latent cache of `kv_config`."""
 
     def __init__(self, pretrained: Any, kv_config: str | dict | KVQuantConfig = "snapmla", backend: str = "auto",
-                 kernel_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+                 kernel_options: dict[str, Any] | None = None, generation: str = "auto",
+                 gen_batch_size: int | str | None = None, gen_steps: str = "auto", gen_check_every: int | str = 16,
+                 **kwargs: Any) -> None:
+        # option checks before the model loads: one line naming the field
+        if generation not in GENERATION_PATHS:
+            raise ConfigError(f"generation must be one of {', '.join(GENERATION_PATHS)}, got {generation!r}")
+        from .generation import STEP_MODES
+
+        if gen_steps not in STEP_MODES:
+            raise ConfigError(f"gen_steps must be one of {', '.join(STEP_MODES)}, got {gen_steps!r}")
+        self.gen_batch_size = _positive_int("gen_batch_size", gen_batch_size) if gen_batch_size is not None else None
+        self.gen_check_every = _positive_int("gen_check_every", gen_check_every)
         super().__init__(pretrained=pretrained, **kwargs)
         self.kv_config = resolve_config(kv_config)
         self.kv_backend = backend
@@ -44,11 +71,72 @@ class SnapquantLM(HFLM):
         # raises for non-MLA models, naming the class
         patch(self.model, self.kv_config, backend=backend, kernel_options=self.kv_kernel_options)
         self._cache_kwarg = cache_kwarg(self.model)
+        self.generation, self.gen_steps = generation, gen_steps
+        self._loop = None
+        self._gen_batches: Counter = Counter()  # (path, reason) -> batches
+        self._warned: set[str] = set()
+        self._gen_default = self._default_path()
+
+    def _default_path(self) -> tuple[str, str]:
+        """The path generation batches take unless a request's kwargs send it to HF, and why."""
+        from .generation import graph_reason
+
+        if self.generation == "hf":
+            return "hf", "generation='hf'"
+        if self.generation == "loop":
+            return "loop", "generation='loop'"
+        reason = graph_reason(self.model)
+        if reason is not None:
+            return "hf", f"auto: {reason}"
+        return "loop", "auto: CUDA graph decode supported"
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        if self.gen_batch_size is None:
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        saved = self.batch_size_per_gpu
+        self.batch_size_per_gpu = self.gen_batch_size
+        try:
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self.batch_size_per_gpu = saved
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+        path, reason = self._gen_default
+        plan = None
+        if path == "loop":
+            from .generation import decoding_plan
+
+            kw = {k: v for k, v in generation_kwargs.items() if k != "attention_mask"}
+            # HFLM._model_generate's own normalisation: temperature 0 means greedy
+            kw["temperature"] = kw.get("temperature", 0.0)
+            if kw["temperature"] == 0.0 and kw.get("do_sample") is None:
+                kw["do_sample"] = False
+            if kw.get("do_sample") is False and kw["temperature"] == 0.0:
+                kw.pop("temperature")
+            plan = decoding_plan(self.model, kw, context.shape[1])
+            if isinstance(plan, str):
+                path, reason = "hf", plan
+        if path == "hf" and self.generation != "hf" and reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("snapquant generation: HF generate for these requests: %s", reason)
+        self._gen_batches[(path, reason)] += 1
+        if path == "loop":
+            return self._decode_loop().generate(
+                context, generation_kwargs.get("attention_mask"), max_length=max_length, plan=plan, stop=stop,
+                pad_token_id=self.tokenizer.pad_token_id).sequences
         if generation_kwargs.get(self._cache_kwarg) is None:
             generation_kwargs[self._cache_kwarg] = LatentCache(self.kv_config, self.model)
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    def _decode_loop(self):
+        if self._loop is None:
+            from .generation import DecodeLoop, graph_reason
+
+            steps = self.gen_steps
+            if steps == "auto" and self.model.device.type == "cuda" and graph_reason(self.model) is not None:
+                steps = "eager"  # generation='loop' asked for it: run it, uncaptured
+            self._loop = DecodeLoop(self.model, self.tokenizer, steps=steps, check_every=self.gen_check_every)
+        return self._loop
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()
@@ -57,5 +145,24 @@ class SnapquantLM(HFLM):
             "snapquant_config": self.kv_config.to_dict(),
             "snapquant_backend": self.kv_backend,
             "snapquant_kernel_options": self.kv_kernel_options,
+            "snapquant_generation": {
+                "requested": self.generation,
+                "default_path": self._gen_default[0],
+                "default_reason": self._gen_default[1],
+                "steps": self._loop.steps if self._loop is not None else self.gen_steps,
+                "check_every": self.gen_check_every,
+                "gen_batch_size": self.gen_batch_size,
+                "batches": [{"path": p, "reason": r, "count": n} for (p, r), n in self._gen_batches.items()],
+            },
         })
         return info
+
+
+def _positive_int(name: str, value: Any) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or isinstance(value, bool) or (isinstance(value, float) and value != n):
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    return n

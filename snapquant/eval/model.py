@@ -1,9 +1,10 @@
 """Loading the model an evaluation runs on: `embedded` or a Hugging Face checkpoint directory.
 
     load_model(name, ...)       -> (model in eval mode, tokenizer)
-    load_tokenizer(name, ...)   the tokenizer alone (checks that need token counts before the model loads)
     checkpoint_mla_dims(name)   (kv_lora_rank, qk_rope_head_dim) from config.json, without loading weights
     model_info(model)           MLA dims and identity of a loaded model, recorded in every result
+    load_tokenizer(name, ...)   the tokenizer alone (reports decode the fidelity tokens with it; the fidelity
+                                text is drawn with it before the model loads)
 """
 
 from __future__ import annotations
@@ -66,24 +67,6 @@ def load_model(
     return m.eval(), tok
 
 
-def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
-    """The tokenizer `load_model(model, tokenizer=tokenizer)` would return, without loading weights."""
-    if model == "embedded":  # as load_model: the shipped tokenizer, whatever `tokenizer` says
-        from ..embedded import load_tokenizer as embedded_tokenizer
-
-        try:
-            return embedded_tokenizer()
-        except FileNotFoundError as e:
-            raise ConfigError(f"model: 'embedded': {e}") from None
-    from transformers import AutoTokenizer
-
-    path = tokenizer or model
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"tokenizer of model={model!r}: cannot load {path!r}: {str(e).splitlines()[0]}") from None
-
-
 def checkpoint_mla_dims(model: str) -> tuple[int, int]:
     """(kv_lora_rank, qk_rope_head_dim) of `model` from its config.json, without loading weights.
 
@@ -130,3 +113,35 @@ def model_info(model: Any) -> dict[str, Any]:
         "num_heads": int(getattr(m0, "num_heads", getattr(cfg, "num_attention_heads", 0))),
         "num_mla_layers": len(mods),
     }
+
+
+def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
+    """The tokenizer `load_model` would return for `model` (and `tokenizer`), without loading weights."""
+    if model == "embedded" and tokenizer is None:
+        from ..embedded import load_tokenizer as embedded_tokenizer
+
+        try:
+            return embedded_tokenizer()
+        except (FileNotFoundError, OSError) as e:
+            raise ConfigError(f"model: 'embedded': {e}") from None
+    from transformers import AutoTokenizer
+
+    src = tokenizer or model
+    if not Path(src).is_dir():
+        raise ConfigError(f"tokenizer {src!r} is not a local directory (hub names cannot be downloaded here)")
+    return AutoTokenizer.from_pretrained(src)
+
+
+def token_decoder(model: str, tokenizer: str | None = None, loaded: Any = None) -> Any:
+    """`ids -> text` with the tokenizer of `model` (or the `loaded` one), or None when it cannot be loaded here."""
+    tok = loaded
+    if tok is None:
+        try:
+            tok = load_tokenizer(model, tokenizer)
+        except (ConfigError, OSError, ValueError):
+            return None
+
+    def decode(ids: Any) -> str:
+        return tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    return decode

@@ -4,7 +4,7 @@
     mla_decode_plan(...)   the same checks and launches as a `DecodePlan`; `plan.run()` replays it into
                            the plan's own buffers (benchmarks, CUDA graphs)
     plan_decode(q, ops, ...) a plan over `KernelOperands` (pages or the patch's dense rows); with
-                           native=True it builds a GPU plan anywhere (`snapquant.bench.compile_stats`,
+                           native=True it builds a GPU plan anywhere (`snapquant.kernels.compile_stats`,
                            `scripts/dump_ptx.py`)
 
 The knobs are a `DecodeOptions` (`options.py`), given whole (`options=`) or as keywords; which kernel
@@ -34,9 +34,9 @@ from .layouts import LAYOUT_ID, PAGE_SIZE, layout_of, unsupported_reason
 from .operands import KernelOperands
 from .options import P_DIVS, DecodeOptions, as_options
 from .paged import PagedMLACache
-from .triton.combine import _mla_decode_combine, _mla_decode_combine_balanced
+from .triton.combine import mla_decode_combine, mla_decode_combine_balanced
 from .triton.common import OP_BF16, OP_F32, OP_FP8, OP_FP16
-from .triton.decode import _balanced_metadata, _mla_decode_balanced, _mla_decode_stage1
+from .triton.decode import balanced_metadata, mla_decode_balanced, mla_decode_stage1
 
 LOG2E = math.log2(math.e)
 _TILE_ID = {"rows": 0, "tokens": 1, "pairs": 2}  # the Triton kernels' TILE constexpr
@@ -210,7 +210,7 @@ def plan_decode(
         if nb > 1:  # the final LSE is chunk 0's
             plan.epilogue = functools.partial(lse_v.copy_, lse_part[:, :, 0, 0])
         return plan
-    plan.launches.append(KernelLaunch("combine", _mla_decode_combine, (B, rows, nb), (
+    plan.launches.append(KernelLaunch("combine", mla_decode_combine, (B, rows, nb), (
         o_part, lse_part, out_v, lse_v,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
@@ -269,7 +269,7 @@ def _uniform_launch(q, ops, config, choice, target, o_part, lse_part, sm_scale_l
     q_arg, strides, lat_arg = _triton_cache_args(q, ops, choice.tile)
     consts = _triton_constexprs(q, ops, config, choice, target, causal)
     grid = (B, triton.cdiv(S * H, choice.block_m), choice.num_splits * ops.num_scale_blocks)
-    return KernelLaunch("decode_uniform", _mla_decode_stage1, grid, (
+    return KernelLaunch("decode_uniform", mla_decode_stage1, grid, (
         q_arg, lat_arg, ops.rope, ops.scale, ops.block_table, ops.lengths, o_part, lse_part, sm_scale_log2, *strides,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), H, choice.num_splits,
@@ -288,15 +288,15 @@ def _balanced_launches(q, ops, config, choice, target, out, lse, sm_scale_log2, 
     o_part = torch.empty(parts + B, rows, r, dtype=torch.float32, device=dev)
     lse_part = torch.empty(parts + B, rows, nb, dtype=torch.float32, device=dev)
     return [
-        KernelLaunch("balanced_metadata", _balanced_metadata, (1,), (ops.lengths, cum, B),
+        KernelLaunch("balanced_metadata", balanced_metadata, (1,), (ops.lengths, cum, B),
                      dict(PAGE=PAGE_SIZE, BLOCK_B=triton.next_power_of_2(B), **small)),
-        KernelLaunch("decode_balanced", _mla_decode_balanced, (parts, triton.cdiv(rows, choice.block_m), nb), (
+        KernelLaunch("decode_balanced", mla_decode_balanced, (parts, triton.cdiv(rows, choice.block_m), nb), (
             q_arg, lat_arg, ops.rope, ops.scale, ops.block_table, ops.lengths, cum, out_v, lse_v,
             o_part, lse_part, sm_scale_log2, *strides,
             out_v.stride(0), out_v.stride(1), lse_v.stride(0),
             o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
             H, B, parts), consts),
-        KernelLaunch("combine_balanced", _mla_decode_combine_balanced, (B, rows, nb), (
+        KernelLaunch("combine_balanced", mla_decode_combine_balanced, (B, rows, nb), (
             cum, o_part, lse_part, out_v, lse_v,
             o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
             out_v.stride(0), out_v.stride(1), lse_v.stride(0), B, parts), dict(BW=r // nb, **small)),

@@ -21,6 +21,7 @@ class ExecuteResult:
     report: SweepReport
     jobs: list[JobOutcome] = field(default_factory=list)
     table: Any = None
+    fidelity: Any = None
     files: dict[str, Path] = field(default_factory=dict)
     plots: list[Path] = field(default_factory=list)
 
@@ -68,7 +69,7 @@ def execute(
                     rep.failed.setdefault(cid, f"job {j.job_id} failed: {j.error}")
         res = ExecuteResult(rep, jobs)
     if report and not dry_run and (wait or spec.launcher.executor == "inline"):
-        _report(spec, res)
+        _report(spec, res, ev)
     return res
 
 
@@ -82,18 +83,29 @@ def _launch_with_progress(spec, todo, evaluator, wait, show_progress, console, t
         return launch(spec, todo, evaluator, wait=wait, on_done=on_done)
 
 
-def _report(spec: SweepSpec, res: ExecuteResult) -> None:
-    """Table (md/tex/csv) and figures from every finished cell of this sweep, if any finished."""
-    from ..analysis import build_table, load_results
+def _report(spec: SweepSpec, res: ExecuteResult, evaluator: Any = None) -> None:
+    """Table (md/tex/csv), fidelity tables and figures from every finished cell of this sweep, if any finished.
+
+    The tail listing decodes tokens with the evaluator's tokenizer when it loaded one, else with
+    the sweep model's.
+    """
+    from ..analysis import build_fidelity_table, build_table, has_fidelity, load_results
     from ..errors import ConfigError
 
     try:
         results = load_results(spec.out_dir)
     except ConfigError:
         return
-    table = build_table(results, spec.baseline if any(r["label"] == spec.baseline for r in results) else None)
+    baseline = spec.baseline if any(r["label"] == spec.baseline for r in results) else None
+    table = build_table(results, baseline)
     res.table = table
     res.files = table.save(spec.out_dir)
+    if has_fidelity(results):
+        from ..eval.model import token_decoder
+
+        decode = token_decoder(spec.model, spec.tokenizer, getattr(evaluator, "tokenizer", None))
+        res.fidelity = build_fidelity_table(results, baseline, decode=decode)
+        res.files.update(res.fidelity.save(spec.out_dir))
     if len(table.tasks):
         from ..analysis.plots import plot_all
 

@@ -6,7 +6,9 @@ next-token distributions on the fidelity text) is computed once, and each cell t
 2. runs lm-eval task by task (own limit / few-shot / metadata each) through snapquant's HFLM
    subclass with `log_samples=True`, keeping per-sample metrics for the paired tests,
 3. runs the fidelity metrics (KL, top-1, perplexity delta; quantized prefill and step-by-step
-   decode) against the cached reference,
+   decode) against the cached reference: the summary with intervals and the per-sequence sums go
+   into the cell JSON, the per-position KL and top-1 tokens (and the scored token ids) into the
+   cell's arrays file, for paired comparisons and the tail listing,
 and leaves the model unpatched again. The evaluation itself lives in `snapquant.eval` (model
 loading, task catalogue, lm-eval runs, fidelity); this module maps a sweep's spec and cells onto it.
 """
@@ -129,10 +131,11 @@ class LmEvalEvaluator:
             n_steps = (("prefill" in spec.fidelity.modes) +
                        ("decode" in spec.fidelity.modes) * (spec.fidelity.seq_len - spec.fidelity.prompt_len))
             progress.phase("fidelity (forward passes)", n_steps)
-            out["fidelity"] = fidelity_metrics(self.model, self.reference, cell.config, modes=spec.fidelity.modes,
-                                               prompt_len=spec.fidelity.prompt_len, backend=spec.backend,
-                                               patcher=patcher, on_step=progress.advance)
-            if self.fidelity_text is not None:
+            fid = fidelity_metrics(self.model, self.reference, cell.config, modes=spec.fidelity.modes,
+                                   prompt_len=spec.fidelity.prompt_len, backend=spec.backend,
+                                   patcher=patcher, on_step=progress.advance, keep_positions=True, seed=spec.seed)
+            out["fidelity"], out["arrays"] = fidelity_arrays(fid, self.reference.input_ids)
+            if self.fidelity_text is not None:  # where each sequence came from (file, token offset, line)
                 out["fidelity"]["text"] = self.fidelity_text
             timing["fidelity"] = time.perf_counter() - t0
         out["timing"] = timing
@@ -167,5 +170,27 @@ class LmEvalEvaluator:
 
 
 # ---------------------------------------------------------------------- helpers
+def fidelity_arrays(fid: dict[str, Any], input_ids: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`fidelity_metrics(..., keep_positions=True)` -> (the JSON part, the arrays file's part).
+
+    Arrays: "input_ids" [N, T] (the scored tokens) and per mode "<mode>_kl" (float64),
+    "<mode>_ref_top1" / "<mode>_quant_top1" (int32 token ids), each [N, positions]; the flips are
+    ref_top1 != quant_top1.
+    """
+    import numpy as np
+
+    arrays: dict[str, Any] = {"input_ids": np.asarray(input_ids, dtype=np.int32)}
+    out = dict(fid)
+    for mode in ("prefill", "decode"):
+        if isinstance(out.get(mode), dict) and "positions" in out[mode]:
+            res = dict(out[mode])
+            pos = res.pop("positions")
+            arrays[f"{mode}_kl"] = np.asarray(pos["kl"], dtype=np.float64)
+            for k in ("ref_top1", "quant_top1"):
+                arrays[f"{mode}_{k}"] = np.asarray(pos[k], dtype=np.int32)
+            out[mode] = res
+    return out, arrays
+
+
 def _patch(patcher: Any, model: Any, cfg: Any, backend: str | None) -> AbstractContextManager:
     return patcher(model, cfg) if backend is None else patcher(model, cfg, backend=backend)

@@ -26,6 +26,9 @@ from .grid import Cell, Expansion, expand
 from .quiet import quiet_libraries
 from .schema import SweepSpec
 
+ARRAYS = "arrays"
+"""Payload (and unwritten result) key of a cell's per-position arrays."""
+
 
 class CellProgress(Protocol):
     def phase(self, description: str, total: int | None) -> None: ...
@@ -38,7 +41,8 @@ class CellEvaluator(Protocol):
 
     {"tasks": {task: {"metrics": {metric: {"value", "stderr"}}, "primary_metric", "n_samples", ...}},
      "samples": {task: [{"doc_id", "metrics": {metric: value}}]},   # per-sample, for paired tests
-     "lm_eval": {...}, "fidelity": {...} | None, "timing": {phase: seconds}}
+     "lm_eval": {...}, "fidelity": {...} | None, "timing": {phase: seconds},
+     "arrays": {name: numpy array}}   # optional: written beside the cell JSON as <cell_id>.npz
     """
 
     def validate(self, spec: SweepSpec, cells: Sequence[Cell]) -> list[str]: ...
@@ -152,7 +156,7 @@ def run_sweep(
                 (console or _console()).print(f"[red]cell {cell.label} failed:[/red]\n{traceback.format_exc()}")
                 prog.advance(cell_bar)
                 continue
-            store.write(result)
+            store.write(result, result.pop(ARRAYS, None))
             report.ran.append(cell.cell_id)
             prog.advance(cell_bar)
     return report
@@ -160,7 +164,11 @@ def run_sweep(
 
 def run_cell(cell: Cell, spec: SweepSpec, evaluator: CellEvaluator, model_info: dict[str, Any],
              env: dict[str, Any], progress: CellProgress) -> dict[str, Any]:
-    """Evaluate one cell and assemble its full result record (not yet written)."""
+    """Evaluate one cell and assemble its full result record (not yet written).
+
+    The evaluator's per-position arrays, if any, ride along under `ARRAYS` (not JSON: the store
+    writes them to their own file).
+    """
     seed_everything(spec.seed)
     started = datetime.now(timezone.utc).isoformat()
     t0 = time.perf_counter()
@@ -188,6 +196,7 @@ def run_cell(cell: Cell, spec: SweepSpec, evaluator: CellEvaluator, model_info: 
         "timing": timing,
         "env": env,
         "seed": spec.seed,
+        **({ARRAYS: payload["arrays"]} if payload.get("arrays") else {}),
     }
 
 

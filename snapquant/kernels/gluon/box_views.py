@@ -8,7 +8,8 @@ there say why they exist.
 
 from __future__ import annotations
 
-PAGE_ROWS = 64  # tokens per page: the TMA box's rows
+from ...constants import PAGE_SIZE  # tokens per page: the TMA box's rows
+
 BOX_BYTES = 128  # e4m3 codes per box row (the 128-byte swizzle)
 
 
@@ -30,7 +31,7 @@ def box_view_bases(kind: str) -> list[list[int]]:
     to_channel = qk_channel if kind == "qk" else pv_channel
     logical_of = {to_channel(j): j for j in range(BOX_BYTES)}
     bases = []
-    for i in range((PAGE_ROWS * BOX_BYTES).bit_length() - 1):
+    for i in range((PAGE_SIZE * BOX_BYTES).bit_length() - 1):
         t, c = _swizzled_position(1 << i)
         bases.append([t, logical_of[c]] if kind == "qk" else [logical_of[c], t])
     return bases
@@ -69,7 +70,7 @@ def slot_view_bases(transposed: bool = False, boxes: int = SLOT_BOXES, warp_bits
     (m, token) of byte offset 2^i. transposed: rows m bits 3, 4 + warp_bits (e and j's low bit) and tokens
     bits 0, 1 trade places, so that a load labels four tokens' four channels transposed and a 4 x 4 byte
     transpose in registers (`experimental/native8._transpose4x4`) puts every byte at its true (m, token)."""
-    box_bytes = PAGE_ROWS * BOX_BYTES
+    box_bytes = PAGE_SIZE * BOX_BYTES
     j0 = 1 << (4 + warp_bits)
     logical_of = {pv8_channel(j, warp_bits): j for j in range(boxes * BOX_BYTES)}
     bases = []

@@ -3,17 +3,17 @@
 Host side: `make_descriptors`, the TMA descriptors of the latent and RoPE rows (a paged cache or the
 patch's dense rows, both one table of rows). Kernel side (`gluon.jit` helpers, inlined):
 
-  * the TMA page ring: `_issue_page` asks the copy engine for one page (latent boxes of 128 bytes,
+  * the TMA page ring: `issue_page` asks the copy engine for one page (latent boxes of 128 bytes,
     the widest swizzle, and the bf16 RoPE rows) into a slot, an mbarrier counting its bytes in;
-    `_start_ring` puts a run's first pages in flight;
-  * the query: `_query_operands` (sigma = amax / 448, q^ = e4m3(q / sigma), q~r = bf16(q_r / sigma),
-    stored in shared memory as MMA operands), `_split_run` (a program's pages in the uniform schedule,
-    as `triton/decode.py`'s stage 1) and `_row_state` (per-row causal limits and softmax state);
-  * the page's arithmetic: `_page_p` is the online softmax and the fp8_scale_fused P of
+    `start_ring` puts a run's first pages in flight;
+  * the query: `query_operands` (sigma = amax / 448, q^ = e4m3(q / sigma), q~r = bf16(q_r / sigma),
+    stored in shared memory as MMA operands), `split_run` (a program's pages in the uniform schedule,
+    as `triton/decode.py`'s stage 1) and `row_state` (per-row causal limits and softmax state);
+  * the page's arithmetic: `page_p` is the online softmax and the fp8_scale_fused P of
     `triton/decode.py` (`_online_softmax`, `_page_weights`) written in Gluon, with the fma-corrected
-    division (`_div_markstein`); `_page_p_smem` stores P^ for the swap-AB kernels;
-  * `_widen_boxes` (fp8 boxes -> an exact fp16 tile, a request's tail tokens zeroed) and
-    `_store_result` (out = acc / l, lse = m + log2(l pi), into the split's partials).
+    division (`_div_markstein`); `page_p_smem` stores P^ for the swap-AB kernels;
+  * `widen_boxes` (fp8 boxes -> an exact fp16 tile, a request's tail tokens zeroed) and
+    `store_result` (out = acc / l, lse = m + log2(l pi), into the split's partials).
 
 Every Gluon kernel's program is one (request, row tile, split) of the uniform schedule: its partial
 output and LSE go to the buffers `triton/combine.py` merges. Gluon has no interpreter: these compile
@@ -87,7 +87,7 @@ if HAVE_GLUON:
     _pv_channel = gluon.jit(pv_channel)
 
     @gluon.jit
-    def _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, slot, page, lat_page_rows, rope_page_rows,
+    def issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, slot, page, lat_page_rows, rope_page_rows,
                     pred, NBOX: gl.constexpr, BOXW: gl.constexpr, BOX0: gl.constexpr):
         """Ask the TMA unit for one page (latent boxes and RoPE rows) into ring slot `slot` (its boxes
         start at box BOX0 + slot * NBOX of `lat_smem`)."""
@@ -100,7 +100,7 @@ if HAVE_GLUON:
         tma_load(rope_desc, [rope_row, 0], bar, rope_smem.index(slot), pred=pred)
 
     @gluon.jit
-    def _e4m3_to_f16(c8):
+    def e4m3_to_f16(c8):
         """e4m3 codes -> exact fp16 values, four codes (one 32-bit register) per asm instance: two
         cvt.rn.f16x2.e4m3x2 on the register's halves (the generic cast shuffles bytes first)."""
         return gl.inline_asm_elementwise(
@@ -108,7 +108,7 @@ if HAVE_GLUON:
             "=r,=r,r", [c8.to(gl.int8, bitcast=True)], dtype=gl.float16, is_pure=True, pack=4)
 
     @gluon.jit
-    def _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S: gl.constexpr,
+    def query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S: gl.constexpr,
                         R: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, QK_FP8: gl.constexpr, q_l: gl.constexpr,
                         Q8: gl.constexpr = True, QK_PERM: gl.constexpr = False, Q_RCP: gl.constexpr = False):
         """Stores q^ = e4m3(q / sigma) (as fp16, or e4m3 for a native fp8 QK) and q~r = bf16(q_r / sigma)
@@ -151,7 +151,7 @@ if HAVE_GLUON:
         return sigma
 
     @gluon.jit
-    def _split_run(LENS, b, split, NSPLIT, PAGE: gl.constexpr):
+    def split_run(LENS, b, split, NSPLIT, PAGE: gl.constexpr):
         """Request b's length and the pages of its split `split` of NSPLIT (uniform schedule): the first page
         p_lo and how many to run (0 for a split past the request's pages)."""
         length = gl.load(LENS + b)
@@ -161,7 +161,7 @@ if HAVE_GLUON:
         return length, p_lo, gl.maximum(gl.minimum(p_lo + per_split, n_pages) - p_lo, 0)
 
     @gluon.jit
-    def _row_state(length, row0, sigma, sm_scale_log2, H, S: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr,
+    def row_state(length, row0, sigma, sm_scale_log2, H, S: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr,
                    srow_l: gl.constexpr):
         """Per query row of the program's BN: how many cache positions it sees (causal: query token i of S
         sees positions < length - (S - 1 - i); rows past S * H none), its score coefficient (log2 domain,
@@ -193,7 +193,7 @@ if HAVE_GLUON:
         return gl.fma(gl.fma(-y, b, a), r_inv, y)
 
     @gluon.jit
-    def _online_softmax(x, m_i, AX: gl.constexpr):
+    def online_softmax(x, m_i, AX: gl.constexpr):
         """One page of the log2-domain online softmax, tokens along AX (`triton/decode.py`'s `_online_softmax`):
         (m_new, e, alpha); rows with nothing visible yet keep m = -inf (their e and alpha are 0)."""
         m_new = gl.maximum(m_i, gl.max(x, AX))
@@ -201,7 +201,7 @@ if HAVE_GLUON:
         return m_new, gl.exp2(x - gl.expand_dims(m_ref, AX)), gl.exp2(m_i - m_ref)
 
     @gluon.jit
-    def _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, P_DIV: gl.constexpr,
+    def page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, P_DIV: gl.constexpr,
                 AX: gl.constexpr = 0, MASK: gl.constexpr = True, CLAMP: gl.constexpr = True,
                 PI_RCP: gl.constexpr = False):
         """One page of the online softmax and of fp8_scale_fused P, tokens along axis AX (the arithmetic
@@ -217,7 +217,7 @@ if HAVE_GLUON:
             x = gl.where(gl.expand_dims(pos, RA) < gl.expand_dims(limit, AX), x, float("-inf"))
         else:  # mul.rn: not contracted with the softmax's x - m into an fma (the masked path's bits)
             x = _mul_rn(gl.expand_dims(s_cur, RA) * raw, gl.expand_dims(coef, AX) + zero_s)
-        m_new, e, alpha = _online_softmax(x, m_i, AX)
+        m_new, e, alpha = online_softmax(x, m_i, AX)
         # pi = max f / 448 (floored), P^ = e4m3(f / pi), f = e times the token scale
         f = e * gl.expand_dims(s_cur, RA)
         f_max = gl.max(f, AX)
@@ -246,7 +246,7 @@ if HAVE_GLUON:
         return p8, rescale, m_new, l_i, pi_new, pi_max
 
     @gluon.jit
-    def _start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,
+    def start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,
                     STAGES: gl.constexpr, AHEAD: gl.constexpr, NBOX: gl.constexpr, BOXW: gl.constexpr,
                     BOX0: gl.constexpr):
         """Initialise the ring's STAGES barriers and put the run's first AHEAD pages in flight (slots 0..)."""
@@ -255,21 +255,21 @@ if HAVE_GLUON:
         for s in gl.static_range(AHEAD):
             ok = s < n_run
             page = gl.load(bt_row + s, mask=ok, other=0).to(gl.int64)
-            _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
+            issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
                         ok, NBOX, BOXW, BOX0)
 
     @gluon.jit
-    def _page_p_smem(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, p_smem, P_DIV: gl.constexpr):
-        """`_page_p` for the swap-AB kernels (tokens along axis 0), then P^ as fp16 [rows, tokens] into p_smem,
+    def page_p_smem(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, p_smem, P_DIV: gl.constexpr):
+        """`page_p` for the swap-AB kernels (tokens along axis 0), then P^ as fp16 [rows, tokens] into p_smem,
         the PV MMA's B operand (16-byte stores)."""
-        p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max,
+        p8, rescale, m_i, l_i, pi_i, pi_max = page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max,
                                                       zero_s, P_DIV)
         p_smem.store(gl.permute(p8.to(gl.float16), [1, 0]))
         fence_async_shared()
         return rescale, m_i, l_i, pi_i, pi_max
 
     @gluon.jit
-    def _store_result(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
+    def store_result(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
                       stride_lb, stride_lm, stride_ls, R: gl.constexpr, LSE_NATURAL: gl.constexpr, ch_l: gl.constexpr,
                       AX: gl.constexpr = 1, CH0: gl.constexpr = 0, STORE_LSE: gl.constexpr = True,
                       PV_PERM: gl.constexpr = False):
@@ -292,7 +292,7 @@ if HAVE_GLUON:
             gl.store(LSE_PART + b64 * stride_lb + rows * stride_lm + split * stride_ls, lse, mask=row_ok)
 
     @gluon.jit
-    def _widen_boxes(lat_smem, c16_smem, box0, K_LO: gl.constexpr, K_HI: gl.constexpr, base, length, offs_tc,
+    def widen_boxes(lat_smem, c16_smem, box0, K_LO: gl.constexpr, K_HI: gl.constexpr, base, length, offs_tc,
                      cvt_l: gl.constexpr, INPLACE: gl.constexpr, NBOX: gl.constexpr, BOXW: gl.constexpr,
                      PAGE: gl.constexpr):
         """fp8 boxes K_LO..K_HI - 1 of the page -> fp16 chunks of the tile; on a request's last page the
@@ -302,7 +302,7 @@ if HAVE_GLUON:
                 c8 = lat_smem.index(box0 + k).load(cvt_l)
                 if INPLACE and 2 * k + 1 >= NBOX:  # chunk k overwrites upper-half boxes 2k - NBOX, 2k - NBOX + 1
                     cta_barrier()  # ... which may include box k, just read by the other warps
-                c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
+                c16_smem.slice(k * BOXW, BOXW, dim=1).store(e4m3_to_f16(c8))
         else:
             tok_ok_c = gl.expand_dims((base + offs_tc) < length, 1)
             for k in gl.static_range(K_LO, K_HI):
@@ -310,4 +310,4 @@ if HAVE_GLUON:
                 c8 = gl.where(tok_ok_c, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True)
                 if INPLACE and 2 * k + 1 >= NBOX:
                     cta_barrier()
-                c16_smem.slice(k * BOXW, BOXW, dim=1).store(_e4m3_to_f16(c8))
+                c16_smem.slice(k * BOXW, BOXW, dim=1).store(e4m3_to_f16(c8))

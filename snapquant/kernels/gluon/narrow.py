@@ -44,15 +44,15 @@ if HAVE_GLUON:
 
     from .common import (
         NEW_REINTERPRET,
-        _e4m3_to_f16,
-        _issue_page,
-        _page_p_smem,
-        _query_operands,
-        _row_state,
-        _split_run,
-        _start_ring,
-        _store_result,
         cta_barrier,
+        e4m3_to_f16,
+        issue_page,
+        page_p_smem,
+        query_operands,
+        row_state,
+        split_run,
+        start_ring,
+        store_result,
     )
 
     QK_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=box_view_bases("qk")))
@@ -106,7 +106,7 @@ if HAVE_GLUON:
         row0 = gl.program_id(1) * BN
         split = gl.program_id(2)
         b64 = b.to(gl.int64)
-        length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
+        length, p_lo, n_run = split_run(LENS, b, split, NSPLIT, PAGE)
 
         lat_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * NBOX, PAGE, BOXW], lat_desc.layout)
         rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
@@ -117,15 +117,15 @@ if HAVE_GLUON:
 
         # ---- prologue: STAGES - 1 pages in flight before anything else
         bt_row = BT + b64 * stride_bt + p_lo
-        _start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,
+        start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,
                     STAGES, STAGES - 1, NBOX, BOXW, 0)
 
         # ---- query: q^ as fp16 in the QK view's channel order, q~r as bf16; sigma per row
-        sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN,
+        sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN,
                                 False, q_l, True, True)
         rows = row0 + gl.arange(0, BN, layout=row_l)
         row_ok = rows < S * H
-        limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
+        limit, coef, m_i, l_i, pi_i, pi_max = row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
         acc0 = gl.zeros([BOXW, BN], gl.float32, mma_l)  # O^T, one accumulator per box (logical rows)
         acc1 = gl.zeros([BOXW, BN], gl.float32, mma_l)
         acc2 = gl.zeros([BOXW, BN], gl.float32, mma_l)
@@ -144,7 +144,7 @@ if HAVE_GLUON:
             nxt = it + STAGES - 1
             box0 = slot * NBOX
             # the slot of page it - 1 is free: its last reads were before last iteration's barrier
-            _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
+            issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
                         rope_page_rows, nxt < n_run, NBOX, BOXW, 0)
             page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
             page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
@@ -162,31 +162,31 @@ if HAVE_GLUON:
                                is_async=True)
             # one box's A operand live at a time: each MMA is waited for before the box after next
             # is loaded (an async wgmma holds its register operands until it completes)
-            qk = warpgroup_mma(_e4m3_to_f16(_box_view(lat_smem, box0, QK_VIEW, [PAGE, BOXW]).load(a_l)),
+            qk = warpgroup_mma(e4m3_to_f16(_box_view(lat_smem, box0, QK_VIEW, [PAGE, BOXW]).load(a_l)),
                                q_smem.slice(0, BOXW, dim=1).permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
             for k in gl.static_range(1, NBOX):
-                a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + k, QK_VIEW, [PAGE, BOXW]).load(a_l))
+                a16 = e4m3_to_f16(_box_view(lat_smem, box0 + k, QK_VIEW, [PAGE, BOXW]).load(a_l))
                 qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
                 qk = warpgroup_mma(a16, q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)), qk, is_async=True)
             qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
             qk = qk + rd
 
-            rescale, m_i, l_i, pi_i, pi_max = _page_p_smem(gl.convert_layout(qk, sm_l), s_cur, coef, base + offs_t,
+            rescale, m_i, l_i, pi_i, pi_max = page_p_smem(gl.convert_layout(qk, sm_l), s_cur, coef, base + offs_t,
                                                            limit, m_i, l_i, pi_i, pi_max, zero_sm, p_smem, P_DIV)
             cta_barrier()
             # O^T [R, BN] += C^T P^T, box by box (rows in the PV view's order)
             beta = gl.expand_dims(gl.convert_layout(rescale, row_l), 0)
             pt = p_smem.permute((1, 0))
-            acc0 = warpgroup_mma(_e4m3_to_f16(_box_view(lat_smem, box0, PV_VIEW, [BOXW, PAGE]).load(a_l)), pt,
+            acc0 = warpgroup_mma(e4m3_to_f16(_box_view(lat_smem, box0, PV_VIEW, [BOXW, PAGE]).load(a_l)), pt,
                                  acc0 * beta, is_async=True)
-            a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + 1, PV_VIEW, [BOXW, PAGE]).load(a_l))
+            a16 = e4m3_to_f16(_box_view(lat_smem, box0 + 1, PV_VIEW, [BOXW, PAGE]).load(a_l))
             acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
             acc1 = warpgroup_mma(a16, pt, acc1 * beta, is_async=True)
-            a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + 2, PV_VIEW, [BOXW, PAGE]).load(a_l))
+            a16 = e4m3_to_f16(_box_view(lat_smem, box0 + 2, PV_VIEW, [BOXW, PAGE]).load(a_l))
             acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1,))
             acc2 = warpgroup_mma(a16, pt, acc2 * beta, is_async=True)
-            a16 = _e4m3_to_f16(_box_view(lat_smem, box0 + 3, PV_VIEW, [BOXW, PAGE]).load(a_l))
+            a16 = e4m3_to_f16(_box_view(lat_smem, box0 + 3, PV_VIEW, [BOXW, PAGE]).load(a_l))
             acc2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc2,))
             acc3 = warpgroup_mma(a16, pt, acc3 * beta, is_async=True)
             acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
@@ -199,15 +199,15 @@ if HAVE_GLUON:
         m_o = gl.convert_layout(m_i, row_l)
         l_o = gl.convert_layout(l_i, row_l)
         pi_o = gl.convert_layout(pi_i, row_l)
-        _store_result(acc0, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
+        store_result(acc0, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
                       stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, AX=1, CH0=0,
                       STORE_LSE=True, PV_PERM=True)
-        _store_result(acc1, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
+        store_result(acc1, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
                       stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, AX=1, CH0=BOXW,
                       STORE_LSE=False, PV_PERM=True)
-        _store_result(acc2, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
+        store_result(acc2, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
                       stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, AX=1, CH0=2 * BOXW,
                       STORE_LSE=False, PV_PERM=True)
-        _store_result(acc3, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
+        store_result(acc3, m_o, l_o, pi_o, O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om,
                       stride_os, stride_lb, stride_lm, stride_ls, BOXW, LSE_NATURAL, tok_l, AX=1, CH0=3 * BOXW,
                       STORE_LSE=False, PV_PERM=True)

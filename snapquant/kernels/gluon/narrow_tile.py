@@ -10,7 +10,7 @@
     (16) its N. S^T = C Q^T ([64, r] x [r, 16], plus R Q_r^T for RoPE), then the softmax in a layout
     where each warp owns whole rows (shuffle reductions), then O^T += C^T P^T with A = the same fp16
     tile read transposed (wgmma reads 16-bit A operands in either major order), P^T in shared memory.
-  * the softmax and P quantization are `common._page_p` (the Triton kernels' arithmetic), with the
+  * the softmax and P quantization are `common.page_p` (the Triton kernels' arithmetic), with the
     fma-corrected division (P_DIV 2) by default: the same numbers as tile="pairs" up to fp32
     summation order inside the MMAs.
 
@@ -39,15 +39,15 @@ if HAVE_GLUON:
 
     from .common import (
         NEW_REINTERPRET,
-        _issue_page,
-        _page_p_smem,
-        _query_operands,
-        _row_state,
-        _split_run,
-        _start_ring,
-        _store_result,
-        _widen_boxes,
         cta_barrier,
+        issue_page,
+        page_p_smem,
+        query_operands,
+        row_state,
+        split_run,
+        start_ring,
+        store_result,
+        widen_boxes,
     )
 
     @gluon.jit
@@ -86,7 +86,7 @@ if HAVE_GLUON:
         row0 = gl.program_id(1) * BN
         split = gl.program_id(2)
         b64 = b.to(gl.int64)
-        length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
+        length, p_lo, n_run = split_run(LENS, b, split, NSPLIT, PAGE)
 
         # ---- shared memory: the TMA ring, the fp16 tile, the query operands, P^T, the barriers
         c16_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], gl.float16)
@@ -121,15 +121,15 @@ if HAVE_GLUON:
         # ---- prologue: the first max(STAGES - 1, 1) pages in flight before anything else
         bt_row = BT + b64 * stride_bt + p_lo
         ahead: gl.constexpr = 1 if INPLACE else STAGES - 1
-        _start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,
+        start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,
                     STAGES, ahead, NBOX, BOXW, BOX0)
 
         # ---- query: per-row fp8 scale sigma, q^ = e4m3(q / sigma) as fp16, q~r = bf16(q_r / sigma)
-        sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, QK_FP8,
+        sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, QK_FP8,
                                 q_l)
         rows = row0 + gl.arange(0, BN, layout=row_l)
         row_ok = rows < S * H
-        limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
+        limit, coef, m_i, l_i, pi_i, pi_max = row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
         acc = gl.zeros([R, BN], gl.float32, mma_l)  # O^T
         zero_s = gl.zeros([PAGE, BN], gl.float32, mma_l)
         zero_s8 = gl.zeros([PAGE, BN], gl.float32, mma8_l)
@@ -147,7 +147,7 @@ if HAVE_GLUON:
             slot = it % STAGES
             nxt = it + ahead
             if not INPLACE:  # the slot of page it - 1 is free (its reads finished before last iteration's barriers)
-                _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
+                issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
                             rope_page_rows, nxt < n_run, NBOX, BOXW, BOX0)
                 page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
             page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
@@ -172,11 +172,11 @@ if HAVE_GLUON:
                 rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
                                    is_async=True)
             # fp8 codes -> fp16 tile; on a request's last page, tokens past its length -> 0
-            _widen_boxes(lat_smem, c16_smem, BOX0 + slot * NBOX, 0, NBOX // 2, base, length, offs_tc, cvt_l,
+            widen_boxes(lat_smem, c16_smem, BOX0 + slot * NBOX, 0, NBOX // 2, base, length, offs_tc, cvt_l,
                          INPLACE, NBOX, BOXW, PAGE)
             if QK_FP8 and INPLACE:  # the in-place chunks below overwrite the fp8 boxes the QK reads
                 k0, k1, k2, k3, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, k2, k3, rd))
-            _widen_boxes(lat_smem, c16_smem, BOX0 + slot * NBOX, NBOX // 2, NBOX, base, length, offs_tc, cvt_l,
+            widen_boxes(lat_smem, c16_smem, BOX0 + slot * NBOX, NBOX // 2, NBOX, base, length, offs_tc, cvt_l,
                          INPLACE, NBOX, BOXW, PAGE)
             fence_async_shared()
 
@@ -191,7 +191,7 @@ if HAVE_GLUON:
                                    is_async=True)
                 qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
 
-            rescale, m_i, l_i, pi_i, pi_max = _page_p_smem(gl.convert_layout(qk + rd, sm_l), s_cur, coef,
+            rescale, m_i, l_i, pi_i, pi_max = page_p_smem(gl.convert_layout(qk + rd, sm_l), s_cur, coef,
                                                            base + offs_t, limit, m_i, l_i, pi_i, pi_max, zero_sm,
                                                            p_smem, P_DIV)
             # O^T [R, BN] += C^T P^T: the same fp16 tile, read transposed
@@ -202,7 +202,7 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if INPLACE:  # the tile is read: the next page may land in it
                 cta_barrier()
-                _issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, 0, page_next, lat_page_rows,
+                issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, 0, page_next, lat_page_rows,
                             rope_page_rows, nxt < n_run, NBOX, BOXW, BOX0)
                 page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
             s_cur = s_next
@@ -210,6 +210,6 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
-        _store_result(acc, gl.convert_layout(m_i, row_l), gl.convert_layout(l_i, row_l), gl.convert_layout(pi_i, row_l),
+        store_result(acc, gl.convert_layout(m_i, row_l), gl.convert_layout(l_i, row_l), gl.convert_layout(pi_i, row_l),
                       O_PART, LSE_PART, b64, split, rows, row_ok, stride_ob, stride_om, stride_os,
                       stride_lb, stride_lm, stride_ls, R, LSE_NATURAL, tok_l)

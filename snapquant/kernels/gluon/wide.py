@@ -18,7 +18,7 @@ wgmma. This kernel is the usual two-warpgroup MLA layout:
     under the PV MMA; tokens past the request's length become zeros there. BF16: both products read
     the TMA slot itself (boxes of 64 channels, the widest 128-byte swizzle), and a request's last page
     has its tail rows zeroed in place (P = 0 there, but 0 x NaN is NaN);
-  * FP8 arithmetic is `common._page_p` (fp8_scale_fused P, fma-corrected division); BF16 is the
+  * FP8 arithmetic is `common.page_p` (fp8_scale_fused P, fma-corrected division); BF16 is the
     16-bit branch of `triton/decode.py`'s `_page_weights` (P = bf16(e), l += sum(e)).
 
 Shared memory ~216 KB (one program per SM). Every wgmma is waited for within its page (a wait deferred
@@ -44,15 +44,15 @@ if HAVE_GLUON:
 
     from .common import (
         NEW_REINTERPRET,
-        _online_softmax,
-        _page_p,
-        _query_operands,
-        _row_state,
-        _split_run,
-        _store_result,
-        _widen_boxes,
         cta_barrier,
+        online_softmax,
+        page_p,
+        query_operands,
+        row_state,
+        split_run,
+        store_result,
         tma_load,
+        widen_boxes,
     )
 
     BM_ROWS = gl.constexpr(BM)  # globals read inside Gluon functions must be constexpr
@@ -92,7 +92,7 @@ if HAVE_GLUON:
         """The bf16 layout's page of the online softmax, tokens along axis 1: (P = bf16(e), alpha, m, l)."""
         x = raw * gl.expand_dims(coef, 1)
         x = gl.where(gl.expand_dims(pos, 0) < gl.expand_dims(limit, 1), x, float("-inf"))
-        m_new, e, alpha = _online_softmax(x, m_i, 1)
+        m_new, e, alpha = online_softmax(x, m_i, 1)
         l_i = alpha * l_i + gl.sum(e, 1)
         return e.to(gl.bfloat16), alpha, m_new, l_i
 
@@ -101,10 +101,10 @@ if HAVE_GLUON:
                     stride_lb, stride_lm, stride_ls, R: gl.constexpr, LSE_NATURAL: gl.constexpr, BM: gl.constexpr,
                     o_l: gl.constexpr):
         """The 64-row kernels' epilogue: O [BM, R] (rows along axis 0, in the PV accumulator's layout) and
-        the softmax state -> the split's partial output and LSE (`_store_result`)."""
+        the softmax state -> the split's partial output and LSE (`store_result`)."""
         orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
         rows = row0 + gl.arange(0, BM, layout=orow_l)
-        _store_result(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l),
+        store_result(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l),
                       gl.convert_layout(pi_i, orow_l), O_PART, LSE_PART, b64, split, rows, rows < n_rows,
                       stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, R, LSE_NATURAL,
                       gl.SliceLayout(0, o_l), 0)
@@ -144,7 +144,7 @@ if HAVE_GLUON:
         b = gl.program_id(1)
         split = gl.program_id(2)
         b64 = b.to(gl.int64)
-        length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
+        length, p_lo, n_run = split_run(LENS, b, split, NSPLIT, PAGE)
 
         # ---- shared memory: two page slots, the query operands, the barriers. FP8: each slot is an fp16
         # tile whose upper half receives the page's fp8 boxes (converted in place, as narrow_tile.py's
@@ -175,9 +175,9 @@ if HAVE_GLUON:
         _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, 1, page1, lat_page_rows, rope_page_rows,
                     n_run > 1, FP8, NBOX, BOXW)
 
-        sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, False,
+        sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, False,
                                 q_l, FP8)
-        limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BM, CAUSAL, srow_l)
+        limit, coef, m_i, l_i, pi_i, pi_max = row_state(length, row0, sigma, sm_scale_log2, H, S, BM, CAUSAL, srow_l)
         acc = gl.zeros([BM, R], gl.float32, o_l)
         zero_s = gl.zeros([BM, PAGE], gl.float32, s_l)
         zero_sm = gl.zeros([BM, PAGE], gl.float32, sm_l)
@@ -188,7 +188,7 @@ if HAVE_GLUON:
                             other=0.0)
             mbarrier.wait(bars.index(0), 0, pred=n_run > 0)
             if n_run > 0:
-                _widen_boxes(box_smem, tile_smem.index(0), NBOX, 0, NBOX, p_lo * PAGE, length, offs_tc, cvt_l, True,
+                widen_boxes(box_smem, tile_smem.index(0), NBOX, 0, NBOX, p_lo * PAGE, length, offs_tc, cvt_l, True,
                              NBOX, BOXW, PAGE)
         fence_async_shared()
 
@@ -215,7 +215,7 @@ if HAVE_GLUON:
 
             raw = gl.convert_layout(qk, sm_l)
             if FP8:
-                p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
+                p8, rescale, m_i, l_i, pi_i, pi_max = page_p(raw, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
                                                               pi_max, zero_sm, P_DIV, 1)
                 p16 = p8.to(gl.float16)
                 s_cur = s_next
@@ -228,7 +228,7 @@ if HAVE_GLUON:
             if FP8:  # while the tensor cores run PV: the next page's fp8 boxes -> its fp16 tile, in place
                 if it + 1 < n_run:
                     mbarrier.wait(bars.index(other), ((it + 1) // STAGES) & 1)
-                    _widen_boxes(box_smem, tile_smem.index(other), other * 2 * NBOX + NBOX, 0, NBOX, base + PAGE,
+                    widen_boxes(box_smem, tile_smem.index(other), other * 2 * NBOX + NBOX, 0, NBOX, base + PAGE,
                                  length, offs_tc, cvt_l, True, NBOX, BOXW, PAGE)
                 fence_async_shared()
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))

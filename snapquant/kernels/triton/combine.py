@@ -1,7 +1,7 @@
 """Triton kernels that merge the split-KV partials of `decode.py` into the final output and LSE.
 
-    _mla_decode_combine           uniform schedule: request b's NSPLIT partials of one row and chunk
-    _mla_decode_combine_balanced  balanced schedule: the partials of the parts that cut request b
+    mla_decode_combine            uniform schedule: request b's NSPLIT partials of one row and chunk
+    mla_decode_combine_balanced   balanced schedule: the partials of the parts that cut request b
 
 Both compute out = sum_s w_s out_s / sum_s w_s with w_s = 2^(lse_s - max lse), lse = max + log2(sum w)
 (returned as a natural log); a row that saw no token anywhere gets out = 0, lse = -inf.
@@ -13,11 +13,11 @@ import triton
 import triton.language as tl
 
 from .common import LN2, rmax, rsum
-from .decode import _part_range
+from .decode import part_range
 
 
 @triton.jit
-def _mla_decode_combine(
+def mla_decode_combine(
     O_PART, LSE_PART, OUT, LSE_OUT,
     stride_pb, stride_pm, stride_ps, stride_lb, stride_lm, stride_ls,
     stride_ob, stride_om, stride_eb,
@@ -48,12 +48,12 @@ def _mla_decode_combine(
 
 
 @triton.jit
-def _mla_decode_combine_balanced(
+def mla_decode_combine_balanced(
     CUM, O_PART, LSE_PART, OUT, LSE_OUT,
     stride_ps, stride_pm, stride_ls, stride_lm, stride_ob, stride_om, stride_eb,
     B, NPARTS, BW: tl.constexpr,
 ):
-    """Merge request b's partials (slots first + b .. last + b), as `_mla_decode_combine` does.
+    """Merge request b's partials (slots first + b .. last + b), as `mla_decode_combine` does.
     Requests that one part covered whole were written by stage 1; empty ones get out 0, lse -inf."""
     b = tl.program_id(0)
     row = tl.program_id(1)
@@ -63,7 +63,7 @@ def _mla_decode_combine_balanced(
     lse_out_ptr = LSE_OUT + b.to(tl.int64) * stride_eb + row
     start = tl.load(CUM + b)
     n = tl.load(CUM + b + 1) - start
-    _, _, per = _part_range(CUM, 0, B, NPARTS)
+    _, _, per = part_range(CUM, 0, B, NPARTS)
     first = start // per
     last = (start + n - 1) // per
     if n == 0:

@@ -30,7 +30,7 @@ Work schedules (`schedule=`):
             leave most of their programs idle.
   balanced  FlashMLA-style: the pages of the whole batch, request after request, are cut into
             `num_splits` parts of equal page count (default 2 per SM per row tile); a part may
-            finish one request and start the next. `_balanced_metadata` writes the page prefix sum
+            finish one request and start the next. `balanced_metadata` writes the page prefix sum
             on the device (no host sync, CUDA-graph safe); a program finds its first request by
             binary search. A run that covers a whole request writes the final output directly;
             the others write partials at slot part + b (unique: along the batch, part and request
@@ -68,7 +68,7 @@ the kernel performs the reference's arithmetic (only fp32 summation order differ
 splits or parts each run's running max differs, so bf16 / fp8 P are rounded from differently
 scaled values. Interpreter mode (CPU) holds every narrow value as its exact fp32 value (see `common`).
 
-The launcher (`snapquant.kernels.decode`) picks the constexprs; `snapquant.bench.compile_stats` and
+The launcher (`snapquant.kernels.decode`) picks the constexprs; `snapquant.kernels.compile_stats` and
 `scripts/dump_ptx.py` compile these kernels for a GPU target on a machine without one. The split
 partials are merged by `combine.py`.
 """
@@ -495,7 +495,7 @@ def _finish(acc, m_i, l_i, pi_i):
 
 
 @triton.jit
-def _mla_decode_stage1(
+def mla_decode_stage1(
     Q, LAT, ROPE, SCALE, BT, LENS, O_PART, LSE_PART,
     sm_scale_log2,
     stride_qb, stride_qs, stride_qh,
@@ -537,7 +537,7 @@ def _mla_decode_stage1(
 
 
 @triton.jit
-def _balanced_metadata(LENS, CUM, B, PAGE: tl.constexpr, BLOCK_B: tl.constexpr):
+def balanced_metadata(LENS, CUM, B, PAGE: tl.constexpr, BLOCK_B: tl.constexpr):
     """CUM[0] = 0, CUM[b + 1] = pages of requests 0..b (one program; B <= BLOCK_B)."""
     offs = tl.arange(0, BLOCK_B)
     ok = offs < B
@@ -566,7 +566,7 @@ def _first_index(A, x, n, GREATER: tl.constexpr):
 
 
 @triton.jit
-def _part_range(CUM, part, B, NPARTS):
+def part_range(CUM, part, B, NPARTS):
     """Pages [lo, hi) of the batch's page sequence that part `part` owns."""
     total = tl.load(CUM + B)
     per = tl.maximum((total + NPARTS - 1) // NPARTS, 1)
@@ -576,7 +576,7 @@ def _part_range(CUM, part, B, NPARTS):
 
 
 @triton.jit
-def _mla_decode_balanced(
+def mla_decode_balanced(
     Q, LAT, ROPE, SCALE, BT, LENS, CUM, OUT, LSE_OUT, O_PART, LSE_PART,
     sm_scale_log2,
     stride_qb, stride_qs, stride_qh,
@@ -597,7 +597,7 @@ def _mla_decode_balanced(
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < S * H
     offs_w = tl.arange(0, BW)
-    lo, hi, _ = _part_range(CUM, part, B, NPARTS)
+    lo, hi, _ = part_range(CUM, part, B, NPARTS)
     b_first = _first_index(CUM + 1, lo, B, True)  # first request whose pages end after lo
     b_stop = _first_index(CUM, hi, B, False)  # first request starting at or after hi
     for b in range(b_first, b_stop):

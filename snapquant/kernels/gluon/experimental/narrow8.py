@@ -7,13 +7,13 @@ are swapped so that the 32 rows are wgmma's N:
 
   * S^T [64 tokens, 32 rows] = C Q^T: A = the page's e4m3 TMA boxes as they landed (K-major), B = q^T
     (e4m3, [32, 512] in shared memory), in two fp32 chains (boxes 0-1 and 2-3); RoPE a bf16 MMA;
-  * the softmax with a warp per 8 rows (`native8._page_p_native`, tokens along axis 0), P^ as
+  * the softmax with a warp per 8 rows (`native8.page_p_native`, tokens along axis 0), P^ as
     [rows, tokens] into shared memory: the K-major B operand P^T;
   * O^T [512, 32] += V^T P^T in two accumulators of 256 channels (a pair of boxes each, 64 registers),
-    V^T from registers as in `wide8` (`native8._vt_operand`: 8-byte loads through a transposed view of
+    V^T from registers as in `wide8` (`native8.vt_operand`: 8-byte loads through a transposed view of
     the pair of boxes, one 4 x 4 byte transpose per four registers), each half's operand loaded while
     the other half's MMA runs;
-  * the block-table index of the page after next is loaded a page early (`native8._page_start` with
+  * the block-table index of the page after next is loaded a page early (`native8.page_start` with
     AHEAD), so the next page's scale loads do not wait on it.
 
 Per program ~110 KB of shared memory (two 40 KB slots, the e4m3 query, P^, the softmax's conversion)
@@ -37,15 +37,15 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from ..common import _query_operands, _row_state, _split_run, cta_barrier
+    from ..common import cta_barrier, query_operands, row_state, split_run
     from .native8 import (
-        _fewest_visible,
-        _issue_slot,
-        _native8_smem,
-        _page_p_native,
-        _page_start,
-        _store_vt,
-        _vt_operand,
+        fewest_visible,
+        issue_slot,
+        native8_smem,
+        page_p_native,
+        page_start,
+        store_vt,
+        vt_operand,
     )
 
     # a pair of boxes (256 channels, 16 KB) read as V^T [256 m, 64 tokens] for 4 warps along M
@@ -92,16 +92,16 @@ if HAVE_GLUON:
         b = gl.program_id(1)
         split = gl.program_id(2)
         b64 = b.to(gl.int64)
-        length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
+        length, p_lo, n_run = split_run(LENS, b, split, NSPLIT, PAGE)
 
         bt_row = BT + b64 * stride_bt + p_lo
-        lat4, rope_smem, q_smem, qr_smem, p_smem, bars = _native8_smem(
+        lat4, rope_smem, q_smem, qr_smem, p_smem, bars = native8_smem(
             lat_desc, rope_desc, bt_row, n_run, lat_page_rows, rope_page_rows, STAGES, NBOX, BOXW, PAGE, BN, R, D)
 
-        sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, True,
+        sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, True,
                                 q_l, True, False, True)
-        limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
-        lim_min = _fewest_visible(limit, row0, S * H, BN, srow_l)
+        limit, coef, m_i, l_i, pi_i, pi_max = row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
+        lim_min = fewest_visible(limit, row0, S * H, BN, srow_l)
         acc_a = gl.zeros([HALF, BN], gl.float32, o_l)  # O^T of boxes 0-1, rows in pv8_channel(m, 2) order
         acc_b = gl.zeros([HALF, BN], gl.float32, o_l)  # boxes 2-3
         zero_s = gl.zeros([PAGE, BN], gl.float32, s_l)
@@ -115,7 +115,7 @@ if HAVE_GLUON:
                         + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length, other=0.0)
         after = gl.load(bt_row + 1, mask=n_run > 1, other=0).to(gl.int64)  # the next page's block-table index
         for it in range(n_run):
-            slot, base, page_refill, s_next, after = _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length,
+            slot, base, page_refill, s_next, after = page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length,
                                                                  offs_t, stride_sp, stride_st, STAGES, NBOX, PAGE,
                                                                  cvt_l, after, True)
             page_smem = lat4.index(slot)
@@ -139,7 +139,7 @@ if HAVE_GLUON:
             qk = gl.convert_layout(k0 + k1, s_l) + rd  # the same registers (no data movement)
 
             raw = gl.convert_layout(qk, sm_l)
-            p8, rescale, m_i, l_i, pi_i, pi_max = _page_p_native(raw, s_cur, coef, base + offs_t, limit, m_i, l_i,
+            p8, rescale, m_i, l_i, pi_i, pi_max = page_p_native(raw, s_cur, coef, base + offs_t, limit, m_i, l_i,
                                                                  pi_i, pi_max, zero_sm, base + PAGE <= lim_min,
                                                                  P_DIV, 0)
             s_cur = s_next
@@ -149,19 +149,19 @@ if HAVE_GLUON:
             beta = gl.expand_dims(gl.convert_layout(rescale, orow_l), 0)
             pt = p_smem.permute((1, 0))
             # V^T of boxes 0-1, then of boxes 2-3 while the tensor cores run the first half
-            acc_a = warpgroup_mma(_vt_operand(page_smem.slice(0, 2 * PAGE, dim=0), PAIR_VIEW_T, V_LOAD4, HALF, PAGE,
+            acc_a = warpgroup_mma(vt_operand(page_smem.slice(0, 2 * PAGE, dim=0), PAIR_VIEW_T, V_LOAD4, HALF, PAGE,
                                               a_o), pt, acc_a * beta, is_async=True)
-            vt_b = _vt_operand(page_smem.slice(2 * PAGE, 2 * PAGE, dim=0), PAIR_VIEW_T, V_LOAD4, HALF, PAGE, a_o)
+            vt_b = vt_operand(page_smem.slice(2 * PAGE, 2 * PAGE, dim=0), PAIR_VIEW_T, V_LOAD4, HALF, PAGE, a_o)
             acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
             acc_b = warpgroup_mma(vt_b, pt, acc_b * beta, is_async=True)
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
             cta_barrier()  # every warp has read the slot (QK, V^T) and P^: refill the slot
-            _issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, slot, page_refill, lat_page_rows, rope_page_rows,
+            issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, slot, page_refill, lat_page_rows, rope_page_rows,
                         it + STAGES < n_run, NBOX, BOXW, PAGE)
 
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
-        _store_vt(acc_a, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
+        store_vt(acc_a, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
                   stride_lb, stride_lm, stride_ls, LSE_NATURAL, BN, o_l, 4, VT_STORE4, 0, True)
-        _store_vt(acc_b, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
+        store_vt(acc_b, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
                   stride_lb, stride_lm, stride_ls, LSE_NATURAL, BN, o_l, 4, VT_STORE4, HALF, False)

@@ -3,17 +3,17 @@
 Both run QK and PV on the tensor cores' e4m3 path straight from the TMA page slots (no fp16 widening):
 
   * a page slot is the page's four 128-channel latent boxes stacked ([4 x 64, 128] e4m3, 32 KB) plus
-    its RoPE rows; `_native8_smem` allocates the slots, the e4m3 query, the RoPE query, P^ and the
-    barriers and puts the run's first pages in flight, `_issue_slot` refills one, `_page_start` waits
+    its RoPE rows; `native8_smem` allocates the slots, the e4m3 query, the RoPE query, P^ and the
+    barriers and puts the run's first pages in flight, `issue_slot` refills one, `page_start` waits
     for the current page, zeroes a request's tail codes in its slot (P = 0 does not cancel a NaN) and
     loads the next page's token scales;
   * PV is swapped, O^T = V^T P^T, with V^T (an 8-bit MMA operand, which must be K-major: K is the
-    page's token axis, stored channel-major) read from the slot into registers: `_vt_operand` loads 8
+    page's token axis, stored channel-major) read from the slot into registers: `vt_operand` loads 8
     contiguous bytes per token row through a `SharedLinearLayout` view (`box_views.slot_view_bases`)
     and one 4 x 4 byte transpose (`_transpose4x4`, `prmt`) per four registers yields wgmma's fragment;
-    the MMA's row order is `box_views.pv8_channel`, put back in channel order by `_store_vt`'s reshape;
-  * the softmax and P^ are `common._page_p` in its fewest instructions (`_page_p_native`: the same
-    bits; no position test on pages every row of the tile sees whole, `_fewest_visible`).
+    the MMA's row order is `box_views.pv8_channel`, put back in channel order by `store_vt`'s reshape;
+  * the softmax and P^ are `common.page_p` in its fewest instructions (`page_p_native`: the same
+    bits; no position test on pages every row of the tile sees whole, `fewest_visible`).
 """
 
 from __future__ import annotations
@@ -25,33 +25,33 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-    from ..common import LN2, NEW_REINTERPRET, _page_p, cta_barrier, tma_load
+    from ..common import LN2, NEW_REINTERPRET, cta_barrier, page_p, tma_load
 
 
 if HAVE_GLUON:
 
     @gluon.jit
-    def _fewest_visible(limit, row0, n_rows, BN: gl.constexpr, srow_l: gl.constexpr):
+    def fewest_visible(limit, row0, n_rows, BN: gl.constexpr, srow_l: gl.constexpr):
         """The fewest cache positions a real row of the tile sees (rows past n_rows aside; a row may see
-        none): pages below it need no position test in `_page_p_native`."""
+        none): pages below it need no position test in `page_p_native`."""
         return gl.min(gl.where(row0 + gl.arange(0, BN, layout=srow_l) < n_rows, limit, 1 << 30), 0)
 
     @gluon.jit
-    def _page_p_native(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, whole, P_DIV: gl.constexpr,
+    def page_p_native(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, whole, P_DIV: gl.constexpr,
                        AX: gl.constexpr):
-        """`common._page_p` in the fewest instructions, the same bits: no position test when `whole` (every
+        """`common.page_p` in the fewest instructions, the same bits: no position test when `whole` (every
         row sees the whole page), the e4m3 conversion's own saturation (cvt.satfinite) for the clamp, and
         max f / 448 by a reciprocal with Markstein's correction."""
         if whole:
-            p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s,
+            p8, rescale, m_i, l_i, pi_i, pi_max = page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s,
                                                           P_DIV, AX, False, False, True)
         else:
-            p8, rescale, m_i, l_i, pi_i, pi_max = _page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s,
+            p8, rescale, m_i, l_i, pi_i, pi_max = page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s,
                                                           P_DIV, AX, True, False, True)
         return p8, rescale, m_i, l_i, pi_i, pi_max
 
     @gluon.jit
-    def _issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, slot, page, lat_page_rows, rope_page_rows, pred,
+    def issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, slot, page, lat_page_rows, rope_page_rows, pred,
                     NBOX: gl.constexpr, BOXW: gl.constexpr, PAGE: gl.constexpr):
         """One page into slot `slot`: its NBOX latent boxes stacked in lat4[slot] (rows k * PAGE..) and its
         RoPE rows."""
@@ -63,7 +63,7 @@ if HAVE_GLUON:
         tma_load(rope_desc, [(page * rope_page_rows).to(gl.int32), 0], bar, rope_smem.index(slot), pred=pred)
 
     @gluon.jit
-    def _native8_smem(lat_desc, rope_desc, bt_row, n_run, lat_page_rows, rope_page_rows, STAGES: gl.constexpr,
+    def native8_smem(lat_desc, rope_desc, bt_row, n_run, lat_page_rows, rope_page_rows, STAGES: gl.constexpr,
                       NBOX: gl.constexpr, BOXW: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, R: gl.constexpr,
                       D: gl.constexpr):
         """The native FP8 kernels' shared memory: STAGES page slots of 40 KB (latent boxes stacked, RoPE
@@ -81,7 +81,7 @@ if HAVE_GLUON:
             mbarrier.init(bars.index(s), count=1)
         for s in gl.static_range(STAGES):
             page = gl.load(bt_row + s, mask=s < n_run, other=0).to(gl.int64)
-            _issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
+            issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, s, page, lat_page_rows, rope_page_rows,
                         s < n_run, NBOX, BOXW, PAGE)
         return lat4, rope_smem, q_smem, qr_smem, p_smem, bars
 
@@ -96,7 +96,7 @@ if HAVE_GLUON:
             box.store(gl.where(keep, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True))
 
     @gluon.jit
-    def _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length, offs_t, stride_sp, stride_st,
+    def page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length, offs_t, stride_sp, stride_st,
                     STAGES: gl.constexpr, NBOX: gl.constexpr, PAGE: gl.constexpr, cvt_l: gl.constexpr, after=0,
                     AHEAD: gl.constexpr = False):
         """Page `it` of the run: waits for its slot, zeroes a request's last page's tail codes there (before
@@ -145,7 +145,7 @@ if HAVE_GLUON:
             is_pure=True, pack=32)
 
     @gluon.jit
-    def _vt_operand(boxes, VIEW: gl.constexpr, LOAD: gl.constexpr, M: gl.constexpr, PAGE: gl.constexpr,
+    def vt_operand(boxes, VIEW: gl.constexpr, LOAD: gl.constexpr, M: gl.constexpr, PAGE: gl.constexpr,
                     a_l: gl.constexpr):
         """Stacked TMA boxes (a slot, or a pair of its boxes) as PV's A operand V^T [M, PAGE] in registers
         (e4m3, wgmma layout a_l): 8-byte loads through the transposed view VIEW in the layout LOAD
@@ -159,7 +159,7 @@ if HAVE_GLUON:
         return gl.convert_layout(v8.to(gl.float8e4nv, bitcast=True), a_l)
 
     @gluon.jit
-    def _store_vt(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, n_rows, stride_ob, stride_om, stride_os,
+    def store_vt(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, n_rows, stride_ob, stride_om, stride_os,
                   stride_lb, stride_lm, stride_ls, LSE_NATURAL: gl.constexpr, BM: gl.constexpr, o_l: gl.constexpr,
                   W: gl.constexpr, st_l: gl.constexpr, CH0: gl.constexpr = 0, STORE_LSE: gl.constexpr = True):
         """The epilogue of O^T [64 W m, BM rows] (`pv8_channel` order, W warps along M, output channels CH0..):

@@ -10,7 +10,7 @@ both of its fp16 MMAs read).
     fp32 (Hopper's FP8 MMA keeps ~14 bits inside a chain; DeepSeek-V3 promotes every 128 products; one
     512-long chain doubled the LSE error). RoPE stays a bf16 MMA;
   * PV, swapped: O^T [512 channels, 64 rows] += V^T P^T, 8 warps along the channels, V^T from the slot
-    into registers (`native8._vt_operand` through `SLOT_VIEW_T`: 16 8-byte loads and 64 byte permutes
+    into registers (`native8.vt_operand` through `SLOT_VIEW_T`: 16 8-byte loads and 64 byte permutes
     per thread per page, no transposed tile, no extra barrier), loaded after the QK wait (under the QK
     MMAs it raised register pressure); P^ (e4m3) goes to shared memory as [rows, tokens], the K-major
     B operand P^T;
@@ -18,7 +18,7 @@ both of its fp16 MMAs read).
     the FP8 MMA's accumulation rounding (tested at 1e-2 relative; the exact kernels are the default).
 
 Shared memory: STAGES TMA slots of 40 KB (the launcher's num_stages: 2 by default, 3 or 4), 44 KB of
-query and P operands. The softmax and P^ are `native8._page_p_native` (q / sigma too by a reciprocal
+query and P operands. The softmax and P^ are `native8.page_p_native` (q / sigma too by a reciprocal
 with Markstein's correction: the correctly rounded quotient).
 """
 
@@ -38,15 +38,15 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from ..common import _query_operands, _row_state, _split_run, cta_barrier
+    from ..common import cta_barrier, query_operands, row_state, split_run
     from .native8 import (
-        _fewest_visible,
-        _issue_slot,
-        _native8_smem,
-        _page_p_native,
-        _page_start,
-        _store_vt,
-        _vt_operand,
+        fewest_visible,
+        issue_slot,
+        native8_smem,
+        page_p_native,
+        page_start,
+        store_vt,
+        vt_operand,
     )
 
     BM_ROWS = gl.constexpr(GLUON_WIDE_ROWS)
@@ -59,7 +59,7 @@ if HAVE_GLUON:
     # (the four registers _transpose4x4 transposes with the bytes). Back to the MMA's own order is a
     # renaming of whole registers.
     V_LOAD = gl.constexpr(gl.DistributedLinearLayout(*v_load_bases(3), block_bases=[], shape=[512, 64]))
-    # the PV accumulator's layout in physical channel order (after _store_vt's reshape), registers
+    # the PV accumulator's layout in physical channel order (after store_vt's reshape), registers
     # reordered so each thread's 8 contiguous channels of a row come first (two 16-byte stores)
     VT_STORE = gl.constexpr(gl.DistributedLinearLayout(*vt_store_bases(3, 64), block_bases=[], shape=[512, 64]))
 
@@ -103,16 +103,16 @@ if HAVE_GLUON:
         b = gl.program_id(1)
         split = gl.program_id(2)
         b64 = b.to(gl.int64)
-        length, p_lo, n_run = _split_run(LENS, b, split, NSPLIT, PAGE)
+        length, p_lo, n_run = split_run(LENS, b, split, NSPLIT, PAGE)
 
         bt_row = BT + b64 * stride_bt + p_lo
-        lat4, rope_smem, q_smem, qr_smem, p_smem, bars = _native8_smem(
+        lat4, rope_smem, q_smem, qr_smem, p_smem, bars = native8_smem(
             lat_desc, rope_desc, bt_row, n_run, lat_page_rows, rope_page_rows, STAGES, NBOX, BOXW, PAGE, BM, R, D)
 
-        sigma = _query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, True,
+        sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, True,
                                 q_l, True, False, True)
-        limit, coef, m_i, l_i, pi_i, pi_max = _row_state(length, row0, sigma, sm_scale_log2, H, S, BM, CAUSAL, srow_l)
-        lim_min = _fewest_visible(limit, row0, S * H, BM, srow_l)
+        limit, coef, m_i, l_i, pi_i, pi_max = row_state(length, row0, sigma, sm_scale_log2, H, S, BM, CAUSAL, srow_l)
+        lim_min = fewest_visible(limit, row0, S * H, BM, srow_l)
         acc = gl.zeros([R, BM], gl.float32, o_l)  # O^T, rows in pv8_channel order
         zero_s = gl.zeros([BM, PAGE], gl.float32, s_l)
         zero_s8 = gl.zeros([BM, PAGE], gl.float32, s8_l)
@@ -124,7 +124,7 @@ if HAVE_GLUON:
         s_cur = gl.load(SCALE + gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64) * stride_sp
                         + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length, other=0.0)
         for it in range(n_run):
-            slot, base, page_refill, s_next, _ = _page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length,
+            slot, base, page_refill, s_next, _ = page_start(lat4, bars, bt_row, SCALE, it, p_lo, n_run, length,
                                                              offs_t, stride_sp, stride_st, STAGES, NBOX, PAGE, cvt_l)
             page_smem = lat4.index(slot)
 
@@ -146,13 +146,13 @@ if HAVE_GLUON:
             k0, k1, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, rd))
             qk = gl.convert_layout(k0 + k1, s_l) + rd  # the same registers (no data movement)
             # V^T after the QK wait (loaded under the QK MMAs it raised register pressure)
-            vt = _vt_operand(page_smem, SLOT_VIEW_T, V_LOAD, R, PAGE, a_o)
+            vt = vt_operand(page_smem, SLOT_VIEW_T, V_LOAD, R, PAGE, a_o)
             cta_barrier()  # every warp has read the slot (QK and V^T): refill it
-            _issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, slot, page_refill, lat_page_rows, rope_page_rows,
+            issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, slot, page_refill, lat_page_rows, rope_page_rows,
                         it + STAGES < n_run, NBOX, BOXW, PAGE)
 
             raw = gl.convert_layout(qk, sm_l)
-            p8, rescale, m_i, l_i, pi_i, pi_max = _page_p_native(raw, s_cur, coef, base + offs_t, limit, m_i, l_i,
+            p8, rescale, m_i, l_i, pi_i, pi_max = page_p_native(raw, s_cur, coef, base + offs_t, limit, m_i, l_i,
                                                                  pi_i, pi_max, zero_sm, base + PAGE <= lim_min,
                                                                  P_DIV, 1)
             s_cur = s_next
@@ -165,5 +165,5 @@ if HAVE_GLUON:
 
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
-        _store_vt(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
+        store_vt(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
                   stride_lb, stride_lm, stride_ls, LSE_NATURAL, BM, o_l, 8, VT_STORE)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Every decode speed claim as a ratio against FlashMLA BF16, in one device call (< 8 minutes on an H200):
+#   1. installs FlashMLA from a wheel in .anchors/ (an ignored folder carried with the checkout), if there is one;
+#   2. the decode benchmark at the 8 headline shapes: our BF16 and FP8 kernels and FlashMLA on the same values,
+#      each row with its ratio to FlashMLA (vs_flashmla, with its interval), GB/s, TFLOP/s and the fraction of
+#      the read bandwidth measured in the same run (torch.sum over 4 GiB);
+#   3. the end-to-end decode step (8 layers at DeepSeek-V2-Lite attention dims, CUDA graphs): snapmla on the
+#      Triton kernels vs the bf16 preset on FlashMLA, at batch 32 / 32K and at a 16 GiB KV-cache budget (each
+#      at the largest batch that fits).
+#   SNAPQUANT_GIT_COMMIT=$(git rev-parse HEAD) bash scripts/device_anchor.sh
+# Without a wheel (or FlashMLA installed otherwise) the benchmarks run and their FlashMLA rows say
+# "FlashMLA not installed". Results: results/bench/{decode,bench}_anchor_h200.*, results/bench/e2e_anchor_h200.*;
+# logs in $OUT, everything in $OUT/device_anchor.tar.gz.
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-/tmp/device_anchor}"
+RES=results/bench
+mkdir -p "$OUT" "$RES"
+trap 'tar -czf "$OUT/device_anchor.tar.gz" $RES/*anchor_h200* "$OUT"/*.log "$OUT"/*.txt 2>/dev/null' EXIT
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+shopt -s nullglob
+wheels=(.anchors/flash_mla-*.whl)
+if [ ${#wheels[@]} -gt 0 ]; then
+  python3 -m pip install -q --no-deps --target .anchors/site "${wheels[0]}" 2>&1 | tail -2
+  export PYTHONPATH="$PWD/.anchors/site:$PYTHONPATH"
+fi
+python3 -c "import flash_mla, torch; print('flash_mla', getattr(flash_mla, '__version__', '?'), 'torch', torch.__version__)" \
+  2>&1 | tail -1 | tee "$OUT/flashmla.txt"
+timeout 270 python3 scripts/bench_decode.py --out "$RES" --tag anchor_h200 --no-append --budget-s 170 \
+  --shapes 128x16x4096,32x16x16384,8x16x32768,32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768 \
+  --variants "bf16,snapmla,snapmla+gluon+fp8mma" 2>&1 | tee "$OUT/bench_anchor.log" \
+  | grep -E "read bandwidth| us |SKIPPED|Targets" | head -48
+timeout 180 python3 scripts/bench_e2e.py --device cuda --layers 8 --batch 32 --contexts 32768 --steps 5 \
+  --presets bf16@flashmla,snapmla --backend triton --graphs --no-stock --kv-budget-gib 16 \
+  --out "$RES/e2e_anchor_h200.json" 2>&1 | tee "$OUT/e2e_anchor.log" | grep -E "^(batch|kv_budget|Traceback|error)|Error" | head -20

@@ -1,0 +1,199 @@
+"""MoE experts inside a captured decode step: grouped GEMMs over the routed tokens, with no host sync.
+
+transformers 5.x runs `@use_experts_implementation` expert modules (DeepseekV3Experts and the other
+DeepSeek-style families) through the implementation named by `config._experts_implementation`:
+
+- `eager`: a Python loop over the experts that were hit, found with `nonzero` (a host sync per MoE
+  layer: it cannot be captured in a CUDA graph);
+- `grouped_mm` (the default where torch has grouped GEMMs): sort the (token, expert) pairs by expert
+  and run one grouped GEMM per projection; each expert's weights are read once per step;
+- `batched_mm`: gather every pair's expert weights (`gate_up_proj[expert_ids]`, a `[T*k, 2I, H]` copy
+  per layer) and run a bmm. HF `generate` switches `grouped_mm` to it for decode on GPUs
+  (`_optimize_model_for_decode`): at batch 32 and DeepSeek-V2-Lite sizes (k = 6, 17.3 MB per
+  expert in bf16) that copies 3.3 GB per layer per step, against 1.1 GB for reading all 64 experts.
+
+Two implementations are registered here, both free of host syncs and of per-token weight gathers,
+for the decode loop of `snapquant.eval.generation` (which calls the model directly, so nothing
+switches them back):
+
+    snapquant_grouped_mm   the grouped_mm algorithm with counts from a scatter-add (graph-safe on any
+                           transformers version); needs torch.nn.functional.grouped_mm, i.e. bf16 on
+                           CUDA sm80+ (any float dtype on CPU, where 16-byte aligned rows suffice)
+    snapquant_dense        every expert on every token, weighted by the dense routing matrix (zeros
+                           for unselected experts): the fallback where grouped GEMMs are unavailable;
+                           it reads each expert's weights once, as grouped_mm does, but does E / k
+                           times its expert FLOPs (64 / 6 = 10.7x for DeepSeek-V2-Lite)
+
+`decode_experts(model)` picks one (`plan_decode_experts`), logs a warning naming the cost when it has
+to fall back, and restores the model's own implementation on exit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+GROUPED = "snapquant_grouped_mm"
+DENSE = "snapquant_dense"
+
+
+def _check_layout(module: torch.nn.Module) -> None:
+    for attr, ok in (("has_bias", False), ("has_post_expert_norm", False), ("has_gate", True)):
+        if getattr(module, attr, ok) != ok:
+            raise ConfigError(f"{type(module).__name__}.{attr}={not ok}: snapquant's decode experts support gated "
+                              f"experts without bias or post-expert norm; use experts_implementation='eager'")
+    if getattr(module, "_is_expert_parallel", False):
+        raise ConfigError(f"{type(module).__name__}: expert parallelism is not supported by snapquant's decode experts")
+
+
+def _weights(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """Expert weights as [E, in, out] (the layout grouped_mm multiplies by)."""
+    w = getattr(module, name)
+    return w if getattr(module, "is_transposed", False) else w.transpose(-2, -1)
+
+
+def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """`hidden_states [T, H]`, top-k expert ids and weights `[T, k]` -> `[T, H]`, through two grouped GEMMs."""
+    _check_layout(self)
+    T, k = top_k_index.shape
+    E = self.num_experts
+    flat = top_k_index.reshape(-1)
+    order = torch.sort(flat, stable=True).indices  # pairs grouped by expert, token order kept within one
+    x = hidden_states.index_select(0, order // k)
+    # Per-expert counts by a scatter-add of ones: exact in int32, fixed shape (bincount would size its output
+    # from the data and sync; transformers' histc needs float input on CPU and int on CUDA).
+    counts = torch.zeros(E, dtype=torch.int32, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    w_up = _weights(self, "gate_up_proj")
+    h = torch.nn.functional.grouped_mm(x.to(w_up.dtype), w_up, offs=offs)
+    h = self._apply_gate(h)
+    out = torch.nn.functional.grouped_mm(h, _weights(self, "down_proj"), offs=offs)
+    out = out * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    # Back to (token, slot) order; then the k slots of each token summed in slot order.
+    pairs = torch.empty_like(out).index_copy_(0, order, out)
+    return pairs.view(T, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def dense_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token (`[E, T, H]` bmm), weighted by the dense routing matrix (0 if unselected)."""
+    _check_layout(self)
+    T = hidden_states.shape[0]
+    E = self.num_experts
+    w_up = _weights(self, "gate_up_proj")
+    x = hidden_states.to(w_up.dtype).unsqueeze(0).expand(E, T, -1)
+    h = self._apply_gate(torch.bmm(x, w_up))  # [E, T, I]
+    out = torch.bmm(h, _weights(self, "down_proj"))  # [E, T, H]
+    dense = torch.zeros(T, E, dtype=top_k_weights.dtype, device=top_k_weights.device)
+    dense.scatter_add_(1, top_k_index, top_k_weights)  # a token's duplicate picks (none in top-k) would add
+    return (out * dense.t().unsqueeze(-1)).sum(dim=0).to(hidden_states.dtype)
+
+
+def register() -> None:
+    """Make both implementations selectable by name (`model.set_experts_implementation(GROUPED)`)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(GROUPED, grouped_experts_forward)
+    ExpertsInterface.register(DENSE, dense_experts_forward)
+
+
+def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The `@use_experts_implementation` expert modules of a model (those with a `gate_up_proj` tensor)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
+            and hasattr(m, "num_experts") and hasattr(m, "_apply_gate")]
+
+
+def grouped_mm_reason(dtype: torch.dtype, device: torch.device | str, *dims: int) -> str | None:
+    """Why torch's grouped GEMM cannot run these experts here (None when it can)."""
+    device = torch.device(device)
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            return f"grouped_mm on CUDA needs bfloat16 weights, the experts are {str(dtype).replace('torch.', '')}"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return f"grouped_mm needs CUDA sm80+, this GPU is sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    elif device.type != "cpu":
+        return f"grouped_mm is not available on {device.type}"
+    size = torch.empty((), dtype=dtype).element_size()
+    bad = [d for d in dims if (d * size) % 16]
+    if bad:
+        return f"grouped_mm needs rows of a multiple of 16 bytes; expert widths {bad} in {dtype} are not"
+    return None
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """Which experts implementation a decode step runs, and why; `warning` names the cost of a fallback."""
+
+    implementation: str | None  # None: the model has no `@use_experts_implementation` experts
+    reason: str
+    warning: str | None = None
+
+
+def plan_decode_experts(model: torch.nn.Module) -> ExpertsPlan:
+    """GROUPED where torch's grouped GEMM runs the model's experts, else DENSE with the cost spelled out."""
+    mods = expert_modules(model)
+    if not mods:
+        return ExpertsPlan(None, "no @use_experts_implementation experts in the model")
+    m = mods[0]
+    w = m.gate_up_proj
+    E, I2, H = w.shape[0], w.shape[1], w.shape[2]
+    k = int(getattr(getattr(model, "config", None), "num_experts_per_tok", 0) or 0)
+    reason = grouped_mm_reason(w.dtype, w.device, H, I2, I2 // 2)
+    if reason is None:
+        return ExpertsPlan(GROUPED, "grouped GEMMs over the routed tokens (sync-free, each expert read once)")
+    ratio = f"{E / k:.1f}x" if k else f"E / k = {E} / k times"
+    warning = (f"experts: {reason}; the decode step computes all {E} experts for every token instead "
+               f"({ratio} the routed expert FLOPs, each expert's weights still read once; capturable)")
+    return ExpertsPlan(DENSE, reason, warning)
+
+
+@contextmanager
+def decode_experts(model: torch.nn.Module, implementation: str | None = "auto") -> Iterator[ExpertsPlan]:
+    """Run the model's experts with a sync-free implementation inside the block, then restore its own.
+
+    `implementation`: 'auto' (`plan_decode_experts`), GROUPED, DENSE, any registered transformers name
+    ('grouped_mm', 'eager', ...), or None to leave the model as it is."""
+    if implementation is None or not expert_modules(model):
+        yield ExpertsPlan(None, "experts left as the model has them")
+        return
+    plan = plan_decode_experts(model) if implementation == "auto" else ExpertsPlan(implementation, "requested")
+    if plan.warning:
+        log.warning(plan.warning)
+    register()
+    original = experts_implementation(model)
+    _set(model, plan.implementation)
+    try:
+        yield plan
+    finally:
+        _set(model, original)
+
+
+def experts_implementation(model: torch.nn.Module) -> str | dict | None:
+    """The experts implementation a model runs now (transformers' getter, or its config field where the
+    installed transformers has no getter)."""
+    if hasattr(model, "get_experts_implementation"):
+        return model.get_experts_implementation()
+    return getattr(model.config, "_experts_implementation", None)
+
+
+def _set(model: torch.nn.Module, implementation: str | dict) -> None:
+    try:
+        model.set_experts_implementation(implementation)
+    except (AttributeError, ValueError, KeyError):
+        # a transformers without the setter, or one that validates names against a fixed list: the experts
+        # dispatch on their config's field at every call, so setting it is enough
+        value = implementation.get("", None) if isinstance(implementation, dict) else implementation
+        for m in {id(e.config): e for e in expert_modules(model)}.values():
+            m.config._experts_implementation = value
