@@ -112,13 +112,13 @@ def test_long_context_bins_match_the_fidelity_metrics_and_replot(monkeypatch, tm
     for name, mode, first, bins in (("snapmla", "prefill", 0, [(0, 8), (8, 16), (16, 23)]),
                                     ("per_tensor_fp8_dynamic", "decode", 8, [(8, 16), (16, 23)])):
         fm = fidelity_metrics(model, ref, PRESETS[name], modes=(mode,), prompt_len=8, patcher=patched,
-                              keep_positions=True)[mode]
+                              keep_positions=True)[mode]["positions"]
         s = df[df["config"] == name]
         assert (s["mode"] == mode).all() and list(zip(s["bin_lo"], s["bin_hi"], strict=True)) == bins
         for (lo, hi), (_, r) in zip(bins, s.iterrows(), strict=True):
             cols = slice(lo - first, hi - first)
-            assert r["kl_mean"] == pytest.approx(fm["kl_positions"][:, cols].mean(), rel=1e-9, abs=1e-18)
-            assert r["flip_rate"] == pytest.approx(1 - fm["top1_positions"][:, cols].mean(), abs=1e-12)
+            assert r["kl_mean"] == pytest.approx(fm["kl"][:, cols].mean(), rel=1e-9, abs=1e-18)
+            assert r["flip_rate"] == pytest.approx(fm["flip"][:, cols].mean(), abs=1e-12)
             assert r["n_sequences"] == 3 and r["n_positions"] == 3 * (hi - lo)
             assert r["kl_mean_ci_low"] <= r["kl_mean"] <= r["kl_mean_ci_high"]
             assert r["kl_mean_ci_low"] < r["kl_mean_ci_high"]  # three different sequences: a real interval
