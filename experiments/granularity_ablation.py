@@ -30,6 +30,7 @@ from snapquant import KVQuantConfig, bytes_per_token
 from snapquant.analysis.capture import capture_mla
 from snapquant.analysis.experiment_plots import plot_granularity
 from snapquant.analysis.sensitivity import sensitivity_report, sqnr_db
+from snapquant.analysis.uncertainty import compare_fidelity
 from snapquant.eval.fidelity import fidelity_metrics, fidelity_reference
 from snapquant.patching import patched
 from snapquant.quant.quantizer import quantize_part
@@ -94,9 +95,11 @@ def main() -> None:
     grouped_sq = _grouped_sqnr(model, ids, "fp8_e4m3", args.token_group)
     ref = fidelity_reference(model, ids)
     r, d = rep.meta["kv_lora_rank"], rep.meta["rope_dim"]
-    rows = []
+    rows, per_token, seqs = [], {}, {}
+    # per_token first in each scope: every other variant is compared with it on the same positions
+    order = sorted(_variants(args.token_group), key=lambda v: v[0] != "per_token")
     for scope in ("latent", "both"):
-        for g, group, policy in _variants(args.token_group):
+        for g, group, policy in order:
             # only knobs these formats read: RoPE's granularity when RoPE is quantized, blocks when blocked
             knobs = {"rope_granularity": g} if scope == "both" else {}
             if g == "per_token_block":
@@ -115,6 +118,16 @@ def main() -> None:
                             f"{m}_top1_agree_ci_low": 1.0 - flip["ci_high"],
                             f"{m}_top1_agree_ci_high": 1.0 - flip["ci_low"],
                             f"{m}_n_positions": fid[m]["n_positions"], f"{m}_n_sequences": fid[m]["n_sequences"]})
+                seqs[(scope, _variant_name(g, group), m)] = fid[m]["per_sequence"]
+                if g == "per_token":
+                    per_token[(scope, m)] = fid[m]["per_sequence"]
+                # paired with per-token scales (SnapMLA's granularity) on the same positions: the KL ratio
+                # with its cluster-bootstrap interval and the sign-flip p-value of the KL difference
+                cmp = compare_fidelity(per_token[(scope, m)], fid[m]["per_sequence"])
+                cis.update({f"{m}_kl_ratio_vs_per_token": cmp.kl_ratio.ratio,
+                            f"{m}_kl_ratio_vs_per_token_ci_low": cmp.kl_ratio.ci_low,
+                            f"{m}_kl_ratio_vs_per_token_ci_high": cmp.kl_ratio.ci_high,
+                            f"{m}_kl_vs_per_token_p": cmp.kl.p_value})
             nope_sq = grouped_sq["nope"] if group else sq[("nope", g)]
             rope_sq = (grouped_sq["rope"] if group else sq[("rope", g)]) if scope == "both" else math.inf
             rows.append({"scope": scope, "granularity": g, "scale_policy": policy, "variant": _variant_name(g, group),
@@ -123,6 +136,16 @@ def main() -> None:
                          **{f"{m}_{k}": fid[m][k] for m in ("prefill", "decode")
                             for k in ("kl_mean", "kl_p99", "top1_agree", "ppl_rel_delta")}, **cis})
             print(rows[-1])
+    # the scale policy alone: per-channel scales frozen at prefill vs recomputed per token group, paired
+    grouped = _variant_name("per_channel", args.token_group)
+    for row in rows:
+        if row["variant"] == "per_channel":
+            for m in ("prefill", "decode"):
+                cmp = compare_fidelity(seqs[(row["scope"], grouped, m)], seqs[(row["scope"], "per_channel", m)])
+                row.update({f"{m}_kl_ratio_frozen_vs_grouped": cmp.kl_ratio.ratio,
+                            f"{m}_kl_ratio_frozen_vs_grouped_ci_low": cmp.kl_ratio.ci_low,
+                            f"{m}_kl_ratio_frozen_vs_grouped_ci_high": cmp.kl_ratio.ci_high,
+                            f"{m}_kl_frozen_vs_grouped_p": cmp.kl.p_value})
     df = pd.DataFrame(rows)
     write(args.out, "table", df, f"Granularity ablation (FP8 e4m3): {args.model}",
           "scope=latent: only the NoPE latent in FP8 (RoPE BF16); both: RoPE in FP8 with the same granularity. "
@@ -134,7 +157,11 @@ def main() -> None:
           "position attending to the quantized cache (prefill) and in token-by-token decode after a BF16 prompt. "
           "Per-tensor and per-channel scales are not causal-consistent: their prefill numbers are not what "
           "decode sees. `_ci_low`/`_ci_high`: 95% percentile intervals of a cluster bootstrap over sequences "
-          "(whole sequences resampled; n_sequences and n_positions given).",
+          "(whole sequences resampled; n_sequences and n_positions given). `_kl_ratio_vs_per_token`: mean KL over "
+          "the per-token variant's of the same scope on the same positions (paired cluster bootstrap, 95% "
+          "percentile interval); `_kl_vs_per_token_p`: two-sided sign-flip permutation p-value over sequences of "
+          "the KL difference. `_kl_ratio_frozen_vs_grouped` (per-channel rows): the same comparison of the frozen "
+          "per-channel scales with the per-group ones, the scale policy alone.",
           {**rep.meta, "prompt_len": args.prompt_len, "token_group": args.token_group})
     _plot(df, args.out)
     print((args.out / "table.md").read_text())
