@@ -1,0 +1,202 @@
+"""The sentences of the README's results section that compare two configurations, written from results.
+
+Every claim is computed from a committed results table (never typed by hand): its effect, its 95%
+interval, the test's p-value where there is one, and n. `scripts/write_claims.py` writes them to
+`results/claims.md`; the README quotes that file between `<!-- BEGIN claims -->` and
+`<!-- END claims -->`, and a test checks that both agree with the tables they come from. A table that
+is missing (an experiment not run yet) gives no claim, and the file says which.
+
+The statistics behind the numbers are the experiments' (cluster bootstrap over sequences, sign-flip
+permutation p-values over sequences: `snapquant.analysis.uncertainty`); the RoPE/NoPE layer count is an
+exact two-sided binomial sign test over layers (`scipy.stats.binomtest`), whose n is the number of layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+BEGIN, END = "<!-- BEGIN claims -->", "<!-- END claims -->"
+
+
+@dataclass(frozen=True)
+class Claim:
+    topic: str
+    text: str
+    source: str
+    """The results file it is computed from, relative to the repository root."""
+
+
+def _g(x: float, digits: int = 2) -> str:
+    if not math.isfinite(x):
+        return "n/a"
+    return f"{x:.{digits}g}" if abs(x) < 0.01 or abs(x) >= 1000 else f"{x:.{digits}f}"
+
+
+def _ci(row: pd.Series, col: str, digits: int = 2) -> str:
+    return f"{_g(row[col], digits)} [{_g(row[col + '_ci_low'], digits)}, {_g(row[col + '_ci_high'], digits)}]"
+
+
+def _p(p: float) -> str:
+    return "p = n/a" if not math.isfinite(p) else f"p = {p:.2g}" if p >= 1e-3 else "p < 0.001"
+
+
+def _n(seqs: float, positions: float) -> str:
+    return f"n = {int(seqs)} sequences, {int(positions)} positions"
+
+
+def _read(root: Path, rel: str) -> pd.DataFrame | None:
+    f = root / rel
+    return pd.read_csv(f) if f.is_file() else None
+
+
+# ------------------------------------------------------------------------------------------ claims
+def pv_pipeline_claims(root: Path) -> list[Claim]:
+    rel = "results/pv_pipeline/table.csv"
+    df = _read(root, rel)
+    if df is None or "kl_vs_snapmla_p" not in df:
+        return []
+    base = df.set_index("pipeline").loc["snapmla"]
+    words = {"snapmla_naive_pv": "naive FP8 P (the value scale applied after the PV product)",
+             "snapmla_q_fp8": "BF16 P (FP8 query)", "snapmla_kv_only": "BF16 query and BF16 P"}
+    out = []
+    for name, what in words.items():
+        if name not in set(df["pipeline"]):
+            continue
+        r = df.set_index("pipeline").loc[name]
+        out.append(Claim("PV pipeline", (
+            f"Decode KL of {what} over SnapMLA's scale-fused FP8 P, same cache and positions: ratio "
+            f"{_ci(r, 'kl_ratio_vs_snapmla')} ({_p(r['kl_vs_snapmla_p'])}, sign-flip over sequences; "
+            f"{_n(r['decode_kl_mean_n_sequences'], r['decode_kl_mean_n_positions'])}); mean KL "
+            f"{_ci(r, 'decode_kl_mean')} vs {_ci(base, 'decode_kl_mean')}, largest single position "
+            f"{_g(r['decode_kl_max'])} vs {_g(base['decode_kl_max'])}."), rel))
+    return out
+
+
+def granularity_claims(root: Path) -> list[Claim]:
+    rel = "results/granularity_ablation/table.csv"
+    df = _read(root, rel)
+    if df is None or "decode_kl_ratio_vs_per_token" not in df:
+        return []
+    out = []
+    for scope, what in (("latent", "the latent in FP8, RoPE in BF16"), ("both", "latent and RoPE in FP8")):
+        sel = df[df["scope"] == scope].set_index("variant")
+        parts = []
+        for v in sel.index:
+            if v == "per_token":
+                continue
+            r = sel.loc[v]
+            parts.append(f"{v} {_ci(r, 'decode_kl_ratio_vs_per_token')} ({_p(r['decode_kl_vs_per_token_p'])})")
+        if parts:
+            r0 = sel.iloc[0]
+            out.append(Claim("granularity", (
+                f"Decode KL over per-token scales ({what}), paired on the same positions: " + "; ".join(parts)
+                + f" ({_n(r0['decode_n_sequences'], r0['decode_n_positions'])})."), rel))
+        if "per_channel" in sel.index and "decode_kl_ratio_frozen_vs_grouped" in sel:
+            r = sel.loc["per_channel"]
+            if math.isfinite(r["decode_kl_ratio_frozen_vs_grouped"]):
+                out.append(Claim("granularity", (
+                    f"The scale policy alone ({what}): per-channel scales frozen at prefill have "
+                    f"{_ci(r, 'decode_kl_ratio_frozen_vs_grouped')}x the decode KL of per-channel scales "
+                    f"recomputed per token group (KIVI) ({_p(r['decode_kl_frozen_vs_grouped_p'])}; "
+                    f"{_n(r['decode_n_sequences'], r['decode_n_positions'])}); under quantized prefill, where "
+                    f"no scale is frozen, {_ci(r, 'prefill_kl_ratio_frozen_vs_grouped')}."), rel))
+    return out
+
+
+def rope_vs_nope_claims(root: Path) -> list[Claim]:
+    from scipy import stats
+
+    rel = "results/rope_vs_nope/table.csv"
+    df = _read(root, rel)
+    if df is None or not {"attn_err_fp8_only_rope", "attn_err_fp8_only_nope"} <= set(df):
+        return []
+    worse = int((df["attn_err_fp8_only_rope"] > df["attn_err_fp8_only_nope"]).sum())
+    n = len(df)
+    p = stats.binomtest(worse, n, 0.5).pvalue
+    ratio = df["attn_err_fp8_only_rope"] / df["attn_err_fp8_only_nope"]
+    return [Claim("RoPE vs NoPE", (
+        f"Attention-output error with only the RoPE key in FP8 exceeds that with only the latent in FP8 in "
+        f"{worse} of {n} layers (exact sign test over layers, {_p(p)}); per layer the ratio ranges "
+        f"{_g(ratio.min())}-{_g(ratio.max())} (median {_g(ratio.median())})."), rel)]
+
+
+def long_context_claims(root: Path) -> list[Claim]:
+    rel = "results/long_context/table.csv"
+    df = _read(root, rel)
+    if df is None or "kl_mean_ci_low" not in df:
+        return []
+    out = []
+    for cfg, g in df.groupby("config", sort=False):
+        if cfg == "bf16":
+            continue
+        g = g.sort_values("bin_lo")
+        first, last = g.iloc[0], g.iloc[-1]
+        out.append(Claim("long context", (
+            f"{cfg} ({first['mode']}): mean KL {_ci(first, 'kl_mean')} at positions "
+            f"[{int(first['bin_lo'])}, {int(first['bin_hi'])}), {_ci(last, 'kl_mean')} at "
+            f"[{int(last['bin_lo'])}, {int(last['bin_hi'])}) (n = {int(last['n_sequences'])} sequences; "
+            f"{int(first['n_positions'])} and {int(last['n_positions'])} positions)."), rel))
+    return out
+
+
+def task_claims(root: Path) -> list[Claim]:
+    rel = "results/tasks/calibration.csv"
+    df = _read(root, rel)
+    need = {"task", "accuracy", "ci_low", "ci_high", "n"}
+    if df is None or not need <= set(df):
+        return []
+    out = []
+    for _, r in df.iterrows():
+        if "default" in df and not bool(r["default"]):
+            continue
+        mde = f"; minimum detectable paired drop at n = {int(r['n'])}: {_g(r['mde'])}" if "mde" in df and \
+            math.isfinite(r["mde"]) else ""
+        out.append(Claim("tasks", (
+            f"{r['task']} at its default difficulty: BF16 accuracy {_g(r['accuracy'])} "
+            f"[{_g(r['ci_low'])}, {_g(r['ci_high'])}] (Clopper-Pearson, n = {int(r['n'])}){mde}."), rel))
+    return out
+
+
+CLAIMS: tuple[Callable[[Path], list[Claim]], ...] = (
+    pv_pipeline_claims, granularity_claims, rope_vs_nope_claims, long_context_claims, task_claims)
+
+
+def collect(root: str | Path) -> tuple[list[Claim], list[str]]:
+    """(claims, names of the claim families whose table is missing) from the results under `root`."""
+    claims, missing = [], []
+    for fn in CLAIMS:
+        got = fn(Path(root))
+        claims += got
+        if not got:
+            missing.append(fn.__name__.removesuffix("_claims"))
+    return claims, missing
+
+
+def render(claims: list[Claim], missing: list[str]) -> str:
+    """The Markdown block the README quotes (without the BEGIN/END markers)."""
+    lines = []
+    for c in claims:
+        lines.append(f"- **{c.topic}.** {c.text} (`{c.source}`)")
+    if missing:
+        lines.append(f"- Not measured in the committed results: {', '.join(missing)}.")
+    return "\n".join(lines) + "\n"
+
+
+def claims_file(root: str | Path) -> str:
+    claims, missing = collect(root)
+    return ("# Claims the results support\n\nWritten by `python scripts/write_claims.py` from the tables named "
+            "in each line; the README quotes the list below. Intervals are 95%.\n\n"
+            f"{BEGIN}\n{render(claims, missing)}{END}\n")
+
+
+def quoted_block(text: str) -> str:
+    """The text between the BEGIN and END markers of a README or claims file."""
+    i, j = text.find(BEGIN), text.find(END)
+    if i == -1 or j == -1 or j < i:
+        raise ValueError(f"no {BEGIN} ... {END} block")
+    return text[i + len(BEGIN):j].strip("\n") + "\n"

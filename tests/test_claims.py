@@ -1,0 +1,65 @@
+"""results/claims.md and the README's copy of it: written from the committed tables, never by hand."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from snapquant.analysis import claims as C
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_claims_file_and_readme_block_match_the_committed_tables():
+    """A table regenerated without rerunning scripts/write_claims.py --readme fails here."""
+    text = C.claims_file(ROOT)
+    assert (ROOT / "results" / "claims.md").read_text() == text
+    assert C.quoted_block((ROOT / "README.md").read_text()) == C.quoted_block(text)
+
+
+def test_the_check_mode_of_the_script_agrees():
+    res = subprocess.run([sys.executable, "scripts/write_claims.py", "--check"], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stderr
+
+
+def _pv_table(root: Path) -> None:
+    rows = []
+    for name, ratio, p in (("snapmla", 1.0, 1.0), ("snapmla_naive_pv", 2.0, 0.0123)):
+        rows.append({"pipeline": name, "decode_kl_mean": 1e-3 * ratio, "decode_kl_mean_ci_low": 8e-4 * ratio,
+                     "decode_kl_mean_ci_high": 1.2e-3 * ratio, "decode_kl_mean_n_positions": 2048,
+                     "decode_kl_mean_n_sequences": 16, "kl_ratio_vs_snapmla": ratio,
+                     "kl_ratio_vs_snapmla_ci_low": 0.75 * ratio, "kl_ratio_vs_snapmla_ci_high": 1.25 * ratio,
+                     "kl_vs_snapmla_p": p, "decode_kl_max": 0.5 * ratio})
+    (root / "results" / "pv_pipeline").mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(root / "results" / "pv_pipeline" / "table.csv", index=False)
+
+
+def test_a_claim_carries_the_tables_effect_interval_p_and_n(tmp_path):
+    _pv_table(tmp_path)
+    claims, missing = C.collect(tmp_path)
+    assert [c.topic for c in claims] == ["PV pipeline"]
+    text = claims[0].text
+    assert "naive FP8 P" in text and "ratio 2.00 [1.50, 2.50]" in text and "p = 0.012" in text
+    assert "n = 16 sequences, 2048 positions" in text
+    assert "granularity" in missing and "pv_pipeline" not in missing
+
+
+def test_rope_vs_nope_count_comes_with_an_exact_sign_test(tmp_path):
+    d = tmp_path / "results" / "rope_vs_nope"
+    d.mkdir(parents=True)
+    pd.DataFrame({"layer": range(6), "attn_err_fp8_only_nope": [1.0] * 6,
+                  "attn_err_fp8_only_rope": [2.0, 2.0, 2.0, 2.0, 2.0, 0.5]}).to_csv(d / "table.csv", index=False)
+    (claim,) = C.rope_vs_nope_claims(tmp_path)
+    # P(X >= 5 or X <= 1), X ~ Binomial(6, 1/2) = 14/64
+    assert "5 of 6 layers" in claim.text and "p = 0.22" in claim.text
+
+
+def test_quoted_block_needs_both_markers():
+    with pytest.raises(ValueError):
+        C.quoted_block("no markers here")
+    assert C.quoted_block(f"x\n{C.BEGIN}\n- a\n{C.END}\ny") == "- a\n"
