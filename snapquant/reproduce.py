@@ -136,6 +136,9 @@ JOBS: tuple[Job, ...] = (
          outputs=("memory.md", "memory.csv", "throughput.md", "throughput.csv", "memory_throughput.png",
                   "memory_throughput.pdf"),
          what="bytes/token and tokens per GiB of every preset; decode tokens/s of the reference backend"),
+    Job("results", "cpu", ("scripts/write_claims.py", "--readme"), ("claims.md",),
+        "the README's comparisons (effect, 95% interval, p, n), from the experiments' tables above and "
+        "results/tasks; run after them", code=("snapquant/analysis/claims.py",)),
     Job("results/bench", "cpu",
         ("scripts/bench_e2e.py", "--threads", "1", "--out", "results/bench/e2e_cpu.json"),
         ("e2e_cpu.*",), "end-to-end decode step on CPU: stock transformers vs patched (reference backend)",
