@@ -95,7 +95,8 @@ def granularity_claims(root: Path) -> list[Claim]:
             r0 = sel.iloc[0]
             out.append(Claim("granularity", (
                 f"Decode KL over per-token scales ({what}), paired on the same positions: " + "; ".join(parts)
-                + f" ({_n(r0['decode_n_sequences'], r0['decode_n_positions'])})."), rel))
+                + f" ({_n(r0['decode_n_sequences'], r0['decode_n_positions'])}; a per_channel/gN cache keeps "
+                "its last, not yet grouped, < N tokens in 16 bits, as KIVI does)."), rel))
         if "per_channel" in sel.index and "decode_kl_ratio_frozen_vs_grouped" in sel:
             r = sel.loc["per_channel"]
             if math.isfinite(r["decode_kl_ratio_frozen_vs_grouped"]):
