@@ -8,6 +8,7 @@
 #
 #   scripts/isa_matrix.sh                          # the default suite, 4 or 6 runs
 #   scripts/isa_matrix.sh tests/test_reference.py  # any pytest arguments
+#   ISA_MATRIX_ISAS="avx2 avx512" scripts/isa_matrix.sh   # a subset of the kernel sets
 #
 # Prints one line per combination (the capability torch really used, pytest's summary) and exits
 # non-zero if any run failed. Full logs go to $ISA_MATRIX_LOGS (default: a fresh temporary folder).
@@ -22,6 +23,7 @@ if grep -q avx512f /proc/cpuinfo 2>/dev/null && grep -q avx512bw /proc/cpuinfo &
     && grep -q avx512dq /proc/cpuinfo; then
     isas="$isas avx512"
 fi
+isas=${ISA_MATRIX_ISAS:-$isas}  # e.g. ISA_MATRIX_ISAS="avx2 avx512" to rerun a subset
 
 status=0
 printf '%-8s %-7s %-9s %s\n' ISA threads torch_uses result
