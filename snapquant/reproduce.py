@@ -261,7 +261,9 @@ def print_stale(only: list[str] | None = None, root: Path = ROOT) -> int:
 
 
 def _git_head(root: Path) -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    from .environment import git_commit
+
+    return (git_commit() or "")[:7]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ from types import ModuleType
 import torch
 
 from ..config import KVQuantConfig
+from ..constants import PAGE_SIZE
 from ..errors import ConfigError, ShapeError
 from ..quant.quantizer import QuantizedKV
 from ..reference import mla_decode_reference
@@ -42,7 +43,7 @@ from ..runtime import lengths_trusted
 MODULE = "flash_mla"
 NOT_INSTALLED = "FlashMLA not installed"
 INSTALL_HINT = "install it from github.com/deepseek-ai/FlashMLA (a Hopper GPU build)"
-PAGE = 64  # FlashMLA's page size (tokens)
+PAGE = PAGE_SIZE  # FlashMLA's page size (tokens): the same 64 as our paged kernels
 DIMS = (512, 64)  # FlashMLA's dense decode: head_dim 576 = kv_lora_rank 512 + rope 64, head_dim_v 512
 
 _WARNED: set[str] = set()
