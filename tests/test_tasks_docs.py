@@ -79,3 +79,65 @@ def test_metadata_validation_names_the_key():
         sq_utils.kv_retrieval_docs(context_tokens=1024, num_samples=0)
     with pytest.raises(ConfigError, match="context_tokens"):
         sq_utils.kv_retrieval_docs()
+
+
+def test_kv_knobs_reach_the_documents():
+    base = sq_utils.kv_rows(1024, seed=1, num_samples=3)
+    assert base == sq_utils.kv_rows(1024, seed=1, num_samples=3, digits=sq_utils.KV_DIGITS,
+                                    distractors=sq_utils.KV_DISTRACTORS)
+    hard = sq_utils.kv_rows(1024, seed=1, num_samples=3, digits=10, distractors=12)
+    assert hard == sq_utils.kv_rows(1024, seed=1, num_samples=3, digits=10, distractors=12)
+    for r in hard:
+        assert len(r["answer"]) == 10 and len(r["distractor_keys"]) == 12
+        assert all(f'"{k}": "' in r["prompt"] for k in r["distractor_keys"]) and r["key"] not in r["distractor_keys"]
+    # Metadata names, as a sweep's per-task `metadata:` gives them.
+    ds = sq_utils.kv_retrieval_docs(context_tokens=1024, num_samples=3, sq_seed=1, kv_digits=10, kv_distractors=12)
+    assert ds["test"]["prompt"] == [r["prompt"] for r in hard]
+
+
+@pytest.mark.parametrize(("prefix", "words"), [(0.5, 0), (0.0, 2), (0.5, 1)])
+def test_completion_knobs_cut_the_target_line(prefix, words):
+    files = {r["path"]: r["text"] for r in load_heldout()}
+    rows = sq_utils.completion_rows(seed=5, num_samples=40, prefix=prefix, words=words)
+    assert rows == sq_utils.completion_rows(seed=5, num_samples=40, prefix=prefix, words=words)
+    for r in rows:
+        line = files[r["path"]].split("\n")[r["line"]]
+        given = r["context"][r["context"].rfind("\n") + 1:]
+        # context = the file up to the line + the line's first words; target = the words after them.
+        assert line.startswith(given + r["target"]) and r["target"].strip()
+        assert (given.strip() != "") == (prefix > 0) and not given.endswith(" ")
+        assert r["to_eol"] == (given + r["target"] == line)
+        rest = line[len(given):].split()
+        assert r["target"].split() == (rest[:words] if words else rest)
+    assert any(not r["to_eol"] for r in rows) == (words > 0)
+    ds = sq_utils.code_completion_docs(num_samples=40, sq_seed=5, completion_prefix=prefix, completion_words=words)
+    assert ds["test"]["target"] == [r["target"] for r in rows]
+
+
+def test_completion_defaults_are_the_whole_next_line():
+    rows = sq_utils.completion_rows(seed=5, num_samples=10, prefix=sq_utils.COMPLETION_PREFIX,
+                                    words=sq_utils.COMPLETION_WORDS)
+    if sq_utils.COMPLETION_PREFIX == 0 and sq_utils.COMPLETION_WORDS == 0:
+        assert rows == sq_utils.completion_rows(seed=5, num_samples=10)
+    assert all(r["context"].endswith("\n") for r in sq_utils.completion_rows(seed=5, num_samples=10))
+
+
+def test_completion_scorer_for_word_targets():
+    doc = {"target": " foo(bar,", "to_eol": False}
+    assert sq_utils.process_code_completion(doc, [" foo(bar, baz)\nx"])["exact_match"] == 1.0
+    assert sq_utils.process_code_completion(doc, [" foo(bar,"])["exact_match"] == 1.0
+    assert sq_utils.process_code_completion(doc, [" foo(bar,baz)"])["exact_match"] == 0.0
+    assert sq_utils.process_code_completion(doc, [" foo(ba"])["exact_match"] == 0.0
+    # A whole-line target (old documents have no to_eol) must match the whole line.
+    assert sq_utils.process_code_completion({"target": " foo(bar,"}, [" foo(bar, baz)"])["exact_match"] == 0.0
+
+
+def test_knob_validation_names_the_key():
+    with pytest.raises(ConfigError, match="kv_digits"):
+        sq_utils.kv_retrieval_docs(context_tokens=1024, num_samples=1, kv_digits=0)
+    with pytest.raises(ConfigError, match="kv_distractors"):
+        sq_utils.kv_retrieval_docs(context_tokens=1024, num_samples=1, kv_distractors=-2)
+    with pytest.raises(ConfigError, match="completion_prefix"):
+        sq_utils.code_completion_docs(num_samples=1, completion_prefix=1.0)
+    with pytest.raises(ConfigError, match="completion_words"):
+        sq_utils.code_completion_docs(num_samples=1, completion_words="two")
