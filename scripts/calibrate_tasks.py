@@ -3,7 +3,8 @@
 Each SETTING is a task and its metadata knobs, `TASK[:key=value,...]`; every setting is scored on
 its first N documents, optionally also with a quantized cache (`--compare PRESET`) on the same
 documents to measure the discordance that sets the experiments' sample sizes. Writes
-`calibration.csv` and `calibration.md` under --output-dir (default results/tasks).
+`calibration.json` (rows and the runs that made them), `calibration.csv` and `calibration.md`
+under --output-dir (default results/tasks); `--append` adds settings to an earlier run's files.
 
     python scripts/calibrate_tasks.py --n 100 --compare per_tensor_fp8 \\
         sq_kv_retrieval_1k sq_code_completion
@@ -13,17 +14,20 @@ documents to measure the discordance that sets the experiments' sample sizes. Wr
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 
-from snapquant.atomic import atomic_write_csv, atomic_write_text
+from snapquant.atomic import atomic_write_csv, atomic_write_json, atomic_write_text
 from snapquant.environment import environment
 from snapquant.errors import ConfigError
 from snapquant.eval import calibration
 from snapquant.eval.tasks import sq_utils
+
+MODEL = "embedded, float32, unpatched (what the bf16 preset runs: it quantizes nothing)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--output-dir", type=Path, default=Path("results/tasks"))
+    p.add_argument("--append", action="store_true",
+                   help="merge into the existing calibration.json (a setting measured again replaces its row)")
     args = p.parse_args(argv)
     try:
         settings = [calibration.parse_setting(s) for s in args.settings]
@@ -61,17 +67,24 @@ def main(argv: list[str] | None = None) -> int:
                                  target_effect=args.target_effect, seed=args.seed, batch_size=args.batch_size)
     wall = time.perf_counter() - t0
     env = environment()
-    meta = {"model": "embedded, float32, unpatched (the bf16 preset quantizes nothing)", "device": "cpu",
-            "torch threads": torch.get_num_threads(), "seed": args.seed, "documents per setting": args.n,
-            "command": "python scripts/calibrate_tasks.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "wall time": f"{wall:.0f} s", "python": env["python"],
-            "torch / transformers": f"{env['packages'].get('torch')} / {env['packages'].get('transformers')}",
-            "hardware": f"{env['hardware'].get('platform')}, {env['hardware'].get('cpu_count')} CPUs",
-            "commit": env["git_commit"]}
+    run = {"command": "python scripts/calibrate_tasks.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "wall_s": round(wall, 1), "documents_per_setting": args.n, "seed": args.seed,
+           "torch_threads": torch.get_num_threads(), "python": env["python"],
+           "torch": env["packages"].get("torch"), "transformers": env["packages"].get("transformers"),
+           "hardware": f"{env['hardware'].get('platform')}, {env['hardware'].get('cpu_count')} CPUs",
+           "commit": env["git_commit"]}
+    store = args.output_dir / "calibration.json"
+    old = json.loads(store.read_text()) if args.append and store.exists() else {"runs": [], "rows": []}
+    new_keys = {(r["task"], r["knobs"]) for r in rows}
+    merged = [r for r in old["rows"] if (r["task"], r["knobs"]) not in new_keys] + rows
+    runs = [*old["runs"], run]
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(store, {"model": MODEL, "runs": runs, "rows": merged})
     atomic_write_csv(args.output_dir / "calibration.csv",
-                     pd.DataFrame(rows, columns=calibration.CSV_COLUMNS), index=False)
-    atomic_write_text(args.output_dir / "calibration.md", calibration.to_markdown(rows, meta, args.target_effect))
+                     pd.DataFrame(merged, columns=calibration.CSV_COLUMNS), index=False)
+    meta = {"model": MODEL, "device": "cpu",
+            **{f"run {i + 1}": ", ".join(f"{k} {v}" for k, v in r.items()) for i, r in enumerate(runs)}}
+    atomic_write_text(args.output_dir / "calibration.md", calibration.to_markdown(merged, meta, args.target_effect))
     print(f"wrote {args.output_dir}/calibration.md and .csv in {wall:.0f} s")
     return 0
 

@@ -36,11 +36,18 @@ class Setting:
     knobs: Mapping[str, Any] = field(default_factory=dict)
 
     def label(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in sorted(self.knobs.items())) or "(defaults)"
+        """Every knob of the task with its value, defaults filled in (so a row survives a changed default)."""
+        knobs = dict(self.knobs)
+        family = "sq_kv_retrieval" if _kv_length(self.task) else self.task
+        defaults = {"sq_kv_retrieval": {"kv_digits": sq_utils.KV_DIGITS, "kv_distractors": sq_utils.KV_DISTRACTORS},
+                    "sq_code_completion": {"completion_prefix": sq_utils.COMPLETION_PREFIX,
+                                           "completion_words": sq_utils.COMPLETION_WORDS,
+                                           "completion_copyable": sq_utils.COMPLETION_COPYABLE}}.get(family, {})
+        return ",".join(f"{k}={v}" for k, v in sorted({**defaults, **knobs}.items()))
 
 
 def parse_setting(text: str) -> Setting:
-    """'TASK' or 'TASK:key=value,key=value' (values parsed as int, then float, else kept as text)."""
+    """'TASK' or 'TASK:key=value,key=value' (values: true/false, int, float, else kept as text)."""
     task, _, rest = text.partition(":")
     knobs: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
@@ -52,6 +59,8 @@ def parse_setting(text: str) -> Setting:
 
 
 def _number(value: str) -> Any:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
     for cast in (int, float):
         try:
             return cast(value)
@@ -60,7 +69,8 @@ def _number(value: str) -> Any:
     return value
 
 
-KNOBS = {"sq_code_completion": {"completion_prefix"}, "sq_kv_retrieval": {"kv_digits", "kv_distractors"}}
+KNOBS = {"sq_code_completion": {"completion_prefix", "completion_words", "completion_copyable"},
+         "sq_kv_retrieval": {"kv_digits", "kv_distractors"}}
 
 
 def _kv_length(task: str) -> int | None:
@@ -84,14 +94,11 @@ def build(setting: Setting, n: int, seed: int = sq_utils.DEFAULT_SEED,
         raise ConfigError(f"setting {setting.task}: unknown knob(s) {sorted(unknown)}; allowed: "
                           f"{sorted(KNOBS[family])}")
     if length:
-        docs = sq_utils.kv_rows(length, seed, n, tokenizer_path,
-                                digits=setting.knobs.get("kv_digits", sq_utils.KV_DIGITS),
-                                distractors=setting.knobs.get("kv_distractors", sq_utils.KV_DISTRACTORS))
+        docs = sq_utils.kv_rows(length, seed, n, tokenizer_path, **sq_utils.kv_knobs(dict(setting.knobs)))
         return ([d["prompt"] for d in docs], docs,
                 lambda d, g: sq_utils.process_exact_match(d, [g])["exact_match"], sq_utils.ANSWER_RESERVE,
                 ['"', "\n"])
-    docs = sq_utils.completion_rows(seed, n, prefix=setting.knobs.get("completion_prefix",
-                                                                     sq_utils.COMPLETION_PREFIX))
+    docs = sq_utils.completion_rows(seed, n, **sq_utils.completion_knobs(dict(setting.knobs)))
     return ([d["context"] for d in docs], docs,
             lambda d, g: sq_utils.process_code_completion(d, [g])["exact_match"], COMPLETION_GEN_TOKENS, ["\n"])
 
@@ -120,9 +127,12 @@ def n_for_mde(discordance: float, target: float, *, alpha: float = 0.05, n_max: 
     """
     from ..analysis.significance import mde_paired_binary
 
-    if not mde_paired_binary(n_max, discordance, alpha=alpha) <= target:
-        return None
-    lo, hi = 1, n_max
+    hi = 8
+    while not mde_paired_binary(hi, discordance, alpha=alpha) <= target:  # doubling: cost ~ the answer
+        if hi >= n_max:
+            return None
+        hi = min(2 * hi, n_max)
+    lo = hi // 2 + 1
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if mde_paired_binary(mid, discordance, alpha=alpha) <= target else (mid + 1, hi)

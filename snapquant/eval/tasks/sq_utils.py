@@ -203,12 +203,18 @@ def _completion_row(lines: list[str], path: str, i: int, max_context_chars: int,
             "to_eol": end == len(line)}
 
 
+def completion_knobs(metadata: dict[str, Any]) -> dict[str, Any]:
+    """`completion_rows` keyword arguments from task metadata, validated (errors name the key)."""
+    prefix = metadata.get("completion_prefix", COMPLETION_PREFIX)
+    if isinstance(prefix, bool) or not isinstance(prefix, int | float) or not 0.0 <= prefix < 1.0:
+        raise ConfigError(f"task metadata completion_prefix={prefix!r} must be a number in [0, 1)")
+    return {"prefix": prefix, "words": _nonnegative_int(metadata, "completion_words", COMPLETION_WORDS),
+            "copyable": _flag(metadata, "completion_copyable", COMPLETION_COPYABLE)}
+
+
 def code_completion_docs(**kwargs: Any):
     seed = _int(kwargs, "sq_seed", DEFAULT_SEED)
-    return _dataset(completion_rows(seed, _int(kwargs, "num_samples", 200),
-                                    prefix=kwargs.get("completion_prefix", COMPLETION_PREFIX),
-                                    words=_nonnegative_int(kwargs, "completion_words", COMPLETION_WORDS),
-                                    copyable=_flag(kwargs, "completion_copyable", COMPLETION_COPYABLE)))
+    return _dataset(completion_rows(seed, _int(kwargs, "num_samples", 200), **completion_knobs(kwargs)))
 
 
 def process_code_completion(doc: dict, results: list[str]) -> dict[str, float]:
@@ -244,9 +250,13 @@ def kv_retrieval_docs(context_tokens: int | None = None, **kwargs: Any):
     if context_tokens is None:
         raise ConfigError("sq_kv_retrieval tasks need dataset_kwargs.context_tokens (the length in tokens)")
     return _dataset(kv_rows(int(context_tokens), _int(kwargs, "sq_seed", DEFAULT_SEED),
-                            _int(kwargs, "num_samples", 100), _tokenizer_name(kwargs),
-                            digits=_int(kwargs, "kv_digits", KV_DIGITS),
-                            distractors=_nonnegative_int(kwargs, "kv_distractors", KV_DISTRACTORS)))
+                            _int(kwargs, "num_samples", 100), _tokenizer_name(kwargs), **kv_knobs(kwargs)))
+
+
+def kv_knobs(metadata: dict[str, Any]) -> dict[str, Any]:
+    """`kv_rows` keyword arguments from task metadata, validated (errors name the key)."""
+    return {"digits": _int(metadata, "kv_digits", KV_DIGITS),
+            "distractors": _nonnegative_int(metadata, "kv_distractors", KV_DISTRACTORS)}
 
 
 def process_exact_match(doc: dict, results: list[str]) -> dict[str, float]:
