@@ -45,9 +45,10 @@ def test_passkey_rows_cover_lengths_and_depths():
 
 def test_completion_rows_are_real_next_lines():
     files = {r["path"]: r["text"] for r in load_heldout()}
-    rows = sq_utils.completion_rows(seed=5, num_samples=30)
-    assert rows == sq_utils.completion_rows(seed=5, num_samples=30)
-    assert rows != sq_utils.completion_rows(seed=6, num_samples=30)
+    whole_line = {"prefix": 0.0, "words": 0, "copyable": False}
+    rows = sq_utils.completion_rows(seed=5, num_samples=30, **whole_line)
+    assert rows == sq_utils.completion_rows(seed=5, num_samples=30, **whole_line)
+    assert rows != sq_utils.completion_rows(seed=6, num_samples=30, **whole_line)
     for r in rows:
         lines = files[r["path"]].split("\n")
         assert lines[r["line"]] == r["target"]
@@ -114,12 +115,19 @@ def test_completion_knobs_cut_the_target_line(prefix, words):
     assert ds["test"]["target"] == [r["target"] for r in rows]
 
 
-def test_completion_defaults_are_the_whole_next_line():
-    rows = sq_utils.completion_rows(seed=5, num_samples=10, prefix=sq_utils.COMPLETION_PREFIX,
-                                    words=sq_utils.COMPLETION_WORDS)
-    if sq_utils.COMPLETION_PREFIX == 0 and sq_utils.COMPLETION_WORDS == 0:
-        assert rows == sq_utils.completion_rows(seed=5, num_samples=10)
-    assert all(r["context"].endswith("\n") for r in sq_utils.completion_rows(seed=5, num_samples=10))
+def test_completion_defaults_and_copyable_targets():
+    rows = sq_utils.completion_rows(seed=5, num_samples=30)
+    assert rows == sq_utils.completion_rows(seed=5, num_samples=30, prefix=sq_utils.COMPLETION_PREFIX,
+                                            words=sq_utils.COMPLETION_WORDS, copyable=sq_utils.COMPLETION_COPYABLE)
+    copy = sq_utils.completion_rows(seed=5, num_samples=30, prefix=0.5, copyable=True)
+    names = sq_utils.IDENTIFIER
+    for r in copy:  # every name and number of the target is in the context the model sees
+        assert set(names.findall(r["target"])) <= set(names.findall(r["context"])), r
+    # The filter removes items (so the test could fail), drawn in the unfiltered order.
+    free = sq_utils.completion_rows(seed=5, num_samples=4000, prefix=0.5, copyable=False)
+    assert any(not set(names.findall(r["target"])) <= set(names.findall(r["context"])) for r in free)
+    kept = [r for r in free if set(names.findall(r["target"])) <= set(names.findall(r["context"]))]
+    assert [(r["path"], r["line"]) for r in kept[:30]] == [(r["path"], r["line"]) for r in copy]
 
 
 def test_completion_scorer_for_word_targets():

@@ -46,9 +46,12 @@ def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: in
             n = len(encoded[i])
             ids[r, width - n:] = torch.tensor(encoded[i])
             mask[r, width - n:] = 1
+        # Stop strings end a row's generation early (as lm-eval's `until` does); the text up to the
+        # first stop is the same, the batch just stops once every row has one.
         gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False, use_cache=True,
                              max_new_tokens=max_new_tokens, pad_token_id=pad,
-                             eos_token_id=tokenizer.eos_token_id)
+                             eos_token_id=tokenizer.eos_token_id, stop_strings=list(stops) or None,
+                             tokenizer=tokenizer)
         for r, i in enumerate(idx):
             text = tokenizer.decode(gen[r, width:].tolist(), skip_special_tokens=True)
             out[i] = _stop(text, stops)

@@ -8,13 +8,16 @@ with `TaskManager(metadata=...)`, which overrides it) plus the YAML `dataset_kwa
   model's tokenizer, so lengths are exact for it and approximate for others);
 - `num_samples`: documents per length; `sq_seed`: seed of the generated instances;
 - `max_seq_lengths`: lengths in tokens (pass-key and RULER tasks); per-length tasks fix theirs in
-  `dataset_kwargs.context_tokens`.
+  `dataset_kwargs.context_tokens`;
+- difficulty knobs (README "Difficulty knobs"): `kv_digits`, `kv_distractors` (retrieval),
+  `completion_prefix`, `completion_words`, `completion_copyable` (code completion), `passkey_digits`.
 Documents are a pure function of (tokenizer, seed, length, index): the same call gives the same docs.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 import re
 from pathlib import Path
@@ -32,9 +35,9 @@ DEFAULT_LENGTHS = (1024, 2048, 4096)
 ANSWER_RESERVE = 16
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # Difficulty defaults (README "Difficulty knobs"; results/tasks/calibration.md measures them).
-COMPLETION_PREFIX = 0.0
+COMPLETION_PREFIX = 0.75
 COMPLETION_WORDS = 0
-COMPLETION_COPYABLE = False
+COMPLETION_COPYABLE = True
 KV_DIGITS = 9
 KV_DISTRACTORS = 16
 # The documents the embedded model's training probes and quality bar were defined on (the old
@@ -137,7 +140,8 @@ def _cut_points(line: str) -> list[int]:
 
 
 def completion_rows(seed: int = DEFAULT_SEED, num_samples: int = 200, max_context_chars: int = 4000,
-                    prefix: float = 0.0, words: int = 0, copyable: bool = False) -> list[dict]:
+                    prefix: float = COMPLETION_PREFIX, words: int = COMPLETION_WORDS,
+                    copyable: bool = COMPLETION_COPYABLE) -> list[dict]:
     """Next-line completion items: the file up to a line (cut at a line start), target = that line.
 
     Targets are code lines of 8-100 characters that are not comments, blank, or string-only
@@ -145,7 +149,7 @@ def completion_rows(seed: int = DEFAULT_SEED, num_samples: int = 200, max_contex
     the first words of the target line (the share `prefix` of its cut points, `_cut_points`, at least
     one, leaving at least one word); with `words` > 0 the target is the next `words` words only
     (up to the next cut point(s)), else the rest of the line. Either knob skips lines with no cut
-    point. `prefix` = 0, `words` = 0 is the whole next line. `to_eol` says whether the target
+    point. `prefix` = 0, `words` = 0, `copyable` = False is the whole next line (the old default). `to_eol` says whether the target
     ends the line (`process_code_completion` scores the two cases). `copyable` keeps only targets
     whose every name and number (`IDENTIFIER`) occurs in the context the model sees: a property of
     the file, not of any model, that makes the target predictable in principle by copying from the
@@ -170,13 +174,13 @@ def completion_rows(seed: int = DEFAULT_SEED, num_samples: int = 200, max_contex
     if not candidates:
         raise ConfigError("held-out files yield no completion targets")
     by_path = {r["path"]: r["text"].split("\n") for r in rows}
-    if copyable:  # drawn in the same seeded order as without the filter, then filtered
-        order = rng.sample(candidates, len(candidates))
-        picks = [c for c in order if _copyable(_completion_row(by_path[c[0]], c[0], c[1], max_context_chars,
-                                                               prefix, words))][:num_samples]
-    else:
+    if not copyable:
         picks = rng.sample(candidates, min(num_samples, len(candidates)))
-    return [_completion_row(by_path[path], path, i, max_context_chars, prefix, words) for path, i in picks]
+        return [_completion_row(by_path[path], path, i, max_context_chars, prefix, words) for path, i in picks]
+    # The same seeded order as without the filter (for all candidates), filtered until num_samples.
+    made = (_completion_row(by_path[path], path, i, max_context_chars, prefix, words)
+            for path, i in rng.sample(candidates, len(candidates)))
+    return list(itertools.islice(filter(_copyable, made), num_samples))
 
 
 IDENTIFIER = re.compile(r"[A-Za-z_]\w*|\d+")
