@@ -3,8 +3,8 @@
 Each SETTING is a task and its metadata knobs, `TASK[:key=value,...]`; every setting is scored on
 its first N documents, optionally also with a quantized cache (`--compare PRESET`) on the same
 documents to measure the discordance that sets the experiments' sample sizes. Writes
-`calibration.json` (rows and the runs that made them), `calibration.csv` and `calibration.md`
-under --output-dir (default results/tasks); `--append` adds settings to an earlier run's files.
+`calibration.json` (rows and the run that made them), `calibration.csv` and `calibration.md`
+under --output-dir (default results/tasks).
 
     python scripts/calibrate_tasks.py --n 100 --compare per_tensor_fp8 \\
         sq_kv_retrieval_1k sq_code_completion
@@ -14,7 +14,6 @@ under --output-dir (default results/tasks); `--append` adds settings to an earli
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -38,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-effect", type=float, default=0.05, help="drop the sample sizes are set for")
     p.add_argument("--seed", type=int, default=sq_utils.DEFAULT_SEED)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=0,
+                   help="cap on generated tokens (0: each task's own budget; a cap can cut answers)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--output-dir", type=Path, default=Path("results/tasks"))
-    p.add_argument("--append", action="store_true",
-                   help="merge into the existing calibration.json (a setting measured again replaces its row)")
     args = p.parse_args(argv)
     try:
         settings = [calibration.parse_setting(s) for s in args.settings]
@@ -64,27 +63,23 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model, tok = load_embedded(dtype="float32")
     rows = calibration.calibrate(model, tok, settings, args.n, compare=args.compare,
-                                 target_effect=args.target_effect, seed=args.seed, batch_size=args.batch_size)
+                                 target_effect=args.target_effect, seed=args.seed, batch_size=args.batch_size,
+                                 max_new_tokens=args.max_new_tokens or None)
     wall = time.perf_counter() - t0
     env = environment()
     run = {"command": "python scripts/calibrate_tasks.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "wall_s": round(wall, 1), "documents_per_setting": args.n, "seed": args.seed,
+           "wall_s": round(wall, 1), "documents_per_setting": args.n,
+           "max_new_tokens": args.max_new_tokens or "task's own", "seed": args.seed,
            "torch_threads": torch.get_num_threads(), "python": env["python"],
            "torch": env["packages"].get("torch"), "transformers": env["packages"].get("transformers"),
            "hardware": f"{env['hardware'].get('platform')}, {env['hardware'].get('cpu_count')} CPUs",
            "commit": env["git_commit"]}
-    store = args.output_dir / "calibration.json"
-    old = json.loads(store.read_text()) if args.append and store.exists() else {"runs": [], "rows": []}
-    new_keys = {(r["task"], r["knobs"]) for r in rows}
-    merged = [r for r in old["rows"] if (r["task"], r["knobs"]) not in new_keys] + rows
-    runs = [*old["runs"], run]
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(store, {"model": MODEL, "runs": runs, "rows": merged})
-    atomic_write_csv(args.output_dir / "calibration.csv",
-                     pd.DataFrame(merged, columns=calibration.CSV_COLUMNS), index=False)
-    meta = {"model": MODEL, "device": "cpu",
-            **{f"run {i + 1}": ", ".join(f"{k} {v}" for k, v in r.items()) for i, r in enumerate(runs)}}
-    atomic_write_text(args.output_dir / "calibration.md", calibration.to_markdown(merged, meta, args.target_effect))
+    atomic_write_json(args.output_dir / "calibration.json", {"model": MODEL, "run": run, "rows": rows})
+    atomic_write_csv(args.output_dir / "calibration.csv", pd.DataFrame(rows, columns=calibration.CSV_COLUMNS),
+                     index=False)
+    meta = {"model": MODEL, "device": "cpu", **run}
+    atomic_write_text(args.output_dir / "calibration.md", calibration.to_markdown(rows, meta, args.target_effect))
     print(f"wrote {args.output_dir}/calibration.md and .csv in {wall:.0f} s")
     return 0
 

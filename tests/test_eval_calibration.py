@@ -81,8 +81,9 @@ def test_calibrate_rows_and_script_table(tiny, tmp_path, monkeypatch):
     import snapquant
 
     model, tok = tiny
+    # Two generated tokens: a random model never stops early, and the scores mean nothing here anyway.
     rows = calibration.calibrate(model, tok, [Setting("sq_kv_retrieval_1k", {"kv_digits": 5})], 2,
-                                 compare="per_tensor_fp8", log=lambda m: None)
+                                 compare="per_tensor_fp8", max_new_tokens=2, log=lambda m: None)
     (row,) = rows
     assert set(row) == set(calibration.CSV_COLUMNS)
     assert row["n"] == 2 and row["accuracy"] == row["correct"] / 2
@@ -92,7 +93,8 @@ def test_calibrate_rows_and_script_table(tiny, tmp_path, monkeypatch):
 
     monkeypatch.setattr(snapquant, "load_embedded", lambda **k: (model, tok))
     out = tmp_path / "cal"
-    assert _script().main(["--n", "2", "--output-dir", str(out), "sq_kv_retrieval_1k:kv_digits=5",
+    assert _script().main(["--n", "2", "--max-new-tokens", "2", "--output-dir", str(out),
+                           "sq_kv_retrieval_1k:kv_digits=5",
                            "sq_code_completion:completion_prefix=0.5,completion_words=1"]) == 0
     table = pd.read_csv(out / "calibration.csv")
     assert list(table.columns) == calibration.CSV_COLUMNS and list(table["n"]) == [2, 2]

@@ -104,9 +104,11 @@ def build(setting: Setting, n: int, seed: int = sq_utils.DEFAULT_SEED,
 
 
 def score(model, tokenizer, setting: Setting, n: int, *, seed: int = sq_utils.DEFAULT_SEED,
-          tokenizer_path: str | None = None, batch_size: int = 8) -> list[float]:
-    """Per-document 0/1 scores of the setting's first n documents (greedy, as the lm-eval task)."""
+          tokenizer_path: str | None = None, batch_size: int = 8, max_new_tokens: int | None = None) -> list[float]:
+    """Per-document 0/1 scores of the setting's first n documents (greedy, as the lm-eval task);
+    `max_new_tokens` caps the task's generation budget (quick checks; answers may be cut)."""
     prompts, docs, scorer, max_new, stops = build(setting, n, seed, tokenizer_path)
+    max_new = min(max_new, max_new_tokens) if max_new_tokens else max_new
     gens = direct.greedy_generate(model, tokenizer, prompts, max_new, stops, batch_size)
     return [scorer(d, g) for d, g in zip(docs, gens, strict=True)]
 
@@ -141,7 +143,8 @@ def n_for_mde(discordance: float, target: float, *, alpha: float = 0.05, n_max: 
 
 def calibrate(model, tokenizer, settings: Sequence[Setting], n: int, *, compare: str | None = None,
               target_effect: float = 0.05, seed: int = sq_utils.DEFAULT_SEED, tokenizer_path: str | None = None,
-              batch_size: int = 8, log: Callable[[str], None] = print) -> list[dict]:
+              batch_size: int = 8, max_new_tokens: int | None = None,
+              log: Callable[[str], None] = print) -> list[dict]:
     """One row per setting: accuracy of the unpatched model with its exact 95% interval and n; with
     `compare` (a preset name) also that preset's accuracy on the same documents, the discordance,
     the MDE at this n and the n at which the MDE reaches `target_effect`."""
@@ -154,7 +157,8 @@ def calibrate(model, tokenizer, settings: Sequence[Setting], n: int, *, compare:
         build(s, 1, seed, tokenizer_path)  # bad task or knob: fail before any model time is spent
     for s in settings:
         t0 = time.perf_counter()
-        base = score(model, tokenizer, s, n, seed=seed, tokenizer_path=tokenizer_path, batch_size=batch_size)
+        base = score(model, tokenizer, s, n, seed=seed, tokenizer_path=tokenizer_path, batch_size=batch_size,
+                     max_new_tokens=max_new_tokens)
         k = int(sum(base))
         low, high = proportion_interval(k, len(base))
         row: dict[str, Any] = {"task": s.task, "knobs": s.label(), "n": len(base), "correct": k,
@@ -167,7 +171,7 @@ def calibrate(model, tokenizer, settings: Sequence[Setting], n: int, *, compare:
 
             with patched(model, compare, backend="reference"):
                 other = score(model, tokenizer, s, n, seed=seed, tokenizer_path=tokenizer_path,
-                              batch_size=batch_size)
+                              batch_size=batch_size, max_new_tokens=max_new_tokens)
             disc = sum(a != b for a, b in zip(base, other, strict=True))
             row.update(compare_accuracy=sum(other) / len(other), discordant=disc, discordance=disc / len(base),
                        mde=mde_paired_binary(len(base), disc / len(base)))
