@@ -90,7 +90,7 @@ def test_difficulty_knobs_reach_lm_eval_documents():
     """Metadata given to the task manager builds the same documents as the sq_utils builders."""
     tm = task_manager(include_defaults=False, num_samples=2, kv_digits=11, kv_distractors=5,
                       completion_prefix=0.5, completion_words=1, completion_copyable=True)
-    tasks = tm.load_task_or_group(["sq_kv_retrieval_1k", "sq_code_completion"])
+    tasks = tm.load(["sq_kv_retrieval_1k", "sq_code_completion"])["tasks"]
     kv = list(tasks["sq_kv_retrieval_1k"].test_docs())
     assert [d["prompt"] for d in kv] == [r["prompt"] for r in sq_utils.kv_rows(1024, num_samples=2, digits=11,
                                                                               distractors=5)]
