@@ -51,6 +51,8 @@ DECODE = (*FORMATS, "snapquant/reference", "snapquant/attention", "snapquant/cac
 KERNELS = (*FORMATS, "snapquant/reference", "snapquant/kernels", "snapquant/runtime.py")
 EMBEDDED = ("snapquant/embedded.py", "snapquant/assets/embedded")
 BENCH = (*KERNELS, "snapquant/bench", "snapquant/commands/bench.py")
+TASKS = ("snapquant/eval/tasks", "snapquant/eval/calibration.py", "snapquant/data/synthetic.py",
+         "snapquant/data/corpus.py", "snapquant/analysis/significance.py", "scripts/calibrate_tasks.py")
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,22 @@ JOBS: tuple[Job, ...] = (
         ("-m", "snapquant.cli", "formats", "--out", "results/formats/formats_synthetic.csv"),
         ("formats_synthetic.csv", "formats_synthetic.meta.json"), "the same table as CSV, with its metadata",
         code=(*FORMATS, "snapquant/commands/formats.py")),
+    Job("results/tasks", "cpu",
+        ("scripts/calibrate_tasks.py", "--n", "100", "--compare", "per_tensor_fp8", "--output-dir", "results/tasks",
+         "sq_kv_retrieval_1k", "sq_code_completion"),
+        ("calibration.md", "calibration.csv", "calibration.json"),
+        "the offline tasks at their calibrated difficulty defaults: bf16 accuracy with its interval, and the "
+        "discordance with per-tensor FP8 that sets the experiments' sample sizes",
+        code=(*DECODE, *EMBEDDED, *TASKS)),
+    Job("results/tasks/knobs", "cpu",
+        ("scripts/calibrate_tasks.py", "--n", "50", "--output-dir", "results/tasks/knobs",
+         "sq_kv_retrieval_1k:kv_digits=7,kv_distractors=0", "sq_kv_retrieval_1k:kv_distractors=0",
+         "sq_kv_retrieval_1k:kv_digits=10",
+         "sq_code_completion:completion_prefix=0,completion_copyable=false",
+         "sq_code_completion:completion_copyable=false", "sq_code_completion:completion_words=1"),
+        ("calibration.md", "calibration.csv", "calibration.json"),
+        "the offline tasks' difficulty knobs around their defaults (the old defaults first)",
+        code=(*DECODE, *EMBEDDED, *TASKS)),
     _exp("rope_vs_nope", outputs=("*.md", "*.csv", "*.png", "*.pdf"),
          what="RoPE vs NoPE sensitivity of the embedded model's cache"),
     _exp("granularity_ablation", "--seq-len", "160", "--num-sequences", "16", "--prompt-len", "32",

@@ -8,6 +8,7 @@ from snapquant.data.synthetic import (
     PASSKEY_QUESTION,
     kv_retrieval_example,
     kv_training_document,
+    near_miss_keys,
     passkey_example,
     passkey_training_document,
     seed_rng,
@@ -114,3 +115,46 @@ def test_training_documents_fit_their_budget(count, target):
         assert count(doc) <= target and 1 <= doc.count("assert ") <= 24
         assert doc.count("assert ") == 24 or target < 1000
         assert count(passkey_training_document(seed_rng("train", "pfit", target, i), target, count)) <= target
+
+
+def test_near_miss_keys_share_one_word_or_swap():
+    keys = near_miss_keys("amber_fox", seed_rng("eval", "near"))
+    assert "amber_fox" not in keys and len(keys) == len(set(keys))
+    assert "fox_amber" in keys[:5]  # the swapped key comes early, so a few distractors include it
+    for k in keys:
+        a, b = k.split("_")
+        assert (a == "amber") != (b == "fox") or (a, b) == ("fox", "amber"), k
+    assert keys == near_miss_keys("amber_fox", seed_rng("eval", "near"))
+
+
+@pytest.mark.parametrize("distractors", [0, 5, 1000])
+def test_kv_distractors_are_near_misses_in_the_table(count, distractors):
+    ex = kv_retrieval_example(seed_rng("eval", "dist"), 1024, count, depth=0.5, distractors=distractors)
+    again = kv_retrieval_example(seed_rng("eval", "dist"), 1024, count, depth=0.5, distractors=distractors)
+    assert ex == again
+    table = ENTRY.findall(ex["prompt"])
+    keys = [k for k, _ in table]
+    assert len(set(keys)) == len(keys) == ex["n_entries"]
+    # 1000 asks for more than the table holds: every other entry becomes a near miss.
+    assert len(ex["distractor_keys"]) == min(distractors, ex["n_entries"] - 1)
+    a, b = ex["key"].split("_")
+    for k in ex["distractor_keys"]:
+        assert k in keys and k != ex["key"]
+        x, y = k.split("_")
+        assert (x == a) != (y == b) or (x, y) == (b, a), k
+    assert dict(table)[ex["key"]] == ex["answer"]
+    # The shots never ask a distractor, and the completed program still holds.
+    shots = re.findall(r'^assert \w+\("(\w+)"\) == "\d+"$', ex["prompt"], re.M)
+    assert len(shots) == 2 and (distractors == 1000 or not set(shots) & set(ex["distractor_keys"]))
+    exec(compile(ex["prompt"] + ex["answer"] + '"\n', "<kv>", "exec"), {})
+
+
+def test_kv_digits_set_the_value_length(count):
+    for digits in (5, 9, 12):
+        ex = kv_retrieval_example(seed_rng("eval", "dig"), 1024, count, depth=0.2, digits=digits)
+        assert all(len(v) == digits for _, v in ENTRY.findall(ex["prompt"])) and len(ex["answer"]) == digits
+        assert count(ex["prompt"] + ex["answer"] + '"') <= 1024
+    with pytest.raises(ConfigError, match="distractors"):
+        kv_retrieval_example(seed_rng("eval", "dig"), 1024, count, distractors=-1)
+    with pytest.raises(ConfigError, match="digits"):
+        kv_retrieval_example(seed_rng("eval", "dig"), 1024, count, digits=0)

@@ -84,3 +84,38 @@ def test_ruler_docs_are_deterministic():
     assert a[:5] == b[:5] and a[:5] != c[:5] and len(a) == 500
     count = sq_utils.token_counter(sq_utils.get_tokenizer(None))
     assert all(count(x["input"]) <= 1024 for x in a.select(range(5)))
+
+
+def test_difficulty_knobs_reach_lm_eval_documents():
+    """Metadata given to the task manager builds the same documents as the sq_utils builders."""
+    tm = task_manager(include_defaults=False, num_samples=2, kv_digits=11, kv_distractors=5,
+                      completion_prefix=0.5, completion_words=1, completion_copyable=True)
+    tasks = tm.load(["sq_kv_retrieval_1k", "sq_code_completion"])["tasks"]
+    kv = list(tasks["sq_kv_retrieval_1k"].test_docs())
+    assert [d["prompt"] for d in kv] == [r["prompt"] for r in sq_utils.kv_rows(1024, num_samples=2, digits=11,
+                                                                              distractors=5)]
+    assert all(len(d["answer"]) == 11 and len(d["distractor_keys"]) == 5 for d in kv)
+    comp = list(tasks["sq_code_completion"].test_docs())
+    assert [d["target"] for d in comp] == [r["target"] for r in sq_utils.completion_rows(
+        num_samples=2, prefix=0.5, words=1, copyable=True)]
+
+
+@pytest.mark.slow  # covered by default: test_difficulty_knobs_reach_lm_eval_documents (the documents) and
+# test_tasks_docs.py::test_completion_scorer_for_word_targets (the scorer lm-eval calls)
+def test_word_targets_score_the_same_in_lm_eval_and_direct(model_and_tokenizer):
+    """A knob-built completion task through lm-eval gives the direct harness's generations and scores."""
+    model, tok = model_and_tokenizer
+    knobs = {"completion_prefix": 0.5, "completion_words": 1}
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=2, max_length=4096)
+    res = lm_eval.simple_evaluate(model=lm, tasks=["sq_code_completion"], limit=3, bootstrap_iters=0,
+                                  log_samples=True, gen_kwargs="max_gen_toks=6",
+                                  task_manager=task_manager(include_defaults=False, **knobs))
+    samples = res["samples"]["sq_code_completion"]
+    prompts = [s["doc"]["context"] for s in samples]
+    ours = direct.greedy_generate(model, tok, prompts, 6, ["\n"], batch_size=2)
+    assert ours == [s["resps"][0][0] for s in samples]
+    assert [sq_utils.process_code_completion(s["doc"], [g])["exact_match"] for s, g in zip(samples, ours, strict=True)
+            ] == [s["exact_match"] for s in samples]

@@ -115,17 +115,39 @@ def _fit(render: Callable[[int], str], n: int, count_tokens: CountTokens, budget
     return max(n, minimum)
 
 
+def near_miss_keys(key: str, rng: random.Random) -> list[str]:
+    """Every key sharing exactly one word, or both words swapped, with `key`, in a seeded order.
+
+    These are the keys a lookup can confuse with `key`: same first word (`amber_fox` ->
+    `amber_fern`), same second word (`cedar_fox`), or the same two words in the other order
+    (`fox_amber`). None equals `key`.
+    """
+    first, second = key.split("_")
+    words = [w for w in dict.fromkeys(WORDS) if w not in (first, second)]  # WORDS repeats a few words
+    out = [f"{first}_{w}" for w in words] + [f"{w}_{second}" for w in words]
+    rng.shuffle(out)
+    if first != second:  # the swapped key, early in the list so that a few distractors include it
+        out.insert(rng.randrange(min(4, len(out)) + 1), f"{second}_{first}")
+    return out
+
+
 def kv_retrieval_example(rng: random.Random, target_tokens: int, count_tokens: CountTokens,
-                         depth: float | None = None, n_shots: int = 2, digits: int = 7) -> dict:
+                         depth: float | None = None, n_shots: int = 2, digits: int = 7,
+                         distractors: int = 0) -> dict:
     """One lookup question over a Python dict filling about `target_tokens` (prompt + answer).
 
     The prompt ends with `assert FUNC("KEY") == "` and the answer is the value (digits only): the
     closing quote ends generation. `depth` in [0, 1] places the queried entry in the table (0 = first);
-    `n_shots` solved lookups of other keys precede the question.
+    `n_shots` solved lookups of other keys precede the question. `distractors` other entries (at
+    most all of them, and the ~500 keys `near_miss_keys` gives) get near-miss keys of the asked one (`near_miss_keys`), at seeded positions,
+    so the lookup must match both words of the key in order; shots never ask a distractor.
     """
     _check_budget(target_tokens, 64, "key-value")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ConfigError(f"depth={depth!r} must lie in [0, 1]")
+    for name, value, low in (("n_shots", n_shots, 0), ("digits", digits, 1), ("distractors", distractors, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"{name}={value!r} must be an int >= {low}")
     header, footer, func = _kv_parts(rng)
     n_min = n_shots + 1
     # Reserve room for the shots and the question with a generous estimate, then fit exactly.
@@ -136,24 +158,33 @@ def kv_retrieval_example(rng: random.Random, target_tokens: int, count_tokens: C
         depth = rng.random()
     n = len(keys)
 
-    def pick(n_entries: int) -> tuple[int, list[int]]:
+    def pick(n_entries: int) -> tuple[int, list[int], list[str]]:
         q = round(depth * (n_entries - 1))
         others = [i for i in range(n_entries) if i != q]
         # Seeded from the instance, not from `rng`: re-rendering while fitting must not move the shots.
-        shot_rng = random.Random(hash_seed(keys[0], values[0], n_entries))
-        return q, shot_rng.sample(others, n_shots)
+        aux = random.Random(hash_seed(keys[0], values[0], n_entries))
+        near = set(aux.sample(others, min(distractors, len(others))))
+        shots = aux.sample([i for i in others if i not in near] or others, n_shots)
+        names = list(keys[:n_entries])
+        if near:
+            taken = set(names)
+            fresh = [k for k in near_miss_keys(keys[q], aux) if k not in taken]
+            for i, k in zip(sorted(near), fresh, strict=False):  # capped by the near-miss keys left
+                names[i] = k
+        return q, shots, names
 
     def render(n_entries: int, with_answer: bool = True) -> str:
-        q, shots = pick(n_entries)
-        body = "".join(_entry(keys[i], values[i]) for i in range(n_entries))
-        solved = "".join(f'assert {func}("{keys[i]}") == "{values[i]}"\n' for i in shots)
-        tail = f'assert {func}("{keys[q]}") == "' + (values[q] + '"' if with_answer else "")
+        q, shots, names = pick(n_entries)
+        body = "".join(_entry(names[i], values[i]) for i in range(n_entries))
+        solved = "".join(f'assert {func}("{names[i]}") == "{values[i]}"\n' for i in shots)
+        tail = f'assert {func}("{names[q]}") == "' + (values[q] + '"' if with_answer else "")
         return header + body + footer + solved + tail
 
     n = _fit(render, n, count_tokens, target_tokens, n_min)
-    q, _ = pick(n)
-    return {"prompt": render(n, with_answer=False), "answer": values[q], "key": keys[q],
-            "n_entries": n, "depth": q / max(1, n - 1)}
+    q, _, names = pick(n)
+    near = [k for i, k in enumerate(names) if i != q and k != keys[i]]
+    return {"prompt": render(n, with_answer=False), "answer": values[q], "key": names[q],
+            "n_entries": n, "depth": q / max(1, n - 1), "distractor_keys": near}
 
 
 def hash_seed(*parts: object) -> str:

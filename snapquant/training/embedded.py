@@ -190,7 +190,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from snapquant.data.build import load_corpus
     from snapquant.data.mixture import KIND_SYNTH, MixtureSpec
     from snapquant.embedded import EMBEDDED_ARCH, TINY_ARCH, embedded_config
-    from snapquant.eval.tasks import direct
+    from snapquant.eval.tasks import direct, sq_utils
 
     out = Path(args.out)
     if out.exists() and not args.init_from and any(out.iterdir()) and not args.overwrite:
@@ -310,7 +310,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         now = time.time()
         if now >= next_probe and now + 30 < deadline:
             scores = direct.score_kv(model, tokenizer, eval_lengths[-2:], args.probe_samples,
-                                     tokenizer_path=str(tok_dir), batch_size=args.eval_batch)
+                                     tokenizer_path=str(tok_dir), batch_size=args.eval_batch,
+                                     **sq_utils.KV_TRAINING_FORMAT)
             model.train()
             log("probe", step=step, **scores)
             next_probe = time.time() + args.probe_minutes * 60
@@ -341,7 +342,8 @@ def cmd_train(args: argparse.Namespace) -> None:
                                 passkey_samples=args.eval_passkey_samples,
                                 completion_samples=args.eval_completion_samples, lengths=eval_lengths,
                                 tokenizer_path=str(tok_dir), batch_size=args.eval_batch,
-                                ppl_files=args.eval_ppl_files, log=lambda m: log("eval_progress", msg=m))
+                                ppl_files=args.eval_ppl_files, log=lambda m: log("eval_progress", msg=m),
+                                kv_knobs=sq_utils.KV_TRAINING_FORMAT)
     scores["val_loss_fp32_master"] = val
     log("eval", **scores)
     _write_state(out, step, tokens_seen, args, last, scores, n_params, cmeta, prev["seconds"] + train_s)

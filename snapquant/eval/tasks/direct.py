@@ -46,9 +46,12 @@ def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: in
             n = len(encoded[i])
             ids[r, width - n:] = torch.tensor(encoded[i])
             mask[r, width - n:] = 1
+        # Stop strings end a row's generation early (as lm-eval's `until` does); the text up to the
+        # first stop is the same, the batch just stops once every row has one.
         gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False, use_cache=True,
                              max_new_tokens=max_new_tokens, pad_token_id=pad,
-                             eos_token_id=tokenizer.eos_token_id)
+                             eos_token_id=tokenizer.eos_token_id, stop_strings=list(stops) or None,
+                             tokenizer=tokenizer)
         for r, i in enumerate(idx):
             text = tokenizer.decode(gen[r, width:].tolist(), skip_special_tokens=True)
             out[i] = _stop(text, stops)
@@ -56,10 +59,11 @@ def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: in
 
 
 def score_kv(model, tokenizer, lengths: Sequence[int] = (1024, 2048, 4096), num_samples: int = 100,
-             seed: int = sq_utils.DEFAULT_SEED, tokenizer_path: str | None = None, batch_size: int = 16) -> dict:
+             seed: int = sq_utils.DEFAULT_SEED, tokenizer_path: str | None = None, batch_size: int = 16,
+             digits: int = sq_utils.KV_DIGITS, distractors: int = sq_utils.KV_DISTRACTORS) -> dict:
     scores = {}
     for n in lengths:
-        rows = sq_utils.kv_rows(n, seed, num_samples, tokenizer_path)
+        rows = sq_utils.kv_rows(n, seed, num_samples, tokenizer_path, digits=digits, distractors=distractors)
         preds = greedy_generate(model, tokenizer, [r["prompt"] for r in rows], sq_utils.ANSWER_RESERVE,
                                 ['"', "\n"], batch_size)
         scores[kv_task_name(n)] = sum(
@@ -87,8 +91,9 @@ def score_passkey(model, tokenizer, lengths: Sequence[int] = (1024, 2048, 4096),
 
 
 def score_completion(model, tokenizer, num_samples: int = 200, seed: int = sq_utils.DEFAULT_SEED,
-                     batch_size: int = 16) -> dict:
-    rows = sq_utils.completion_rows(seed, num_samples)
+                     batch_size: int = 16, prefix: float = sq_utils.COMPLETION_PREFIX,
+                     words: int = sq_utils.COMPLETION_WORDS, copyable: bool = sq_utils.COMPLETION_COPYABLE) -> dict:
+    rows = sq_utils.completion_rows(seed, num_samples, prefix=prefix, words=words, copyable=copyable)
     preds = greedy_generate(model, tokenizer, [r["context"] for r in rows], 64, ["\n"], batch_size)
     hits = [sq_utils.process_code_completion(r, [p])["exact_match"] for r, p in zip(rows, preds, strict=True)]
     return {"sq_code_completion": sum(hits) / len(hits)}
@@ -122,8 +127,9 @@ def score_code_ppl(model, tokenizer, max_length: int = 4096, texts: Sequence[str
 
 def quick_suite(model, tokenizer, kv_samples: int = 100, passkey_samples: int = 4, completion_samples: int = 200,
                 lengths: Sequence[int] = (1024, 2048, 4096), tokenizer_path: str | None = None,
-                batch_size: int = 16, ppl_files: int = 0, log=print) -> dict:
-    """All direct scores; `tokenizer_path` must name the tokenizer `tokenizer` was loaded from."""
+                batch_size: int = 16, ppl_files: int = 0, log=print, kv_knobs: dict | None = None) -> dict:
+    """All direct scores; `tokenizer_path` must name the tokenizer `tokenizer` was loaded from;
+    `kv_knobs` (e.g. `sq_utils.KV_TRAINING_FORMAT`) go to `score_kv`."""
     was_training = model.training
     model.eval()
     scores: dict = {}
@@ -131,7 +137,7 @@ def quick_suite(model, tokenizer, kv_samples: int = 100, passkey_samples: int = 
     scores.update(score_code_ppl(model, tokenizer, max_length=max(lengths), max_files=ppl_files))
     log(f"eval code ppl {time.time() - t0:.0f}s")
     scores.update(score_kv(model, tokenizer, lengths, kv_samples, tokenizer_path=tokenizer_path,
-                           batch_size=batch_size))
+                           batch_size=batch_size, **(kv_knobs or {})))
     log(f"eval kv {time.time() - t0:.0f}s")
     for hay in ("repeat", "code") if passkey_samples else ():
         scores.update(score_passkey(model, tokenizer, lengths, passkey_samples, tokenizer_path=tokenizer_path,

@@ -8,14 +8,18 @@ with `TaskManager(metadata=...)`, which overrides it) plus the YAML `dataset_kwa
   model's tokenizer, so lengths are exact for it and approximate for others);
 - `num_samples`: documents per length; `sq_seed`: seed of the generated instances;
 - `max_seq_lengths`: lengths in tokens (pass-key and RULER tasks); per-length tasks fix theirs in
-  `dataset_kwargs.context_tokens`.
+  `dataset_kwargs.context_tokens`;
+- difficulty knobs (README "Difficulty knobs"): `kv_digits`, `kv_distractors` (retrieval),
+  `completion_prefix`, `completion_words`, `completion_copyable` (code completion), `passkey_digits`.
 Documents are a pure function of (tokenizer, seed, length, index): the same call gives the same docs.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,16 @@ DEFAULT_LENGTHS = (1024, 2048, 4096)
 # prompts are built to fit `length - ANSWER_RESERVE` and the YAMLs set max_gen_toks to it.
 ANSWER_RESERVE = 16
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+# Difficulty defaults (README "Difficulty knobs"; results/tasks/calibration.md measures them).
+COMPLETION_PREFIX = 0.75
+COMPLETION_WORDS = 0
+COMPLETION_COPYABLE = True
+KV_DIGITS = 9
+KV_DISTRACTORS = 16
+# The documents the embedded model's training probes and quality bar were defined on (the old
+# defaults: values of the trained lengths, no near misses), for the trainers.
+KV_TRAINING_FORMAT = {"digits": 7, "distractors": 0}
+PASSKEY_DIGITS = 5
 # Metric names the length-keyed YAMLs declare; a length outside them has no metric to land in.
 METRIC_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -75,6 +89,20 @@ def _int(kwargs: dict[str, Any], key: str, default: int) -> int:
     return value
 
 
+def _nonnegative_int(kwargs: dict[str, Any], key: str, default: int) -> int:
+    value = kwargs.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"task metadata {key}={value!r} must be an int >= 0")
+    return value
+
+
+def _flag(kwargs: dict[str, Any], key: str, default: bool) -> bool:
+    value = kwargs.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"task metadata {key}={value!r} must be true or false")
+    return value
+
+
 def _lengths(kwargs: dict[str, Any], default=DEFAULT_LENGTHS) -> list[int]:
     lengths = kwargs.get("max_seq_lengths", list(default))
     if isinstance(lengths, int):
@@ -101,12 +129,36 @@ def code_ppl_docs(**kwargs: Any):
     return _dataset([{"path": r["path"], "text": r["text"]} for r in rows])
 
 
-def completion_rows(seed: int = DEFAULT_SEED, num_samples: int = 200, max_context_chars: int = 4000) -> list[dict]:
+def _cut_points(line: str) -> list[int]:
+    """Where a line may be cut: before each space that ends a word after the indentation.
+
+    BPE vocabularies (the embedded one, GPT-style ones) attach a word's leading space to the word,
+    so a prompt ending just before a space ends on a token boundary the model saw in training.
+    """
+    start = len(line) - len(line.lstrip(" "))
+    return [i for i in range(start + 1, len(line)) if line[i] == " " and line[i - 1] != " "]
+
+
+def completion_rows(seed: int = DEFAULT_SEED, num_samples: int = 200, max_context_chars: int = 4000,
+                    prefix: float = COMPLETION_PREFIX, words: int = COMPLETION_WORDS,
+                    copyable: bool = COMPLETION_COPYABLE) -> list[dict]:
     """Next-line completion items: the file up to a line (cut at a line start), target = that line.
 
     Targets are code lines of 8-100 characters that are not comments, blank, or string-only
-    (docstring) lines, at least 10 lines into the file.
+    (docstring) lines, at least 10 lines into the file. With `prefix` > 0 the context also holds
+    the first words of the target line (the share `prefix` of its cut points, `_cut_points`, at least
+    one, leaving at least one word); with `words` > 0 the target is the next `words` words only
+    (up to the next cut point(s)), else the rest of the line. Either knob skips lines with no cut
+    point. `prefix` = 0, `words` = 0, `copyable` = False is the whole next line (the old default). `to_eol` says whether the target
+    ends the line (`process_code_completion` scores the two cases). `copyable` keeps only targets
+    whose every name and number (`IDENTIFIER`) occurs in the context the model sees: a property of
+    the file, not of any model, that makes the target predictable in principle by copying from the
+    cache, which is what a quantized KV cache can damage.
     """
+    if isinstance(prefix, bool) or not isinstance(prefix, int | float) or not 0.0 <= prefix < 1.0:
+        raise ConfigError(f"task metadata completion_prefix={prefix!r} must be a number in [0, 1)")
+    if isinstance(words, bool) or not isinstance(words, int) or words < 0:
+        raise ConfigError(f"task metadata completion_words={words!r} must be an int >= 0")
     rows = load_heldout()
     rng = seed_rng("eval", "code_completion", seed)
     candidates = []
@@ -116,44 +168,84 @@ def completion_rows(seed: int = DEFAULT_SEED, num_samples: int = 200, max_contex
             s = line.strip()
             if i < 10 or not 8 <= len(s) <= 100 or s.startswith(("#", '"', "'")):
                 continue
+            if (prefix > 0 or words > 0) and not _cut_points(line):
+                continue
             candidates.append((r["path"], i))
     if not candidates:
         raise ConfigError("held-out files yield no completion targets")
-    picks = rng.sample(candidates, min(num_samples, len(candidates)))
     by_path = {r["path"]: r["text"].split("\n") for r in rows}
-    out = []
-    for path, i in picks:
-        lines = by_path[path]
-        context = "\n".join(lines[:i]) + "\n"
-        if len(context) > max_context_chars:
-            cut = context.find("\n", len(context) - max_context_chars)
-            context = context[cut + 1:]
-        out.append({"path": path, "line": i, "context": context, "target": lines[i]})
-    return out
+    if not copyable:
+        picks = rng.sample(candidates, min(num_samples, len(candidates)))
+        return [_completion_row(by_path[path], path, i, max_context_chars, prefix, words) for path, i in picks]
+    # The same seeded order as without the filter (for all candidates), filtered until num_samples.
+    made = (_completion_row(by_path[path], path, i, max_context_chars, prefix, words)
+            for path, i in rng.sample(candidates, len(candidates)))
+    return list(itertools.islice(filter(_copyable, made), num_samples))
+
+
+IDENTIFIER = re.compile(r"[A-Za-z_]\w*|\d+")
+
+
+def _copyable(row: dict) -> bool:
+    seen = set(IDENTIFIER.findall(row["context"]))
+    return all(t in seen for t in IDENTIFIER.findall(row["target"]))
+
+
+def _completion_row(lines: list[str], path: str, i: int, max_context_chars: int, prefix: float,
+                    words: int) -> dict:
+    context = "\n".join(lines[:i]) + "\n"
+    if len(context) > max_context_chars:
+        cut = context.find("\n", len(context) - max_context_chars)
+        context = context[cut + 1:]
+    line, given = lines[i], 0
+    points = _cut_points(line)
+    if prefix > 0:
+        given = points[min(len(points), max(1, round(prefix * (len(points) + 1)))) - 1]
+    ends = [p for p in points if p > given]
+    end = ends[words - 1] if 0 < words <= len(ends) else len(line)
+    return {"path": path, "line": i, "context": context + line[:given], "target": line[given:end],
+            "to_eol": end == len(line)}
+
+
+def completion_knobs(metadata: dict[str, Any]) -> dict[str, Any]:
+    """`completion_rows` keyword arguments from task metadata, validated (errors name the key)."""
+    prefix = metadata.get("completion_prefix", COMPLETION_PREFIX)
+    if isinstance(prefix, bool) or not isinstance(prefix, int | float) or not 0.0 <= prefix < 1.0:
+        raise ConfigError(f"task metadata completion_prefix={prefix!r} must be a number in [0, 1)")
+    return {"prefix": prefix, "words": _nonnegative_int(metadata, "completion_words", COMPLETION_WORDS),
+            "copyable": _flag(metadata, "completion_copyable", COMPLETION_COPYABLE)}
 
 
 def code_completion_docs(**kwargs: Any):
     seed = _int(kwargs, "sq_seed", DEFAULT_SEED)
-    return _dataset(completion_rows(seed, _int(kwargs, "num_samples", 200)))
+    return _dataset(completion_rows(seed, _int(kwargs, "num_samples", 200), **completion_knobs(kwargs)))
 
 
 def process_code_completion(doc: dict, results: list[str]) -> dict[str, float]:
     # Whitespace at both ends is ignored: indentation at a prompt boundary is a tokenizer artefact.
-    pred = results[0].split("\n")[0]
-    return {"exact_match": float(pred.strip() == doc["target"].strip())}
+    pred, target = results[0].split("\n")[0].strip(), doc["target"].strip()
+    if doc.get("to_eol", True):
+        return {"exact_match": float(pred == target)}
+    # A target of the next words only: the line may go on after them, from the next space.
+    return {"exact_match": float(pred == target or pred.startswith(target + " "))}
 
 
 # ------------------------------------------------------------------------------ key-value lookup
 
 def kv_rows(length: int, seed: int = DEFAULT_SEED, num_samples: int = 100, tokenizer: str | None = None,
-            n_shots: int = 2) -> list[dict]:
-    """Lookup questions whose prompt + answer fit `length - ANSWER_RESERVE` tokens; depths cycle 0..1."""
+            n_shots: int = 2, digits: int = KV_DIGITS, distractors: int = KV_DISTRACTORS) -> list[dict]:
+    """Lookup questions whose prompt + answer fit `length - ANSWER_RESERVE` tokens; depths cycle 0..1.
+
+    `digits` is the value length, `distractors` the number of entries with near-miss keys of the
+    asked one (`snapquant.data.synthetic.kv_retrieval_example`).
+    """
     count = token_counter(get_tokenizer(tokenizer))
     out = []
     for i in range(num_samples):
         rng = seed_rng("eval", "kv_retrieval", seed, length, i)
         depth = (i % 11) / 10
-        ex = kv_retrieval_example(rng, length - ANSWER_RESERVE, count, depth=depth, n_shots=n_shots)
+        ex = kv_retrieval_example(rng, length - ANSWER_RESERVE, count, depth=depth, n_shots=n_shots,
+                                  digits=digits, distractors=distractors)
         out.append({"index": i, "length": length, **ex})
     return out
 
@@ -162,7 +254,13 @@ def kv_retrieval_docs(context_tokens: int | None = None, **kwargs: Any):
     if context_tokens is None:
         raise ConfigError("sq_kv_retrieval tasks need dataset_kwargs.context_tokens (the length in tokens)")
     return _dataset(kv_rows(int(context_tokens), _int(kwargs, "sq_seed", DEFAULT_SEED),
-                            _int(kwargs, "num_samples", 100), _tokenizer_name(kwargs)))
+                            _int(kwargs, "num_samples", 100), _tokenizer_name(kwargs), **kv_knobs(kwargs)))
+
+
+def kv_knobs(metadata: dict[str, Any]) -> dict[str, Any]:
+    """`kv_rows` keyword arguments from task metadata, validated (errors name the key)."""
+    return {"digits": _int(metadata, "kv_digits", KV_DIGITS),
+            "distractors": _nonnegative_int(metadata, "kv_distractors", KV_DISTRACTORS)}
 
 
 def process_exact_match(doc: dict, results: list[str]) -> dict[str, float]:
@@ -172,8 +270,8 @@ def process_exact_match(doc: dict, results: list[str]) -> dict[str, float]:
 # ------------------------------------------------------------------------------------ pass key
 
 def passkey_rows(lengths: list[int], seed: int = DEFAULT_SEED, num_samples: int = 10,
-                 tokenizer: str | None = None, haystack: str = "repeat") -> list[dict]:
-    """`num_samples` questions per (length, depth) pair, depths in PASSKEY_DEPTHS."""
+                 tokenizer: str | None = None, haystack: str = "repeat", digits: int = PASSKEY_DIGITS) -> list[dict]:
+    """`num_samples` questions per (length, depth) pair, depths in PASSKEY_DEPTHS; keys of `digits` digits."""
     count = token_counter(get_tokenizer(tokenizer))
     lines = None
     if haystack == "code":
@@ -185,7 +283,8 @@ def passkey_rows(lengths: list[int], seed: int = DEFAULT_SEED, num_samples: int 
         for depth in PASSKEY_DEPTHS:
             for i in range(num_samples):
                 rng = seed_rng("eval", "passkey", haystack, seed, length, depth, i)
-                ex = passkey_example(rng, length - ANSWER_RESERVE, count, depth=depth, haystack=lines)
+                ex = passkey_example(rng, length - ANSWER_RESERVE, count, depth=depth, haystack=lines,
+                                     digits=digits)
                 out.append({"index": i, "length": length, **ex})
     # Interleave lengths and depths so that `--limit N` still samples all of them.
     random.Random(f"passkey-order/{seed}").shuffle(out)
@@ -195,7 +294,7 @@ def passkey_rows(lengths: list[int], seed: int = DEFAULT_SEED, num_samples: int 
 def passkey_docs(**kwargs: Any):
     return _dataset(passkey_rows(_lengths(kwargs), _int(kwargs, "sq_seed", DEFAULT_SEED),
                                  _int(kwargs, "num_samples", 10), _tokenizer_name(kwargs),
-                                 kwargs.get("haystack", "repeat")))
+                                 kwargs.get("haystack", "repeat"), _int(kwargs, "passkey_digits", PASSKEY_DIGITS)))
 
 
 def _by_length(doc_length: int, score: float) -> dict[str, float]:
