@@ -81,6 +81,7 @@ def write(out: Path, stem: str, df: pd.DataFrame, title: str, notes: str = "", m
     env = environment()
     info["torch"] = env["packages"]["torch"]
     info["transformers"] = env["packages"]["transformers"]
+    info["git_commit"] = env["git_commit"]  # what `scripts/reproduce.py --stale` compares with the code
     info["hardware"] = (env["hardware"]["gpus"][0]["name"] if env["hardware"]["gpus"]
                         else f"CPU x{env['hardware']['cpu_count']}")
     text = f"# {title}\n\n{notes.strip()}\n\n{md_table(df)}\n```\n{json.dumps(info, indent=1)}\n```\n"
