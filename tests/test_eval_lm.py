@@ -164,3 +164,20 @@ def test_generation_auto_is_hf_on_cpu_and_bad_options_fail_before_loading():
                       ({"gen_batch_size": "0"}, "gen_batch_size"), ({"gen_check_every": 1.5}, "gen_check_every")):
         with pytest.raises(ConfigError, match=f"^{field} must be"):
             SnapquantLM(pretrained="/nonexistent/checkpoint", **kw)
+
+
+def test_auto_on_a_cpu_model_takes_hf_generate_without_a_warning(caplog):
+    """The CPU default is not a fallback: the main job on CPU prints no generation warning (the path is
+    recorded in the results config instead)."""
+    import logging
+
+    from lm_eval.api.instance import Instance
+
+    from snapquant.eval import SnapquantLM
+
+    lm = SnapquantLM(pretrained=tiny_model("deepseek_v3", vocab_size=128), tokenizer=_char_tokenizer(),
+                     kv_config="snapmla", batch_size=1, device="cpu")
+    with caplog.at_level(logging.WARNING, logger="snapquant.eval.lm"):
+        lm.generate_until([Instance("generate_until", {}, ("Q: 2+2=", {"until": ["\n"], "max_gen_toks": 3}), 0)])
+    assert not [r for r in caplog.records if "HF generate" in r.getMessage()]
+    assert lm.get_model_info()["snapquant_generation"]["default_path"] == "hf"

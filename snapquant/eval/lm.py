@@ -118,7 +118,10 @@ class SnapquantLM(HFLM):
                 path, reason = "hf", plan
         if path == "hf" and self.generation != "hf" and reason not in self._warned:
             self._warned.add(reason)
-            log.warning("snapquant generation: HF generate for these requests: %s", reason)
+            # auto on a CPU model: HF generate is the documented path there, recorded in the results; a
+            # request the loop refuses (or an explicit generation="loop" that cannot run) is worth a warning
+            level = logging.WARNING if plan is not None or self.generation == "loop" else logging.INFO
+            log.log(level, "snapquant generation: HF generate for these requests: %s", reason)
         self._gen_batches[(path, reason)] += 1
         if path == "loop":
             return self._decode_loop().generate(
