@@ -21,6 +21,7 @@ the graph step can all use it without importing each other.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -162,3 +163,15 @@ def no_host_sync() -> Iterator[None]:
     """
     with _NoSyncFunction(), _NoSyncDispatch():
         yield
+
+
+WARNED: set[str] = set()
+"""Messages `warn_once` has shown in this process (tests clear it to see a warning again)."""
+
+
+def warn_once(msg: str, stacklevel: int = 3) -> None:
+    """`warnings.warn(msg)` the first time this process sees `msg`: a backend that falls back on every
+    decode step says so once, not once per step and layer."""
+    if msg not in WARNED:
+        WARNED.add(msg)
+        warnings.warn(msg, stacklevel=stacklevel)

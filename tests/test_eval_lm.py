@@ -11,22 +11,9 @@ pytest.importorskip("lm_eval")
 
 from snapquant import PRESETS
 from snapquant.models.tiny import tiny_model
+from tests.support.tokenizers import char_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _char_tokenizer():
-    """A character-level fast tokenizer built offline (ids 0-3 special, printable ASCII after)."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for c in map(chr, range(32, 127)):
-        vocab[c] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
 
 
 def _tasks(path):
@@ -64,7 +51,7 @@ def _evaluate(model, tok, config, task_file):
 
 
 def test_simple_evaluate_on_a_patched_model_records_the_preset(task_file):
-    tok = _char_tokenizer()
+    tok = char_tokenizer()
     model = tiny_model("deepseek_v3", vocab_size=128)
     lm, out = _evaluate(model, tok, "snapmla", task_file)
     assert out["config"]["snapquant_preset"] == "snapmla"
@@ -83,7 +70,7 @@ def test_generation_reads_the_quantized_cache_and_likelihood_sees_quantized_pref
     from snapquant.cache import LatentCache
     from snapquant.eval import SnapquantLM
 
-    tok = _char_tokenizer()
+    tok = char_tokenizer()
     seen = []
     original = HFLM._model_generate
 
@@ -121,7 +108,7 @@ def test_generation_loop_and_hf_give_the_same_lm_eval_results(task_file, caplog)
 
     from snapquant.eval import SnapquantLM
 
-    tok = _char_tokenizer()
+    tok = char_tokenizer()
     base = tiny_model("deepseek_v3", moe=True, vocab_size=128)
     reqs = [Instance("generate_until", {}, (f"Q{i}: {'x' * i}2+{i}=", kw), i) for i, kw in enumerate(
         [{"until": ["\n"], "max_gen_toks": 6}, {"until": ["\n", "=", "a"], "max_gen_toks": 9},
@@ -156,7 +143,7 @@ def test_generation_auto_is_hf_on_cpu_and_bad_options_fail_before_loading():
     from snapquant.errors import ConfigError
     from snapquant.eval import SnapquantLM
 
-    lm = SnapquantLM(pretrained=tiny_model("deepseek_v3", vocab_size=128), tokenizer=_char_tokenizer(),
+    lm = SnapquantLM(pretrained=tiny_model("deepseek_v3", vocab_size=128), tokenizer=char_tokenizer(),
                      kv_config="snapmla", batch_size=2, device="cpu")
     info = lm.get_model_info()["snapquant_generation"]
     assert info["requested"] == "auto" and info["default_path"] == "hf" and "cpu" in info["default_reason"]
@@ -175,7 +162,7 @@ def test_auto_on_a_cpu_model_takes_hf_generate_without_a_warning(caplog):
 
     from snapquant.eval import SnapquantLM
 
-    lm = SnapquantLM(pretrained=tiny_model("deepseek_v3", vocab_size=128), tokenizer=_char_tokenizer(),
+    lm = SnapquantLM(pretrained=tiny_model("deepseek_v3", vocab_size=128), tokenizer=char_tokenizer(),
                      kv_config="snapmla", batch_size=1, device="cpu")
     with caplog.at_level(logging.WARNING, logger="snapquant.eval.lm"):
         lm.generate_until([Instance("generate_until", {}, ("Q: 2+2=", {"until": ["\n"], "max_gen_toks": 3}), 0)])

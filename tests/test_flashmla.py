@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 
+from snapquant import runtime
 from snapquant.attention import flashmla
 from snapquant.attention.backends import register_backend, resolve_backend, unregister_backend
 from snapquant.errors import ConfigError
@@ -86,7 +87,7 @@ def test_backend_matches_the_reference(fake, joint):
     assert (flashmla.joint_pitch(latent, rope) is not None) == joint
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        flashmla._WARNED.clear()
+        runtime.WARNED.clear()
         out, lse = flashmla.flashmla_backend(q, kv, lengths, tau, BF16)
     assert any("joint_rows=True" in str(w.message) for w in caught) == (not joint)  # a copy is announced
     ref_out, ref_lse = mla_decode_reference(q, kv, lengths, tau, BF16)
@@ -212,7 +213,7 @@ def test_patched_bf16_model_decodes_through_flashmla_in_place(cpu_flashmla):
     for backend in ("flashmla", "absorbed_reference"):
         snapquant.patch(model, "bf16", backend=backend)
         cache = LatentCache("bf16", model, joint_rows=True)
-        flashmla._WARNED.clear()
+        runtime.WARNED.clear()
         with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             prefill_logits = model(ids[:, :8], use_cache=True, **{cache_kwarg(model): cache}).logits

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import warnings
 from types import ModuleType
 
 import torch
@@ -38,7 +37,7 @@ from ..constants import PAGE_SIZE
 from ..errors import ConfigError, ShapeError
 from ..quant.quantizer import QuantizedKV
 from ..reference import mla_decode_reference
-from ..runtime import lengths_trusted
+from ..runtime import lengths_trusted, warn_once
 
 MODULE = "flash_mla"
 NOT_INSTALLED = "FlashMLA not installed"
@@ -46,7 +45,6 @@ INSTALL_HINT = "install it from github.com/deepseek-ai/FlashMLA (a Hopper GPU bu
 PAGE = PAGE_SIZE  # FlashMLA's page size (tokens): the same 64 as our paged kernels
 DIMS = (512, 64)  # FlashMLA's dense decode: head_dim 576 = kv_lora_rank 512 + rope 64, head_dim_v 512
 
-_WARNED: set[str] = set()
 
 
 def load() -> ModuleType | None:
@@ -200,7 +198,7 @@ def flashmla_backend(
     mod = require()
     reason = mismatch_reason(kv, cfg, round_16bit)
     if reason is not None:
-        _warn_once(f"snapquant flashmla backend: using the reference decode because {reason}")
+        warn_once(f"snapquant flashmla backend: using the reference decode because {reason}")
         return mla_decode_reference(q, kv, lengths, softmax_scale, cfg, causal=causal, round_16bit=round_16bit)
     single = q.dim() == 3
     q4 = q.unsqueeze(1) if single else q
@@ -216,7 +214,7 @@ def flashmla_backend(
     lens = _lengths(lengths, B, T, latent.device)
     k_cache, block_table, copied = pages_from_rows(latent, rope)
     if copied:
-        _warn_once("snapquant flashmla backend: the cache stores the latent and RoPE key in separate buffers, so "
+        warn_once("snapquant flashmla backend: the cache stores the latent and RoPE key in separate buffers, so "
                    "every call packs them into FlashMLA's [pages, 64, 1, r + d] rows (a copy of the cache); build "
                    "the cache with LatentCache(..., joint_rows=True) to read it in place")
     tau = 1.0 / math.sqrt(r + d) if softmax_scale is None else float(softmax_scale)
@@ -257,8 +255,3 @@ def _lengths(lengths: torch.Tensor | None, B: int, T: int, device: torch.device)
         raise ShapeError(f"lengths must lie in [0, {T}] (the cache holds {T} tokens), got {lens.tolist()}")
     return lens.to(torch.int32).contiguous()
 
-
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        warnings.warn(msg, stacklevel=3)

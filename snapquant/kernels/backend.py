@@ -15,7 +15,6 @@ kernel layout (fp32 passthrough, KIVI groups, ...), widths below 16 or not power
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,14 +24,13 @@ from ..config import KVQuantConfig
 from ..errors import ShapeError
 from ..quant.quantizer import QuantizedKV
 from ..reference import mla_decode_reference
-from ..runtime import lengths_trusted
+from ..runtime import lengths_trusted, warn_once
 from ._checks import raise_on_flags
 from .decode import launch_decode
 from .layouts import PAGE_SIZE, layout_of, unsupported_reason
 from .operands import KernelOperands
 from .options import DecodeOptions
 
-_WARNED: set[str] = set()
 _INT32_MAX = 2**31 - 1
 
 
@@ -52,7 +50,7 @@ def triton_backend(
     cfg = config or kv.config
     reason = kernel_mismatch(kv, cfg, round_16bit)
     if reason is not None:
-        _warn_once(f"snapquant triton backend: using the reference decode because {reason}")
+        warn_once(f"snapquant triton backend: using the reference decode because {reason}")
         return mla_decode_reference(q, kv, lengths, softmax_scale, cfg, causal=causal, round_16bit=round_16bit)
     ops = operands_from_kv(kv, lengths, cfg)
     tau = 1.0 / math.sqrt(ops.kv_lora_rank + ops.rope_dim) if softmax_scale is None else float(softmax_scale)
@@ -150,9 +148,4 @@ def _rows_per_request(tensors: list[torch.Tensor]) -> int | None:
         return tensors[0].shape[1]
     return pitches.pop() if len(pitches) == 1 else None
 
-
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        warnings.warn(msg, stacklevel=3)
 
