@@ -18,14 +18,7 @@ RES=results/bench
 mkdir -p "$OUT" "$RES"
 trap 'tar -czf "$OUT/device_anchor.tar.gz" $RES/*anchor_h200* "$OUT"/*.log "$OUT"/*.txt 2>/dev/null' EXIT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-shopt -s nullglob
-wheels=(.anchors/flash_mla-*.whl)
-if [ ${#wheels[@]} -gt 0 ]; then
-  python3 -m pip install -q --no-deps --target .anchors/site "${wheels[0]}" 2>&1 | tail -2
-  export PYTHONPATH="$PWD/.anchors/site:$PYTHONPATH"
-fi
-python3 -c "import flash_mla, torch; print('flash_mla', getattr(flash_mla, '__version__', '?'), 'torch', torch.__version__)" \
-  2>&1 | tail -1 | tee "$OUT/flashmla.txt"
+source scripts/anchor_env.sh > "$OUT/flashmla.txt"; cat "$OUT/flashmla.txt"
 timeout 270 python3 scripts/bench_decode.py --out "$RES" --tag anchor_h200 --no-append --budget-s 170 \
   --shapes 128x16x4096,32x16x16384,8x16x32768,32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768 \
   --variants "bf16,snapmla,snapmla+gluon+fp8mma" 2>&1 | tee "$OUT/bench_anchor.log" \

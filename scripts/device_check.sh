@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The kernels' GPU check in one device call (< 8 minutes on an H200): every kernel against the reference,
-# the GPU test suite, the decode benchmark at the headline shapes, and the PTX of every default launch.
+# The kernels' GPU check in one device call (< 9 minutes on an H200): every kernel against the reference,
+# the GPU test suite, the decode benchmark at the headline shapes (with FlashMLA BF16 rows when its wheel
+# is in .anchors/, see scripts/anchor_env.sh), and the PTX of every default launch.
 #   SNAPQUANT_GIT_COMMIT=$(git rev-parse HEAD) bash scripts/device_check.sh
 # Logs go to $OUT; the full outputs (kernels_check.*, decode_h200.*, bench_h200.*, PTX) to $OUT/device_check.tar.gz.
 set -o pipefail
@@ -10,6 +11,7 @@ W=$(mktemp -d)
 mkdir -p "$OUT"
 trap 'tar -czf "$OUT/device_check.tar.gz" -C "$W" . 2>/dev/null' EXIT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+source scripts/anchor_env.sh > "$OUT/flashmla.txt"; cat "$OUT/flashmla.txt"
 timeout 200 python scripts/check_kernels_gpu.py --no-bench --out "$W/kernels" 2>&1 | tee "$OUT/check_h200.log" | tail -4
 timeout 160 python -m pytest -m gpu -rfEs -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu_h200.txt" | tail -6
 timeout 120 python scripts/bench_decode.py --out "$W/bench" --no-append --budget-s 80 \

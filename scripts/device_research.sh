@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The research model on one H200 in two back-to-back device calls (< 9 minutes each):
-#   bash scripts/device_research.sh 1   # data (machine corpus) + measure + train
-#   bash scripts/device_research.sh 2   # eval + activation study + FP8 analyses with intervals
+# The research model on one H200 in two back-to-back device calls (< 10 minutes each; the second must
+# reach the same machine, whose disk holds the checkpoint):
+#   bash scripts/device_research.sh 1   # data (machine corpus) + measure + train + eval + activation study
+#   bash scripts/device_research.sh 2   # FP8 analyses with intervals
 #   bash scripts/device_research.sh 3   # (optional) resume whatever analyses call 2 had no time for
 # State (corpus, checkpoint, bf16 model) lives in runs/research_model/ on the machine's disk
 # between calls; each call leaves in $OUT: its log and research_results.tar.gz (the results
@@ -19,12 +20,14 @@ pack() { tar -czf "$OUT/research_results.tar.gz" -C "$RES" . 2>/dev/null; cp -f 
 trap pack EXIT
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu_call$CALL.txt"
 case "$CALL" in
-  # ~490 s: data (scan + decontaminate + tokenize), 20 s speed measurement, train the planned steps.
-  1) timeout 500 python $S data train --state $STATE --out $RES --budget-s 490 --train-later-s 0 2>&1 | tee "$OUT/call1.log" ;;
-  # ~490 s: eval, study, analyses (each part saved as it finishes; what has no time left is logged as skipped).
-  2) timeout 500 python $S eval study analyses --state $STATE --out $RES --budget-s 490 2>&1 | tee "$OUT/call2.log" ;;
+  # ~550 s: data (scan + decontaminate + tokenize, ~100 s), 20 s speed measurement, train the planned
+  # steps, then held-out perplexity, the task-difficulty grid and the activation study (~150 s kept).
+  1) timeout 575 python $S data train eval study --state $STATE --out $RES --budget-s 550 --train-later-s 0 \
+       --after-train-s 150 --no-embedded-tasks 2>&1 | tee "$OUT/call1.log" ;;
+  # ~550 s: analyses (each part saved as it finishes; what has no time left is logged as skipped).
+  2) timeout 575 python $S analyses --state $STATE --out $RES --budget-s 550 2>&1 | tee "$OUT/call2.log" ;;
   # ~490 s: resume the analyses (a rerun continues where call 2 stopped), card and figures.
-  3) timeout 500 python $S analyses --state $STATE --out $RES --budget-s 490 2>&1 | tee "$OUT/call3.log" ;;
+  3) timeout 575 python $S analyses --state $STATE --out $RES --budget-s 550 2>&1 | tee "$OUT/call3.log" ;;
   *) echo "unknown call $CALL (1, 2 or 3)"; exit 2 ;;
 esac
 rc=$?

@@ -406,27 +406,42 @@ def heldout_nll(model, tokens, window: int, max_windows: int, seed: int = 0) -> 
     return out
 
 
-def task_hits(model, tok, tok_path: str, task: str, length: int, n: int, batch: int, seed: int | None = None) -> list[int]:
-    """Per-sample 0/1 exact matches of one offline task (direct harness, no lm-eval)."""
-    from snapquant.eval.tasks import direct, sq_utils
+def task_hits(model, tok, tok_path: str, setting: str, n: int, batch: int, seed: int | None = None) -> list[int]:
+    """Per-sample 0/1 exact matches of one offline task setting ('TASK[:knob=value,...]', as
+    `snapquant.eval.calibration.parse_setting` reads it), greedy, with the direct harness."""
+    from snapquant.eval import calibration
+    from snapquant.eval.tasks import sq_utils
 
     s = sq_utils.DEFAULT_SEED if seed is None else seed
-    if task == "kv":
-        rows = sq_utils.kv_rows(length, s, n, tok_path)
-        preds = direct.greedy_generate(model, tok, [r["prompt"] for r in rows], sq_utils.ANSWER_RESERVE, ['"', "\n"], batch)
-        return [int(sq_utils.process_exact_match(r, [p])["exact_match"]) for r, p in zip(rows, preds, strict=True)]
-    if task == "passkey_code":
-        rows = sq_utils.passkey_rows([length], s, n, tok_path, "code")
-        preds = direct.greedy_generate(model, tok, [r["prompt"] for r in rows], sq_utils.ANSWER_RESERVE, ["\n", "."], batch)
-        return [int(sq_utils.process_passkey(r, [p])["exact_match"]) for r, p in zip(rows, preds, strict=True)]
-    raise ValueError(f"task={task!r}")
+    scores = calibration.score(model, tok, calibration.parse_setting(setting), n, seed=s, tokenizer_path=tok_path,
+                               batch_size=batch)
+    return [int(x) for x in scores]
 
 
-def _task_plan(a) -> list[tuple[str, int, int]]:
+def setting_length(setting: str) -> int:
+    """Context the setting's prompts fill (kv retrieval: its length; code completion: 4000 chars, < 2K tokens)."""
+    from snapquant.eval import calibration
+
+    return calibration._kv_length(setting.partition(":")[0]) or 2048
+
+
+# Difficulty grid: the previous run scored 0 on every default-difficulty kv / passkey task, so the
+# grid spans easier settings (short values, no near-miss keys, next word instead of next line); the
+# analyses use the settings whose BF16 score lands in [0.4, 0.9].
+RESEARCH_TASKS = (
+    "sq_kv_retrieval_1k:kv_digits=2,kv_distractors=0",
+    "sq_kv_retrieval_1k:kv_digits=4,kv_distractors=2",
+    "sq_kv_retrieval_4k:kv_digits=2,kv_distractors=0",
+    "sq_kv_retrieval_8k:kv_digits=2,kv_distractors=0",
+    "sq_code_completion:completion_words=1",
+    "sq_code_completion",
+)
+
+
+def _task_plan(a) -> list[tuple[str, int]]:
     if a.smoke:
-        return [("kv", 256, 4), ("passkey_code", 256, 1)]
-    return [("kv", 1024, a.task_samples), ("kv", 4096, a.task_samples), ("kv", 8192, a.task_samples),
-            ("passkey_code", 4096, 8), ("passkey_code", 8192, 8)]
+        return [("sq_kv_retrieval_1k:kv_digits=2,kv_distractors=0", 3), ("sq_code_completion:completion_words=1", 3)]
+    return [(t, a.task_samples) for t in RESEARCH_TASKS]
 
 
 def stage_eval(run: Run) -> None:
@@ -453,12 +468,14 @@ def stage_eval(run: Run) -> None:
             if name == "research" and ctx > 4096:  # also at the embedded model's context, for the side by side
                 r["heldout"][f"{which}_4096"] = heldout_nll(model, toks, 4096, 64)
         run.log("eval_heldout", model=name, **{k: v["nll"] for k, v in r["heldout"].items()})
-        for task, length, n in _task_plan(a):
-            if length > ctx or run.left() < 20:
+        for setting, n in _task_plan(a):
+            if name == "embedded" and a.no_embedded_tasks:
+                break
+            if (setting_length(setting) > ctx and not a.smoke) or run.left() < 20:
                 continue
-            hits = task_hits(model, tok, tok_path, task, length, n, a.eval_batch)
-            r["tasks"][f"{task}_{length}"] = {"score": sum(hits) / len(hits), "n": len(hits), "hits": hits}
-            run.log("eval_task", model=name, task=f"{task}_{length}", score=sum(hits) / len(hits), n=len(hits))
+            hits = task_hits(model, tok, tok_path, setting, n, a.eval_batch)
+            r["tasks"][setting] = {"score": sum(hits) / len(hits), "n": len(hits), "hits": hits}
+            run.log("eval_task", model=name, task=setting, score=sum(hits) / len(hits), n=len(hits))
         res["models"][name] = r
         del model
         _empty_cache(dev)
@@ -627,7 +644,7 @@ def stage_analyses(run: Run) -> None:
     model = _load_model(run.model_dir, dev, "float32" if dev.type == "cpu" else "bfloat16")
     tok = _tokenizer(run)
     toks = np.concatenate([_val_tokens(run, "machine"), _val_tokens(run, "code")])
-    N, T, P = (2, 80, 64) if a.smoke else (16, 1280, 1024)
+    N, T, P = (2, 80, 64) if a.smoke else (16, 1024 + 65, 1024)
     ids = _rows_from(toks, N, T)
     ref_lp = _ref_logprobs(model, ids)
     results = run.read_json("analyses.json") or {"parts": {}}
@@ -705,15 +722,31 @@ def _extra_comparisons(part: str, seqs: dict, a) -> list[dict]:
     return out
 
 
-def _agreement(model, ids, P: int, dev, a) -> dict:
-    """Per-step KL(reference || triton) of a teacher-forced decode of the patched model (SnapMLA preset).
+def _kl_summary(m: dict, tol: float) -> dict:
+    import numpy as np
 
-    Tolerance 1e-3 nats per step: both backends read identical FP8 codes and scales, and differ by
-    fp32 summation order and exp implementation (~1e-6 relative on the attention output), which bf16
-    rounding of the attention output and FP8 re-rounding of later layers' latent / query codes at
-    rounding boundaries (one e4m3 step, 2^-3 relative, in single elements out of 512) can turn into
-    logit changes of ~1e-3 relative, i.e. KL of order 1e-6..1e-4. 1e-3 leaves that margin and is
-    still 10x below the KL the FP8 formats themselves cause on this model.
+    kl = m["kl"]
+    return {"steps": int(kl.shape[1]), "sequences": int(kl.shape[0]), "kl_max": float(kl.max()),
+            "kl_mean": float(kl.mean()), "kl_median": float(np.median(kl)), "kl_p99": float(np.quantile(kl, 0.99)),
+            "top1_agree": float(1 - m["flip"].mean()), "positions_over_tolerance": int((kl > tol).sum()),
+            "positions": int(kl.size)}
+
+
+def _agreement(model, ids, P: int, dev, a) -> dict:
+    """Per-position KL(reference || triton) along a teacher-forced decode of the patched model, against
+    the noise floor of BF16 inference itself.
+
+    Both backends read identical cache codes and scales and differ only in fp32 summation order and
+    exp implementation (~1e-6 relative on one attention output). The model runs in BF16, though: each
+    layer's output is rounded to bf16 (relative step 2^-8), so an order-level difference that moves one
+    element across a rounding boundary becomes a 2^-8 change, which 12 layers of bf16 matmuls and
+    norms carry to the logits; at positions where the reference's top tokens are nearly tied, that is
+    enough for a KL of 1e-2 or more. The same happens between any two correct BF16 attention
+    implementations, so the floor is measured: the UNPATCHED model decoded with HF's eager attention
+    vs its SDPA attention on the same tokens. The backends agree when their KL distribution is no
+    wider than that floor (median, p99 and max each within 2x of the floor's, or below the 1e-3 nats
+    per-position tolerance a fp32 model would meet); positions above the tolerance are listed with the
+    reference's top-2 margin, to show they are near-ties.
     """
     import numpy as np
 
@@ -724,23 +757,45 @@ def _agreement(model, ids, P: int, dev, a) -> dict:
 
     if dev.type != "cuda":
         return {"ran": False, "reason": "the Triton backend needs CUDA; this run is on CPU"}
-    out: dict = {"ran": True, "tolerance_kl_per_step": 1e-3}
+    tol = 1e-3
+    out: dict = {"ran": True, "tolerance_kl_per_position": tol}
     n = min(4, ids.shape[0])
     sub = ids[:n]
+    targets = sub[:, P + 1:]
+    floor = None
+    try:
+        lps = {}
+        for impl in ("eager", "sdpa"):
+            model.set_attn_implementation(impl)
+            lps[impl] = decode_logprobs(model, sub, P)
+        floor = _kl_summary(position_metrics(lps["eager"], lps["sdpa"], targets), tol)
+        out["bf16_floor_eager_vs_sdpa"] = floor
+    except Exception as e:  # a transformers version without the switch: say so, keep going
+        out["bf16_floor_eager_vs_sdpa"] = {"ran": False, "reason": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation("sdpa")
     for preset in ("snapmla", "ds_v32", "bf16"):
         cfg = resolve_config(preset)
         lps = {}
         for backend in ("reference", "triton"):
             with patched(model, cfg, backend=backend):
                 lps[backend] = decode_logprobs(model, sub, P)
-        m = position_metrics(lps["reference"], lps["triton"], sub[:, P + 1:])
-        kl = m["kl"]
-        out[preset] = {"steps": int(kl.shape[1]), "sequences": n, "kl_max": float(kl.max()),
-                       "kl_mean": float(kl.mean()), "kl_p99": float(np.quantile(kl, 0.99)),
-                       "top1_agree": float(1 - m["flip"].mean()),
-                       "max_abs_logprob_diff": float((lps["reference"] - lps["triton"]).abs().max()),
-                       "steps_over_tolerance": int((kl.max(0) > 1e-3).sum()),
-                       "pass": bool(kl.max() <= 1e-3)}
+        m = position_metrics(lps["reference"], lps["triton"], targets)
+        row = _kl_summary(m, tol)
+        ref = lps["reference"].float()
+        top2 = ref.topk(2, dim=-1).values
+        margin = (top2[..., 0] - top2[..., 1]).numpy()
+        over = np.argwhere(m["kl"] > tol)
+        row["max_abs_logprob_diff"] = float((lps["reference"] - lps["triton"]).abs().max())
+        row["over_tolerance"] = [{"sequence": int(i), "step": int(j), "kl": float(m["kl"][i, j]),
+                                  "ref_top2_margin": float(margin[i, j])} for i, j in over[:20]]
+        row["ref_top2_margin_median_all"] = float(np.median(margin))
+        row["ref_top2_margin_median_over"] = float(np.median(margin[m["kl"] > tol])) if len(over) else None
+        row["pass_tolerance"] = bool(m["kl"].max() <= tol)
+        if floor is not None:
+            row["pass_vs_floor"] = bool(all(row[k] <= max(2 * floor[k], tol) for k in ("kl_median", "kl_p99", "kl_max")))
+        out[preset] = row
     return out
 
 
@@ -752,12 +807,12 @@ def _long_context(run: Run, model, toks, dev, a) -> dict:
     if a.smoke:
         N, T, steps, depths = 2, 112, 8, (32, 96)
     else:
-        N, T, steps, depths = 6, 8192 + 64, 64, (512, 2048, 4096, 8128)
+        N, T, steps, depths = 6, 8192 + 32, 32, (1024, 4096, 8160)
     ids = _rows_from(toks, N, T)
     ref_lp = _ref_logprobs(model, ids)
     out = {"sequences": int(ids.shape[0]), "steps_per_window": steps, "rows": []}
     blk = min(128, model.config.kv_lora_rank)
-    for preset in ("snapmla", "snapmla_kv_only", "ds_v32", "rope_fp8_per_token", "per_tensor_fp8"):
+    for preset in ("snapmla", "ds_v32", "per_tensor_fp8", "rope_fp8_per_token", "snapmla_kv_only"):
         cfg = resolve_config(preset)
         cfg = cfg.replace(block_size=blk) if cfg.nope_granularity == "per_token_block" else cfg
         backend = _backend_for(cfg, model, dev)
@@ -783,18 +838,18 @@ def _tasks_under_fp8(run: Run, model, tok, a, mcnemar_exact) -> dict:
 
     ev = run.read_json("eval.json") or {}
     tasks = (ev.get("models", {}).get("research", {}) or {}).get("tasks", {})
-    # At most two tasks (the call's time), preferring long contexts.
-    chosen = dict(sorted(((k, v) for k, v in tasks.items() if 0.4 <= v["score"] <= 0.9),
-                         key=lambda kv: -int(kv[0].rsplit("_", 1)[1]))[:2])
-    note = "tasks whose BF16 score lies in [0.4, 0.9]"
+    # At most two settings (the call's time), preferring long contexts, then scores nearest 0.65.
+    inside = [k for k, v in tasks.items() if 0.4 <= v["score"] <= 0.9]
+    chosen = sorted(inside, key=lambda k: (-setting_length(k), abs(tasks[k]["score"] - 0.65)))[:2]
+    note = "task settings whose BF16 score lies in [0.4, 0.9]"
     if not chosen and tasks:
         k = min(tasks, key=lambda k: abs(tasks[k]["score"] - 0.65))
-        chosen = {k: tasks[k]}
-        note = f"no task in [0.4, 0.9]; the closest ({k}, BF16 {tasks[k]['score']:.2f}) is used"
+        chosen = [k]
+        note = f"no task setting in [0.4, 0.9]; the closest ({k}, BF16 {tasks[k]['score']:.2f}) is used"
     out = {"note": note, "rows": []}
     tok_path = str(run.corpus / "tokenizer")
-    for key, base in chosen.items():
-        task, length = key.rsplit("_", 1)
+    for key in chosen:
+        base = tasks[key]
         for preset in ("bf16", "snapmla", "ds_v32", "rope_fp8_per_token", "per_tensor_fp8"):
             if run.left() < 30:
                 out["truncated"] = True
@@ -803,7 +858,7 @@ def _tasks_under_fp8(run: Run, model, tok, a, mcnemar_exact) -> dict:
             if cfg.nope_granularity == "per_token_block":
                 cfg = cfg.replace(block_size=min(cfg.block_size, model.config.kv_lora_rank))
             with patched(model, cfg, backend="auto"):
-                hits = task_hits(model, tok, tok_path, task, int(length), base["n"], a.eval_batch)
+                hits = task_hits(model, tok, tok_path, key, base["n"], a.eval_batch)
             t = mcnemar_exact(base["hits"], hits)
             out["rows"].append({"task": key, "config": preset, "score": sum(hits) / len(hits), "bf16_unpatched": base["score"],
                                 "delta": t.delta, "p_value": t.p_value, "discordant": list(t.discordant), "n": t.n})
@@ -855,6 +910,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--permutations", type=int, default=9999)
     p.add_argument("--no-embedded", action="store_true", help="skip the embedded model's side of eval/study")
+    p.add_argument("--no-embedded-tasks", action="store_true",
+                   help="skip the embedded model's task grid in eval (its scores: results/tasks/calibration.md)")
     args = p.parse_args(argv)
     if args.smoke:
         args.batch_size, args.micro_batch, args.warmup = 2, 2, 2
