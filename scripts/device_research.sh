@@ -24,8 +24,9 @@ case "$CALL" in
   # steps, then held-out perplexity, the task-difficulty grid and the activation study (~150 s kept).
   1) timeout 575 python $S data train eval study --state $STATE --out $RES --budget-s 550 --train-later-s 0 \
        --after-train-s 150 --no-embedded-tasks 2>&1 | tee "$OUT/call1.log" ;;
-  # ~550 s: analyses (each part saved as it finishes; what has no time left is logged as skipped).
-  2) timeout 575 python $S analyses --state $STATE --out $RES --budget-s 550 2>&1 | tee "$OUT/call2.log" ;;
+  # ~550 s: analyses (eval and study skip when call 1 finished them; each part is saved as it finishes;
+  # what has no time left is logged as skipped).
+  2) timeout 575 python $S eval study analyses --state $STATE --out $RES --budget-s 550 2>&1 | tee "$OUT/call2.log" ;;
   # ~490 s: resume the analyses (a rerun continues where call 2 stopped), card and figures.
   3) timeout 575 python $S analyses --state $STATE --out $RES --budget-s 550 2>&1 | tee "$OUT/call3.log" ;;
   *) echo "unknown call $CALL (1, 2 or 3)"; exit 2 ;;
