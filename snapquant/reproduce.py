@@ -200,7 +200,7 @@ JOBS: tuple[Job, ...] = (
         ("decode_h200.*", "bench_h200.*"), "the decode benchmark at the headline shapes (defaults and the opt-in "
         "native FP8 kernel)", code=BENCH),
     Job("results/research_model", "gpu", ("scripts/train_research_model.py", "all", "--out", "results/research_model"),
-        ("README.md", "*.json", "*.jsonl", "*.csv", "*.png", "*.pdf", "device_call*.log"),
+        ("README.md", "*.json", "*.jsonl", "*.csv", "*.npz", "*.png", "*.pdf", "device_call*.log"),
         "the research-scale model at DeepSeek-V2-Lite attention dims: data, training, card, activation study, "
         "FP8 analyses (on the H200 in back-to-back calls: `bash scripts/device_research.sh 1`, then `2`, then `3`)",
         manual=True, code=("scripts/research_card.py", "scripts/research_plots.py", "scripts/device_research.sh",

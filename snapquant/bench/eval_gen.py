@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from ..atomic import atomic_write_json, atomic_write_text
+from ..models.stepping import cache_kwarg
 
 COLUMNS = ("model", "layers", "preset", "batch", "context", "path", "new_tokens", "tokens_per_s", "step_ms",
            "attention_ms", "experts_ms", "rest_ms", "kernel_ms", "split_clock", "prefill_s", "capture_s",
@@ -171,7 +172,8 @@ def run_cell(model, preset: str, batch: int, context: int, path: str, new_tokens
         clock = _StepClock()
         with torch.no_grad():
             gen = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0, use_cache=True, cache=cache, streamer=clock,
+                                 do_sample=False, pad_token_id=0, use_cache=True, streamer=clock,
+                                 **{cache_kwarg(model): cache},
                                  output_logits=keep_logits > 0, return_dict_in_generate=True)
         _sync(dev)
         t = clock.times  # put(prompt), then one put per generated token
