@@ -200,3 +200,11 @@ def test_calibration_row_and_lm_eval_path_on_a_patched_model(tiny, tmp_path, mon
     assert list(table["task"]) == [TASK] and list(table["n"]) == [2]
     assert "mc_choices=2" in (tmp_path / "calibration.md").read_text()
     assert mod.main([f"{TASK}:mc_choices=0"]) == 2
+
+
+def test_shared_context_is_refused_on_a_patched_model(tiny):
+    from snapquant.patching import patched
+
+    model, tok = tiny
+    with patched(model, "per_tensor_fp8", backend="reference"), pytest.raises(ConfigError, match="share_context"):
+        direct.choice_loglikelihoods(model, tok, ["x = 1\n"], [["y = 2", "z = 3"]], share_context=True)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ...data.tokenizer import encode_text
+from ...errors import ConfigError
 from . import sq_utils
 
 
@@ -79,10 +80,12 @@ def choice_loglikelihoods(model, tokenizer, contexts: Sequence[str], choices: Se
     `share_context=False` is lm-eval's HFLM computation: one forward pass per (context, choice) over the
     context and the choice's tokens but the last, right-padded batches of `batch_size`, no cache, the
     sequence left-truncated to the model's positions. `share_context=True` runs each context once
-    (cached) and its choices as one batch on copies of that cache: the same numbers (up to float
-    rounding) in about 1/len(choices) of the time when no truncation is needed, but on a model patched
-    with `snapquant.patch` the choices would read the (quantized) cache, which lm-eval's path never
-    does. None (default): shared on unpatched models, lm-eval's path on patched ones.
+    (a DynamicCache) and its choices as one batch on copies of that cache: the same numbers (up to
+    float rounding) in about 1/len(choices) of the time where no truncation is needed (a context that
+    would be truncated takes lm-eval's path). Unpatched models only: on a model patched with
+    `snapquant.patch` the choices would read a quantized cache, which lm-eval's path never does (with
+    `prefill: bf16` it scores what the unpatched model scores). None (default): shared on unpatched
+    models, lm-eval's path on patched ones.
     """
     from ...patching import is_patched
 
@@ -90,6 +93,9 @@ def choice_loglikelihoods(model, tokenizer, contexts: Sequence[str], choices: Se
         raise ValueError(f"{len(contexts)} contexts but {len(choices)} choice lists")
     if share_context is None:
         share_context = not is_patched(model)
+    elif share_context and is_patched(model):
+        raise ConfigError("share_context=True: a patched model is scored on lm-eval's path only "
+                          "(share_context=False or None)")
     device = next(model.parameters()).device
     max_len = model.config.max_position_embeddings
     pairs = [[encode_pair(tokenizer, c, x) for x in xs] for c, xs in zip(contexts, choices, strict=True)]
