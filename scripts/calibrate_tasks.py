@@ -9,6 +9,10 @@ under --output-dir (default results/tasks).
     python scripts/calibrate_tasks.py --n 100 --compare per_tensor_fp8 \\
         sq_kv_retrieval_1k sq_code_completion
     python scripts/calibrate_tasks.py --n 40 sq_kv_retrieval_1k:kv_digits=10 sq_code_completion:completion_prefix=0
+    python scripts/calibrate_tasks.py --n 100 sq_code_completion_mc:mc_choices=8,mc_distractors=other_files
+
+A multiple-choice task (sq_code_completion_mc) is scored by loglikelihood (lm-eval's acc; --max-new-tokens
+does not apply); its --compare preset runs lm-eval's loglikelihood computation, one forward pass per choice.
 """
 
 from __future__ import annotations

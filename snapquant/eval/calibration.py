@@ -2,8 +2,10 @@
 
 A setting is a task name plus the task metadata knobs it is built with (the same names a sweep's
 per-task `metadata:` takes, see `snapquant/eval/tasks/README.md`). Each setting's documents are
-scored with the direct harness (greedy decoding with plain transformers, what lm-eval's
-generate_until does), optionally also with a quantized cache on the SAME documents, which gives
+scored with the direct harness (plain transformers): greedy decoding for the generation tasks,
+what lm-eval's generate_until does; for the multiple-choice task (`MULTIPLE_CHOICE`) the summed
+log-probability of each choice's tokens given the context, argmax (lm-eval's multiple_choice
+`acc`). Optionally also with a quantized cache on the SAME documents, which gives
 the discordance rate from which the exact McNemar test's minimum detectable effect and the n
 needed to detect a given drop follow (`snapquant.analysis.significance.mde_paired_binary`).
 `scripts/calibrate_tasks.py` is the command line; it writes `results/tasks/calibration.{md,csv}`.
@@ -42,7 +44,8 @@ class Setting:
         defaults = {"sq_kv_retrieval": {"kv_digits": sq_utils.KV_DIGITS, "kv_distractors": sq_utils.KV_DISTRACTORS},
                     "sq_code_completion": {"completion_prefix": sq_utils.COMPLETION_PREFIX,
                                            "completion_words": sq_utils.COMPLETION_WORDS,
-                                           "completion_copyable": sq_utils.COMPLETION_COPYABLE}}.get(family, {})
+                                           "completion_copyable": sq_utils.COMPLETION_COPYABLE},
+                    "sq_code_completion_mc": sq_utils.MC_DEFAULTS}.get(family, {})
         return ",".join(f"{k}={v}" for k, v in sorted({**defaults, **knobs}.items()))
 
 
@@ -70,7 +73,10 @@ def _number(value: str) -> Any:
 
 
 KNOBS = {"sq_code_completion": {"completion_prefix", "completion_words", "completion_copyable"},
+         "sq_code_completion_mc": set(sq_utils.MC_DEFAULTS),
          "sq_kv_retrieval": {"kv_digits", "kv_distractors"}}
+# Tasks scored by loglikelihood (lm-eval output_type multiple_choice): documents carry `choices` and `gold`.
+MULTIPLE_CHOICE = frozenset({"sq_code_completion_mc"})
 
 
 def _kv_length(task: str) -> int | None:
@@ -83,12 +89,14 @@ def _kv_length(task: str) -> int | None:
 def build(setting: Setting, n: int, seed: int = sq_utils.DEFAULT_SEED,
           tokenizer_path: str | None = None) -> tuple[list[str], list[dict], Callable[[dict, str], float], int,
                                                       list[str]]:
-    """(prompts, docs, scorer(doc, generation), max_new_tokens, stop strings) of a setting's first n docs."""
+    """(prompts, docs, scorer, max_new_tokens, stop strings) of a setting's first n docs; the scorer
+    takes (doc, generation), or for a MULTIPLE_CHOICE task (doc, one loglikelihood per choice), which
+    needs no generation budget (0) and no stops."""
     length = _kv_length(setting.task)
     family = "sq_kv_retrieval" if length else setting.task
     if family not in KNOBS:
         raise ConfigError(f"setting task={setting.task!r} is not calibrated here; allowed: sq_code_completion, "
-                          "sq_kv_retrieval_<N>k")
+                          "sq_code_completion_mc, sq_kv_retrieval_<N>k")
     unknown = set(setting.knobs) - KNOBS[family]
     if unknown:
         raise ConfigError(f"setting {setting.task}: unknown knob(s) {sorted(unknown)}; allowed: "
@@ -98,6 +106,9 @@ def build(setting: Setting, n: int, seed: int = sq_utils.DEFAULT_SEED,
         return ([d["prompt"] for d in docs], docs,
                 lambda d, g: sq_utils.process_exact_match(d, [g])["exact_match"], sq_utils.ANSWER_RESERVE,
                 ['"', "\n"])
+    if family in MULTIPLE_CHOICE:
+        docs = sq_utils.completion_mc_rows(seed, n, **sq_utils.completion_mc_knobs(dict(setting.knobs)))
+        return ([d["context"] for d in docs], docs, lambda d, lls: float(direct.mc_pick(lls) == d["gold"]), 0, [])
     docs = sq_utils.completion_rows(seed, n, **sq_utils.completion_knobs(dict(setting.knobs)))
     return ([d["context"] for d in docs], docs,
             lambda d, g: sq_utils.process_code_completion(d, [g])["exact_match"], COMPLETION_GEN_TOKENS, ["\n"])
@@ -105,9 +116,14 @@ def build(setting: Setting, n: int, seed: int = sq_utils.DEFAULT_SEED,
 
 def score(model, tokenizer, setting: Setting, n: int, *, seed: int = sq_utils.DEFAULT_SEED,
           tokenizer_path: str | None = None, batch_size: int = 8, max_new_tokens: int | None = None) -> list[float]:
-    """Per-document 0/1 scores of the setting's first n documents (greedy, as the lm-eval task);
+    """Per-document 0/1 scores of the setting's first n documents (greedy, as the lm-eval task; a
+    multiple-choice task by loglikelihood argmax, `direct.choice_loglikelihoods`, in batches of
+    `batch_size` on a patched model, one context at a time with its choices batched otherwise);
     `max_new_tokens` caps the task's generation budget (quick checks; answers may be cut)."""
     prompts, docs, scorer, max_new, stops = build(setting, n, seed, tokenizer_path)
+    if setting.task in MULTIPLE_CHOICE:
+        lls = direct.choice_loglikelihoods(model, tokenizer, prompts, [d["choices"] for d in docs], batch_size)
+        return [scorer(d, ll) for d, ll in zip(docs, lls, strict=True)]
     max_new = min(max_new, max_new_tokens) if max_new_tokens else max_new
     gens = direct.greedy_generate(model, tokenizer, prompts, max_new, stops, batch_size)
     return [scorer(d, g) for d, g in zip(docs, gens, strict=True)]
@@ -192,7 +208,8 @@ def to_markdown(rows: Sequence[dict], meta: Mapping[str, Any], target_effect: fl
     if compare:
         head += ["compare", "its accuracy", "discordance", "MDE at n", f"n for MDE {target_effect:g}"]
     out = ["# Offline task calibration", "",
-           "Accuracy of the unpatched model (greedy, exact match) per difficulty setting; the interval is "
+           "Accuracy of the unpatched model (greedy, exact match; a multiple-choice task: argmax of the "
+           "choices' summed log-probabilities, lm-eval's acc) per difficulty setting; the interval is "
            "exact (Clopper-Pearson, 95%)."]
     if compare:
         out.append("With a compared preset: its accuracy on the same documents, the share of documents on "

@@ -1,9 +1,9 @@
 """snapquant's offline lm-eval task suite (YAMLs + `sq_utils.py` in this folder).
 
-Tasks: sq_code_ppl, sq_code_completion, sq_kv_retrieval_{1k,2k,4k,8k,16k,32k} (groups
-sq_kv_retrieval, sq_kv_retrieval_long), sq_passkey, sq_passkey_code, the RULER offline subset
-sq_niah_single_1, sq_niah_multikey_2, sq_niah_multikey_3, sq_ruler_cwe, sq_ruler_fwe (group
-sq_ruler), and the group sq_offline. All documents are generated at run time from seeds or from the
+Tasks: sq_code_ppl, sq_code_completion, sq_code_completion_mc (its multiple-choice variant),
+sq_kv_retrieval_{1k,2k,4k,8k,16k,32k} (groups sq_kv_retrieval, sq_kv_retrieval_long), sq_passkey,
+sq_passkey_code, the RULER offline subset sq_niah_single_1, sq_niah_multikey_2, sq_niah_multikey_3,
+sq_ruler_cwe, sq_ruler_fwe (group sq_ruler), and the group sq_offline. All documents are generated at run time from seeds or from the
 held-out files shipped in `data/`; lengths are measured with the tokenizer given in the metadata
 (default: the embedded model's).
 """
@@ -16,8 +16,9 @@ from typing import Any
 TASK_DIR = Path(__file__).resolve().parent
 
 SQ_TASKS = (
-    "sq_code_ppl", "sq_code_completion", "sq_kv_retrieval_1k", "sq_kv_retrieval_2k", "sq_kv_retrieval_4k",
-    "sq_kv_retrieval_8k", "sq_kv_retrieval_16k", "sq_kv_retrieval_32k", "sq_passkey", "sq_passkey_code",
+    "sq_code_ppl", "sq_code_completion", "sq_code_completion_mc", "sq_kv_retrieval_1k", "sq_kv_retrieval_2k",
+    "sq_kv_retrieval_4k", "sq_kv_retrieval_8k", "sq_kv_retrieval_16k", "sq_kv_retrieval_32k", "sq_passkey",
+    "sq_passkey_code",
     "sq_niah_single_1", "sq_niah_multikey_2", "sq_niah_multikey_3", "sq_ruler_cwe", "sq_ruler_fwe",
 )
 SQ_GROUPS = ("sq_kv_retrieval", "sq_kv_retrieval_long", "sq_ruler", "sq_offline")

@@ -1,7 +1,8 @@
 """The task suite scored directly with transformers (no lm-eval): same documents, same metrics.
 
-The trainer uses this on the GPU machine, which has no lm-eval; `tests/test_tasks_direct.py`
-checks that it agrees with the lm-eval tasks on the same model. Greedy decoding, left padding.
+The trainer uses this on the GPU machine, which has no lm-eval; `tests/test_tasks_lmeval.py`
+checks that it agrees with the lm-eval tasks on the same model. Greedy decoding, left padding;
+multiple choice by summed choice loglikelihoods (`choice_loglikelihoods`), as lm-eval's HFLM.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ...data.tokenizer import encode_text
+from ...errors import ConfigError
 from . import sq_utils
 
 
@@ -56,6 +58,113 @@ def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: in
             text = tokenizer.decode(gen[r, width:].tolist(), skip_special_tokens=True)
             out[i] = _stop(text, stops)
     return out
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's `_encode_pair` for causal models: trailing whitespace of the context moves to the
+    continuation; the continuation's tokens are those of context + continuation after the context's."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    whole = encode_text(tokenizer, context + continuation)
+    ctx = encode_text(tokenizer, context)
+    return ctx, whole[len(ctx):]
+
+
+@torch.no_grad()
+def choice_loglikelihoods(model, tokenizer, contexts: Sequence[str], choices: Sequence[Sequence[str]],
+                          batch_size: int = 16, share_context: bool | None = None) -> list[list[float]]:
+    """Sum of the log-probabilities of each choice's tokens given its context (lm-eval's loglikelihood
+    requests of a multiple_choice task, target_delimiter ""): one list per context, one value per choice.
+
+    `share_context=False` is lm-eval's HFLM computation: one forward pass per (context, choice) over the
+    context and the choice's tokens but the last, right-padded batches of `batch_size`, no cache, the
+    sequence left-truncated to the model's positions. `share_context=True` runs each context once
+    (a DynamicCache) and its choices as one batch on copies of that cache: the same numbers (up to
+    float rounding) in about 1/len(choices) of the time where no truncation is needed (a context that
+    would be truncated takes lm-eval's path). Unpatched models only: on a model patched with
+    `snapquant.patch` the choices would read a quantized cache, which lm-eval's path never does (with
+    `prefill: bf16` it scores what the unpatched model scores). None (default): shared on unpatched
+    models, lm-eval's path on patched ones.
+    """
+    from ...patching import is_patched
+
+    if len(contexts) != len(choices):
+        raise ValueError(f"{len(contexts)} contexts but {len(choices)} choice lists")
+    if share_context is None:
+        share_context = not is_patched(model)
+    elif share_context and is_patched(model):
+        raise ConfigError("share_context=True: a patched model is scored on lm-eval's path only "
+                          "(share_context=False or None)")
+    device = next(model.parameters()).device
+    max_len = model.config.max_position_embeddings
+    pairs = [[encode_pair(tokenizer, c, x) for x in xs] for c, xs in zip(contexts, choices, strict=True)]
+    out: list[list[float]] = [[math.nan] * len(xs) for xs in choices]
+    full = []  # (doc, choice) scored by lm-eval's path
+    for d, doc_pairs in enumerate(pairs):
+        ctx = doc_pairs[0][0] if doc_pairs else []
+        fits = all(len(c) + len(x) <= max_len + 1 and c == ctx for c, x in doc_pairs)
+        if share_context and ctx and fits:
+            out[d] = _shared_context_lls(model, ctx, [x for _, x in doc_pairs], device)
+        else:
+            full += [(d, j) for j in range(len(doc_pairs))]
+    rows = [(d, j, (pairs[d][j][0] + pairs[d][j][1])[-(max_len + 1):][:-1], pairs[d][j][1]) for d, j in full]
+    rows.sort(key=lambda r: -len(r[2]))  # lm-eval's order: longest first
+    for b in range(0, len(rows), batch_size):
+        chunk = rows[b:b + batch_size]
+        width = len(chunk[0][2])
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        for r, (_, _, inp, _) in enumerate(chunk):
+            ids[r, :len(inp)] = torch.tensor(inp)
+        logp = torch.log_softmax(model(ids.to(device)).logits.float(), dim=-1)
+        for r, (d, j, inp, cont) in enumerate(chunk):
+            pos = torch.arange(len(inp) - len(cont), len(inp), device=logp.device)
+            out[d][j] = logp[r, pos, torch.tensor(cont, device=logp.device)].sum().item()
+    return out
+
+
+def _shared_context_lls(model, ctx: list[int], conts: list[list[int]], device) -> list[float]:
+    from transformers.cache_utils import DynamicCache
+
+    from ...models.stepping import cache_kwarg
+
+    kw = cache_kwarg(model)
+    cache = DynamicCache(config=model.config)
+    first = model(torch.tensor([ctx], device=device), use_cache=True, **{kw: cache})
+    last = torch.log_softmax(first.logits[0, -1].float(), dim=-1)
+    lls = [last[x[0]].item() for x in conts]
+    width = max(len(x) for x in conts) - 1
+    if width == 0:
+        return lls
+    ids = torch.zeros((len(conts), width), dtype=torch.long)
+    for r, x in enumerate(conts):
+        ids[r, :len(x) - 1] = torch.tensor(x[:-1])
+    cache.batch_repeat_interleave(len(conts))
+    # Right padding: a choice's tokens never attend to the padding after them (causal), so no mask.
+    logp = torch.log_softmax(model(ids.to(device), use_cache=True, **{kw: cache}).logits.float(), dim=-1)
+    for r, x in enumerate(conts):
+        if len(x) > 1:
+            idx = torch.arange(len(x) - 1, device=logp.device)
+            lls[r] += logp[r, idx, torch.tensor(x[1:], device=logp.device)].sum().item()
+    return lls
+
+
+def score_completion_mc(model, tokenizer, num_samples: int = 200, seed: int = sq_utils.DEFAULT_SEED,
+                        batch_size: int = 16, **knobs) -> dict:
+    """sq_code_completion_mc's acc and acc_norm (`knobs`: task metadata names, as in its YAML)."""
+    rows = sq_utils.completion_mc_rows(seed, num_samples, **sq_utils.completion_mc_knobs(knobs))
+    lls = choice_loglikelihoods(model, tokenizer, [r["context"] for r in rows], [r["choices"] for r in rows],
+                                batch_size)
+    acc = [float(mc_pick(ll) == r["gold"]) for r, ll in zip(rows, lls, strict=True)]
+    norm = [float(mc_pick(ll, r["choices"]) == r["gold"]) for r, ll in zip(rows, lls, strict=True)]
+    return {"sq_code_completion_mc": sum(acc) / len(acc), "sq_code_completion_mc_norm": sum(norm) / len(norm)}
+
+
+def mc_pick(lls: Sequence[float], choices: Sequence[str] | None = None) -> int:
+    """lm-eval's prediction: argmax of the loglikelihoods (first on ties); with `choices`, of the
+    loglikelihoods per character (acc_norm)."""
+    vals = [ll / len(c) for ll, c in zip(lls, choices, strict=True)] if choices is not None else list(lls)
+    return max(range(len(vals)), key=lambda i: (vals[i], -i))
 
 
 def score_kv(model, tokenizer, lengths: Sequence[int] = (1024, 2048, 4096), num_samples: int = 100,

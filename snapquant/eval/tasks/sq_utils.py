@@ -10,7 +10,9 @@ with `TaskManager(metadata=...)`, which overrides it) plus the YAML `dataset_kwa
 - `max_seq_lengths`: lengths in tokens (pass-key and RULER tasks); per-length tasks fix theirs in
   `dataset_kwargs.context_tokens`;
 - difficulty knobs (README "Difficulty knobs"): `kv_digits`, `kv_distractors` (retrieval),
-  `completion_prefix`, `completion_words`, `completion_copyable` (code completion), `passkey_digits`.
+  `completion_prefix`, `completion_words`, `completion_copyable` (code completion; the multiple-choice
+  variant takes prefix and copyable with its own defaults, plus `mc_choices`, `mc_distractors`),
+  `passkey_digits`.
 Documents are a pure function of (tokenizer, seed, length, index): the same call gives the same docs.
 """
 
@@ -228,6 +230,106 @@ def process_code_completion(doc: dict, results: list[str]) -> dict[str, float]:
         return {"exact_match": float(pred == target)}
     # A target of the next words only: the line may go on after them, from the next space.
     return {"exact_match": float(pred == target or pred.startswith(target + " "))}
+
+
+# ------------------------------------------------------------------ code completion, multiple choice
+
+# The multiple-choice variant's difficulty defaults; sq_code_completion_mc.yaml's `metadata` repeats them
+# (a test checks they agree). Calibrated in results/tasks/mc (README "Difficulty knobs").
+MC_DEFAULTS: dict[str, Any] = {"completion_prefix": 0.0, "completion_copyable": True, "mc_choices": 4,
+                               "mc_distractors": "same_file"}
+MC_DISTRACTOR_SOURCES = ("same_file", "other_files")
+# Distractors are drawn at random among this many pool texts nearest the target in length (per wrong choice).
+MC_NEAREST_PER_CHOICE = 4
+
+
+def completion_mc_knobs(metadata: dict[str, Any]) -> dict[str, Any]:
+    """`completion_mc_rows` keyword arguments from task metadata (MC_DEFAULTS where absent), validated;
+    an error is one line naming the key."""
+    merged = {**MC_DEFAULTS, **{k: v for k, v in metadata.items() if k in MC_DEFAULTS}}
+    base = completion_knobs({"completion_words": 0, **merged})
+    choices = merged["mc_choices"]
+    if not isinstance(choices, int) or isinstance(choices, bool) or not 2 <= choices <= 16:
+        raise ConfigError(f"task metadata mc_choices={choices!r} must be an int in [2, 16]")
+    source = merged["mc_distractors"]
+    if source not in MC_DISTRACTOR_SOURCES:
+        raise ConfigError(f"task metadata mc_distractors={source!r} is not valid; allowed values: "
+                          f"{', '.join(MC_DISTRACTOR_SOURCES)}")
+    return {"prefix": base["prefix"], "copyable": base["copyable"], "choices": choices, "distractors": source}
+
+
+def _is_code_line(line: str) -> bool:
+    s = line.strip()
+    return 8 <= len(s) <= 100 and not s.startswith(("#", '"', "'"))
+
+
+@functools.lru_cache(maxsize=1)
+def _distractor_pool() -> dict[str, tuple[str, ...]]:
+    """Per held-out file, its code lines (the rules targets follow, at any depth in the file)."""
+    return {r["path"]: tuple(ln for ln in r["text"].split("\n") if _is_code_line(ln)) for r in load_heldout()}
+
+
+def _distractor_text(line: str, target: str, whole_line: bool) -> str | None:
+    """What `line` offers as a wrong choice for `target`: with the prompt at the line start, the line
+    re-indented like the target (indentation alone would give it away); with the first words given, the
+    suffix of `line` from the cut point whose length is nearest the target's (it starts with a space,
+    as the target does)."""
+    if whole_line:
+        return target[:len(target) - len(target.lstrip(" "))] + line.strip()
+    points = _cut_points(line)
+    if not points:
+        return None
+    return min((line[p:] for p in points), key=lambda t: (abs(len(t) - len(target)), t))
+
+
+def _mc_choices(row: dict, seed: int, choices: int, source: str) -> tuple[list[str], int]:
+    """The target and `choices - 1` distractors (seeded by seed, file and line), gold position random."""
+    target, whole_line = row["target"], row["context"].endswith("\n")
+    pool = _distractor_pool()
+    if source == "same_file":
+        lines = [ln for ln in pool[row["path"]] if ln.strip() != target.strip()]
+    else:
+        lines = [ln for path, lns in pool.items() if path != row["path"] for ln in lns]
+    seen = {target.strip()}
+    texts = []
+    for ln in lines:
+        t = _distractor_text(ln, target, whole_line)
+        if t is not None and t.strip() not in seen:
+            seen.add(t.strip())
+            texts.append(t)
+    if len(texts) < choices - 1:
+        raise ConfigError(f"{row['path']}: too few distractor lines for mc_choices={choices}")
+    texts.sort(key=lambda t: (abs(len(t) - len(target)), t))
+    rng = seed_rng("eval", "code_completion_mc", seed, row["path"], row["line"])
+    wrong = rng.sample(texts[:MC_NEAREST_PER_CHOICE * (choices - 1)], choices - 1)
+    gold = rng.randrange(choices)
+    return [*wrong[:gold], target, *wrong[gold:]], gold
+
+
+def completion_mc_rows(seed: int = DEFAULT_SEED, num_samples: int = 200, max_context_chars: int = 4000,
+                       prefix: float = MC_DEFAULTS["completion_prefix"],
+                       copyable: bool = MC_DEFAULTS["completion_copyable"], choices: int = MC_DEFAULTS["mc_choices"],
+                       distractors: str = MC_DEFAULTS["mc_distractors"]) -> list[dict]:
+    """`completion_rows` items (the rest of the line, `prefix`/`copyable` as there) as multiple choice.
+
+    `choices` texts per item: the target and `choices - 1` distractors, code lines of held-out files
+    (`distractors`: "same_file", the target's own file, so they share its names and style; or
+    "other_files"), never equal to the target (whitespace-trimmed) nor to one another, drawn at random
+    among the MC_NEAREST_PER_CHOICE * (choices - 1) candidates nearest the target in length (so length
+    alone gives little away), and shaped like the target (`_distractor_text`). `gold` is the target's
+    index. Items and choices are a pure function of the arguments.
+    """
+    rows = completion_rows(seed, num_samples, max_context_chars, prefix=prefix, words=0, copyable=copyable)
+    out = []
+    for r in rows:
+        texts, gold = _mc_choices(r, seed, choices, distractors)
+        out.append({**r, "choices": texts, "gold": gold})
+    return out
+
+
+def code_completion_mc_docs(**kwargs: Any):
+    seed = _int(kwargs, "sq_seed", DEFAULT_SEED)
+    return _dataset(completion_mc_rows(seed, _int(kwargs, "num_samples", 200), **completion_mc_knobs(kwargs)))
 
 
 # ------------------------------------------------------------------------------ key-value lookup
