@@ -123,3 +123,22 @@ def test_describe_prints_rates_beside_the_time():
     row = {"op": "decode", "shape": "s", "label": "s", "variant": "flashmla", "status": "ok", "us": 10.0,
            "gbps": 1000.0, "tflops": 5.0, "timer": "fake"}
     assert "GB/s" in _describe(row) and "TFLOP/s" in _describe(row)
+
+
+def test_flashmla_targets_judge_the_ratio_and_stay_open_without_the_anchor():
+    def row(variant, us, family, shape="32x64x8192"):
+        return {"op": "decode", "shape": shape, "variant": variant, "family": family, "layout": "snapmla",
+                "mode": results.SNAPMLA_MODE, "status": "ok", "us": us}
+
+    rows = [row("flashmla", 100.0, "anchor"), row("bf16", 104.0, "bf16"), row("snapmla", 85.0, "fp8")]
+    results.add_ratios(rows)
+    got = {(t["key"], t["pick"]): t for t in results.evaluate_targets(rows)}
+    bf = got[("bf16_vs_flashmla_32x64x8192", "default")]
+    fp = got[("fp8_vs_flashmla_32x64x8192", "default")]
+    assert bf["value"] == pytest.approx(1.04) and bf["passed"] is True  # <= 1.05
+    assert fp["value"] == pytest.approx(0.85) and fp["passed"] is False  # > 0.80 at H=64
+    # Without FlashMLA rows the targets are unmeasured, not passed or failed.
+    alone = [row("bf16", 104.0, "bf16"), row("snapmla", 85.0, "fp8")]
+    results.add_ratios(alone)
+    got = {(t["key"], t["pick"]): t for t in results.evaluate_targets(alone)}
+    assert got[("fp8_vs_flashmla_32x64x8192", "default")]["passed"] is None
