@@ -192,6 +192,12 @@ JOBS: tuple[Job, ...] = (
          "--backend", "triton", "--graphs", "--out", "results/bench/e2e_h200.json"),
         ("e2e_h200.*",), "end-to-end decode step (CUDA graphs): stock vs patched bf16 vs snapmla",
         code=(*DECODE, *KERNELS, "snapquant/graphs.py", "snapquant/bench/e2e.py")),
+    Job("results/bench", "gpu",
+        ("scripts/bench_eval.py", "--models", "v2lite", "--presets", "snapmla", "--budget-s", "170"),
+        ("eval_h200.*",), "lm-eval generation throughput: HF generate vs the snapquant decode loop (full "
+        "DeepSeek-V2-Lite shape, random weights); `--presets bf16` and `--models v3` merge into the same table",
+        code=(*DECODE, *KERNELS, "snapquant/graphs.py", "snapquant/bench/eval_gen.py", "snapquant/eval/generation.py",
+              "snapquant/models")),
     Job("results/kernels", "gpu",
         ("scripts/check_kernels_gpu.py", "--no-bench", "--out", "results/kernels"),
         ("kernels_check.*", "check_h200.log"), "every kernel checked against the reference at DeepSeek shapes",

@@ -47,3 +47,29 @@ def test_v3_layers_that_fit_an_h200():
     # reserved, 0.9 GiB of embeddings and a 1.1 GiB dense layer leave 97 GiB: 4 MoE layers + the dense one
     assert v3_layers_that_fit(139 * 2**30, 32768) == 5
     assert v3_layers_that_fit(60 * 2**30, 32768) == 2  # never fewer than one MoE layer
+
+
+def test_hf_path_passes_the_cache_under_the_forward_keyword(monkeypatch):
+    # transformers 5.1x forwards take `past_key_values`, 5.2x `cache`; generate rejects the other one.
+    import torch
+
+    from snapquant.bench import eval_gen
+
+    model = eval_gen.build_model("tiny", None, torch.float32, "cpu", 256)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_generate(**kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(model, "generate", fake_generate)
+    for keyword in ("past_key_values", "cache"):
+        monkeypatch.setattr(eval_gen, "cache_kwarg", lambda m, k=keyword: k)
+        seen.clear()
+        with pytest.raises(Stop):
+            eval_gen.run_cell(model, "snapmla", 2, 8, "hf", 3, "auto")
+        other = {"past_key_values", "cache"} - {keyword}
+        assert keyword in seen and not other & set(seen), sorted(seen)
