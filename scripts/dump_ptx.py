@@ -7,9 +7,10 @@ Each config builds its launches the way the launchers do (decode plans over meta
 shape, `native=True`: no GPU needed) and compiles every launch for the target with Triton
 (`snapquant.kernels.compile_stats.compile_launch`), writing `<config>__<launch>.ptx` and a manifest.
 `--compare` reports, per file, whether the PTX is byte-identical, identical once debug information is
-stripped (`.file` / `.loc` directives and `.debug_*` sections: source paths and line numbers), or
-different; exit status 1 when any file differs or is missing. A refactor of the kernels' Python must
-leave the default kernels' PTX identical up to that debug information.
+stripped (`.file` / `.loc` directives and `.debug_*` sections: source paths and line numbers), identical
+once the kernel's entry name is also replaced by a placeholder (a renamed kernel function, the same
+code), or different; exit status 1 when any file differs or is missing. A refactor of the kernels'
+Python must leave the default kernels' PTX identical up to that debug information and naming.
 """
 
 from __future__ import annotations
@@ -149,6 +150,16 @@ def strip_debug(ptx: str) -> str:
     return "\n".join(keep).strip() + "\n"
 
 
+def strip_entry_names(ptx: str) -> str:
+    """`strip_debug` with every `.entry` name (and the `<name>_param_<i>` parameters derived from it) replaced
+    by a placeholder, and runs of blanks squeezed (comments are padded to the name's length)."""
+    ptx = strip_debug(ptx)
+    for i, name in enumerate(re.findall(r"\.entry\s+([A-Za-z_$][\w$]*)", ptx)):
+        ptx = re.sub(rf"(?<![\w$]){re.escape(name)}(?![\w$])", f"KERNEL{i}", ptx)
+        ptx = re.sub(rf"(?<![\w$]){re.escape(name)}(_param_\d+)", rf"KERNEL{i}\1", ptx)
+    return re.sub(r"[ \t]+", " ", ptx)
+
+
 def dump(out: Path, only: str | None, arch: int) -> int:
     from snapquant.kernels.compile_stats import compile_launch
 
@@ -189,7 +200,8 @@ def dump(out: Path, only: str | None, arch: int) -> int:
 
 def compare(before: Path, after: Path) -> int:
     names = sorted({p.name for p in before.glob("*.ptx")} | {p.name for p in after.glob("*.ptx")})
-    counts = {"identical": 0, "identical_without_debug_info": 0, "different": 0, "missing": 0}
+    counts = {"identical": 0, "identical_without_debug_info": 0, "identical_but_kernel_name": 0, "different": 0,
+              "missing": 0}
     for n in names:
         a, b = before / n, after / n
         if not (a.exists() and b.exists()):
@@ -201,6 +213,9 @@ def compare(before: Path, after: Path) -> int:
                 status = "identical"
             elif strip_debug(ta) == strip_debug(tb):
                 status = "identical_without_debug_info"
+            elif strip_entry_names(ta) == strip_entry_names(tb):
+                status = "identical_but_kernel_name"
+                print(f"renamed    {n}")
             else:
                 status = "different"
                 print(f"DIFFERENT  {n}")

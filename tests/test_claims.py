@@ -63,3 +63,32 @@ def test_quoted_block_needs_both_markers():
     with pytest.raises(ValueError):
         C.quoted_block("no markers here")
     assert C.quoted_block(f"x\n{C.BEGIN}\n- a\n{C.END}\ny") == "- a\n"
+
+
+def test_research_model_claims_state_each_paired_difference_and_the_task_floor(tmp_path):
+    res = tmp_path / "results" / "research_model"
+    res.mkdir(parents=True)
+    pd.DataFrame([{"a": "bf16", "b": "latent_bf16_rope_fp8", "metric": "kl_mean", "delta": 3.8e-4, "ci_low": 1.1e-4,
+                   "ci_high": 6.5e-4, "p_value": 0.0002, "n_sequences": 16, "n_positions": 1024},
+                  {"a": "bf16", "b": "latent_bf16_rope_fp8", "metric": "flip_rate", "delta": 9.0, "ci_low": 8.0,
+                   "ci_high": 10.0, "p_value": 0.5, "n_sequences": 16, "n_positions": 1024}]
+                 ).to_csv(res / "comparisons_rope_vs_nope.csv", index=False)
+    (res / "eval.json").write_text('{"models": {"research": {"tasks": {"a": {"score": 0.0, "n": 100}, '
+                                   '"b": {"score": 0.08, "n": 100}}}}}')
+    got = C.research_model_claims(tmp_path)
+    assert len(got) == 2
+    assert "the RoPE key in FP8, the latent in BF16: 0.00038 [0.00011, 0.00065] (p < 0.001; n = 16 sequences, " \
+           "1024 positions)" in got[0].text and "9.0" not in got[0].text  # kl_mean only
+    assert "none lies in [0.4, 0.9]" in got[1].text and "0-0.08 over 2 task settings (n = 100 each)" in got[1].text
+
+
+def test_kernel_claims_give_each_ratio_against_flashmla_with_its_interval(tmp_path):
+    g = tmp_path / "results" / "gpu_check"
+    g.mkdir(parents=True)
+    pd.DataFrame([{"op": "decode", "shape": "128x16x4096", "variant": "snapmla", "vs_flashmla": 0.78,
+                   "vs_flashmla_lo": 0.77, "vs_flashmla_hi": 0.79, "runs": 25},
+                  {"op": "decode", "shape": "128x16x4096", "variant": "flashmla", "vs_flashmla": 1.0,
+                   "vs_flashmla_lo": 1.0, "vs_flashmla_hi": 1.0, "runs": 25}]).to_csv(g / "decode_h200.csv", index=False)
+    (c,) = C.kernel_claims(tmp_path)
+    assert "128x16x4096 0.78 [0.77, 0.79]" in c.text and ">= 25 timed runs" in c.text
+    assert C.kernel_claims(tmp_path / "nowhere") == []

@@ -163,8 +163,89 @@ def task_claims(root: Path) -> list[Claim]:
     return out
 
 
+def _delta(r: pd.Series) -> str:
+    return (f"{_g(r['delta'])} [{_g(r['ci_low'])}, {_g(r['ci_high'])}] ({_p(r['p_value'])}; "
+            f"{_n(r['n_sequences'], r['n_positions'])})")
+
+
+RESEARCH = "results/research_model"
+# (a, b) pairs of each analysis the research model's claims state, as named in its comparisons files.
+RESEARCH_PAIRS = {
+    "rope_vs_nope": (("bf16", "latent_fp8_rope_bf16", "the latent in FP8, RoPE in BF16"),
+                     ("bf16", "latent_bf16_rope_fp8", "the RoPE key in FP8, the latent in BF16"),
+                     ("latent_fp8_rope_bf16", "both_fp8_per_token", "adding the RoPE key in FP8 to an FP8 latent")),
+    "granularity": (("per_token", "per_tensor_dynamic", "per-tensor (dynamic) instead of per-token scales"),
+                    ("per_token", "per_channel_group64", "per-channel scales per group of 64 tokens instead of "
+                                                         "per-token"),
+                    ("per_channel_frozen", "per_channel_group64", "per-channel scales recomputed per 64-token group "
+                                                                  "instead of frozen at prefill")),
+    "pv_pipeline": (("fp8_q_fp8_p_scale_fused", "fp8_q_fp8_p_naive", "naive FP8 P instead of scale-fused FP8 P"),
+                    ("bf16_q_bf16_p", "fp8_q_fp8_p_scale_fused", "FP8 query and scale-fused FP8 P instead of BF16 "
+                                                                 "query and P")),
+}
+
+
+def research_model_claims(root: Path) -> list[Claim]:
+    """The research-scale model's (DeepSeek-V2-Lite attention dims, trained on the H200) analyses: each
+    comparison as a paired difference of mean decode KL with its interval, p and n."""
+    out = []
+    for part, pairs in RESEARCH_PAIRS.items():
+        rel = f"{RESEARCH}/comparisons_{part}.csv"
+        df = _read(root, rel)
+        if df is None:
+            continue
+        df = df[df["metric"] == "kl_mean"]
+        said = []
+        for a, b, what in pairs:
+            hit = df[(df["a"] == a) & (df["b"] == b)]
+            if len(hit):
+                said.append(f"{what}: {_delta(hit.iloc[0])}")
+        if said:
+            out.append(Claim(f"research model (V2-Lite attention dims), {part.replace('_', ' ')}",
+                             "Mean decode KL against the unpatched BF16 model: the difference each change makes, "
+                             "paired on the same positions (sign-flip p over sequences): " + "; ".join(said) + ".", rel))
+    rel = f"{RESEARCH}/eval.json"
+    f = root / rel
+    if f.is_file():
+        import json
+
+        tasks = (json.loads(f.read_text()).get("models", {}).get("research", {}) or {}).get("tasks", {})
+        if tasks:
+            inside = [k for k, v in tasks.items() if 0.4 <= v["score"] <= 0.9]
+            lo, hi = min(v["score"] for v in tasks.values()), max(v["score"] for v in tasks.values())
+            out.append(Claim("research model, tasks", (
+                f"BF16 accuracy {_g(lo)}-{_g(hi)} over {len(tasks)} task settings (n = "
+                f"{min(v['n'] for v in tasks.values())} each); "
+                + (f"{len(inside)} in [0.4, 0.9]." if inside else
+                   "none lies in [0.4, 0.9], so its task scores cannot show an FP8 effect.")), rel))
+    return out
+
+
+def kernel_claims(root: Path) -> list[Claim]:
+    """Decode time against FlashMLA's BF16 kernel, same process and values, at the headline shapes."""
+    rel = "results/gpu_check/decode_h200.csv"
+    df = _read(root, rel)
+    if df is None or "vs_flashmla" not in df:
+        return []
+    df = df[(df["op"] == "decode") & df["vs_flashmla"].notna()]
+    out = []
+    for variant, what in (("snapmla", "FP8 (SnapMLA, default kernels)"), ("snapmla+gluon+fp8mma",
+                          "FP8 with the opt-in native FP8 MMA kernels"), ("bf16", "our BF16 kernel")):
+        rows = df[df["variant"] == variant]
+        if rows.empty:
+            continue
+        cells = [f"{r['shape']} {_g(r['vs_flashmla'])} [{_g(r['vs_flashmla_lo'])}, {_g(r['vs_flashmla_hi'])}]"
+                 for _, r in rows.iterrows()]
+        runs = int(rows["runs"].min())
+        out.append(Claim("kernels (H200)", (
+            f"Decode time of {what} over FlashMLA's BF16 kernel on the same values in the same process (B x H x L; "
+            f"below 1 is faster; 95% bootstrap over >= {runs} timed runs each): " + "; ".join(cells) + "."), rel))
+    return out
+
+
 CLAIMS: tuple[Callable[[Path], list[Claim]], ...] = (
-    pv_pipeline_claims, granularity_claims, rope_vs_nope_claims, long_context_claims, task_claims)
+    pv_pipeline_claims, granularity_claims, rope_vs_nope_claims, long_context_claims, task_claims,
+    research_model_claims, kernel_claims)
 
 
 def collect(root: str | Path) -> tuple[list[Claim], list[str]]:
