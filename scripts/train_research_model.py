@@ -18,6 +18,7 @@ Stages (each resumes from what is on disk under --state, and stops at --budget-s
   analyses  FP8 analyses with intervals (RoPE vs NoPE, granularity and scale policy, PV pipeline and
             FP8 query, long context, tasks), Triton vs reference decode agreement
   all       every stage in order
+  card      only re-render the model card from the result files (no model, no GPU)
 Results (JSON, CSV, PNG+PDF, README.md model card) go to --out (default STATE/results).
 
 The GPU run is three device calls of < 9 minutes (scripts/device_research.sh 1|2|3); `--smoke` runs
@@ -878,7 +879,7 @@ def write_card(run: Run) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("stages", nargs="+", choices=(*STAGES, "all"))
+    p.add_argument("stages", nargs="+", choices=(*STAGES, "all", "card"))
     p.add_argument("--state", default=str(REPO / "runs" / "research_model"), help="corpus, checkpoint and model")
     p.add_argument("--out", default=None, help="results folder (default STATE/results)")
     p.add_argument("--budget-s", type=float, default=510.0, help="wall-clock budget of this invocation")
@@ -923,6 +924,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_size % max(1, args.micro_batch):
         print(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {args.micro_batch}", file=sys.stderr)
         return 2
+    if args.stages == ["card"]:  # re-render the model card from the result files alone
+        write_card(Run(args))
+        return 0
     stages = list(STAGES) if "all" in args.stages else [s for s in STAGES if s in args.stages]
     run = Run(args)
     run.log("invocation", stages=stages, budget_s=args.budget_s, smoke=args.smoke)

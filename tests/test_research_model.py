@@ -29,6 +29,13 @@ def test_research_model_smoke(tmp_path):
     res2 = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={"PYTHONPATH": str(ROOT),
                                                                                 "PATH": "/usr/bin:/bin"})
     assert res2.returncode == 0 and "data_skip" in res2.stdout and "train_skip" in res2.stdout
+    # The card alone re-renders from the result files, with what the model can and cannot show.
+    (out / "README.md").unlink()
+    res3 = subprocess.run([*cmd[:2], "card", *cmd[3:]], capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert res3.returncode == 0, res3.stderr[-2000:]
+    card = (out / "README.md").read_text()
+    assert "## What this model can and cannot show" in card and "- Activations: RoPE key absmax" in card
 
 
 def test_device_script_is_valid_bash():
