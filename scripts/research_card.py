@@ -232,4 +232,4 @@ def _findings(study, ev, an) -> list[str]:
             f"({fl['positions_over_tolerance']} position): it is too tight for a BF16 model, not a kernel error "
             "(the kernels match the reference to the bit or to fp32 rounding at the kernel level: "
             "`scripts/check_kernels_gpu.py`).")
-    return L + [""] if len(L) > 2 else []
+    return [*L, ""] if len(L) > 2 else []
