@@ -137,7 +137,8 @@ def main() -> None:
     p.add_argument("--prefill-per-depth", action="store_true",
                    help="run every depth's prefill through the patched model (default: the first d exact latents "
                         "of one forward, appended as that prefill appends them; equal up to fp32 summation order)")
-    p.add_argument("--batch", type=int, default=4, help="sequences per decode batch")
+    p.add_argument("--batch", type=int, default=4,
+                   help="sequences decoded together (a per-tensor dynamic scale frozen at the prefill spans the batch)")
     p.add_argument("--n-resamples", type=int, default=2000, help="bootstrap / permutation resamples")
     args = p.parse_args()
     if args.replot:

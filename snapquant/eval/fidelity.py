@@ -323,7 +323,9 @@ def depth_window_metrics(model: Any, ids: torch.Tensor, configs: dict[str, KVQua
     tokens); the latents equal a d-token prefill's up to fp32 summation order (causal attention; tested in
     tests/test_fidelity.py). Without it (or when the model has cache layers other than MLA latent layers),
     every depth runs its own prefill through the patched model. Then step j consumes token d + j and
-    predicts token d + j + 1.
+    predicts token d + j + 1. `ids` is decoded as one batch: a scale frozen at the prefill over the whole
+    tensor (per_tensor_dynamic, per_channel without token groups) is computed over the batch's tokens, as a
+    served batch would; per-token scales and KIVI groups are per sequence.
 
     Returns {label: `analysis.uncertainty.position_metrics` arrays [N, len(depths) * steps] (kl, flip,
     nll_ref, nll_quant, ref_top1, quant_top1) plus "positions" and "depth" ([len(depths) * steps]: the
