@@ -188,11 +188,17 @@ def plot_long_context(table: pd.DataFrame, out_dir: str | Path, stem: str = "lon
     labels = list(dict.fromkeys(table["config"]))
     cs = colors()
     depths = sorted(set(table["depth"].astype(int)))
+    tiny = []  # configs whose KL is rounding noise (the identity): off the log KL axes, named in a note
     for i, label in enumerate(labels):
         s = table[table["config"] == label].sort_values("depth")
         x = s["depth"].to_numpy(float) * (1 + 0.025 * (i - (len(labels) - 1) / 2))  # dodge overlapping bars
         dashed = not bool(s["causal_consistent"].all()) if "causal_consistent" in s else False
+        noise = bool((s["kl_p99"] < 1e-9).all()) and len(labels) > 1
+        if noise:
+            tiny.append(f"{label}: KL p99 < 1e-9 at every depth (max {s['kl_max'].max():.1g})")
         for ax, (col, _) in zip(axes, stats, strict=True):
+            if noise and col.startswith("kl"):
+                continue
             ax.errorbar(x, s[col], yerr=_yerr(s, col), marker=MARKERS[i % len(MARKERS)], ms=4, capsize=3,
                         color=cs[i % len(cs)], ls="--" if dashed else "-", lw=1.2, label=label)
     n_seq = int(table["n_sequences"].max())
@@ -215,5 +221,8 @@ def plot_long_context(table: pd.DataFrame, out_dir: str | Path, stem: str = "lon
     axes[2].set_title("top-1 flip rate per window (95% CI)", fontsize=9)
     axes[2].set_ylim(bottom=0)
     axes[2].legend(fontsize=7, loc="best")
+    if tiny:
+        axes[0].text(0.02, 0.02, "not drawn: " + "; ".join(tiny), transform=axes[0].transAxes, fontsize=6.5,
+                     va="bottom")
     fig.tight_layout()
     return save_figure(fig, out_dir, stem)
