@@ -26,7 +26,7 @@ Writes table.md/.csv, depth_change.csv, sequences.csv, top_positions.csv (each c
 positions with their depth, file, token offset and context) and long_context.png/.pdf to
 runs/long_context/ (the committed copy: --out results/long_context). CPU cost: one forward of the
 longest window per sequence, then `steps` decode steps per config and depth, each reading the whole
-cache (the reference backend on a CPU; about 40 minutes for 16 x 4096 tokens and the default configs).
+cache (the reference backend on a CPU; about 30 minutes for 16 sequences, 32 steps and the default configs).
 
     python experiments/long_context.py [--model embedded|PATH] [--depths 256 1024 4063] [--steps 32]
 """
