@@ -140,12 +140,13 @@ def long_context_claims(root: Path) -> list[Claim]:
         g = g.sort_values("depth")
         first, last = g.iloc[0], g.iloc[-1]
         text = (f"{cfg}: decode KL of {int(last['n_positions'] // last['n_sequences'])}-step windows "
-                f"{_ci(first, 'kl_mean')} at cache depth {int(first['depth'])}, {_ci(last, 'kl_mean')} at "
-                f"{int(last['depth'])} (flip rate {_ci(first, 'flip_rate')} and {_ci(last, 'flip_rate')}")
+                f"{_ci(first, 'kl_mean', 3)} at cache depth {int(first['depth'])}, {_ci(last, 'kl_mean', 3)} at "
+                f"{int(last['depth'])} (flip rate {_ci(first, 'flip_rate', 3)} and {_ci(last, 'flip_rate', 3)}")
         c = None if change is None else change[(change["config"] == cfg) & (change["metric"] == "kl_mean")]
         if c is not None and len(c):
             c = c.iloc[0]
-            text += f"; paired change {_g(c['delta'])} [{_g(c['ci_low'])}, {_g(c['ci_high'])}], {_p(c['p_value'])}"
+            text += (f"; paired change {_g(c['delta'], 3)} [{_g(c['ci_low'], 3)}, {_g(c['ci_high'], 3)}], "
+                     f"{_p(c['p_value'])}")
         out.append(Claim("long context", text + f"; {_n(last['n_sequences'], last['n_positions'])} per depth).", rel))
     return out
 
