@@ -89,10 +89,10 @@ def test_committed_tables_replot_without_the_model(monkeypatch, tmp_path, name):
         assert (dst / f"{stem}.pdf").read_bytes()[:4] == b"%PDF"
 
 
-def test_long_context_bins_match_the_fidelity_metrics_and_replot(monkeypatch, tmp_path, tiny_ckpt):
-    """The table's per-bin means are the bin means of `fidelity_metrics`' per-position KL and top-1 on the same
-    sequences (quantized prefill for the causal-consistent config, step-by-step decode for the frozen-scale
-    one): the same float64 KL of the same logits, so equal up to summation order (rel 1e-9)."""
+def test_long_context_windows_match_decode_fidelity_metrics_and_replot(monkeypatch, tmp_path, tiny_ckpt):
+    """Each (config, depth) row's KL mean and flip rate are those of `fidelity_metrics`' step-by-step decode after a
+    real prefill of d tokens (the served path, prefill bf16), scored on the same window positions; every statistic
+    carries its interval and n."""
     import pandas as pd
 
     from snapquant import PRESETS
@@ -101,29 +101,33 @@ def test_long_context_bins_match_the_fidelity_metrics_and_replot(monkeypatch, tm
     from snapquant.patching import patched
 
     out = tmp_path / "lc"
-    _run(monkeypatch, "long_context", "--model", str(tiny_ckpt), "--device", "cpu", "--max-len", "24",
-         "--num-sequences", "3", "-p", "snapmla", "-p", "per_tensor_fp8_dynamic", "--prompt-len", "8",
-         "--bin-width", "8", "--batch", "3", "--n-resamples", "500", "--out", str(out))
+    _run(monkeypatch, "long_context", "--model", str(tiny_ckpt), "--device", "cpu", "--num-sequences", "3",
+         "-p", "snapmla", "-p", "per_tensor_fp8_dynamic", "--depths", "16", "8", "--steps", "4", "--batch", "3",
+         "--n-resamples", "300", "--out", str(out))
     df = pd.read_csv(out / "table.csv")
     model, tok = load_model(str(tiny_ckpt), dtype="float32", device="cpu")
-    ids = fidelity_sample(tok, None, 24, 3).input_ids
+    ids = fidelity_sample(tok, None, 16 + 4 + 1, 3).input_ids
     assert pd.read_csv(out / "sequences.csv")["document"].nunique() == 3  # one held-out file per sequence
-    ref = fidelity_reference(model, ids)
-    for name, mode, first, bins in (("snapmla", "prefill", 0, [(0, 8), (8, 16), (16, 23)]),
-                                    ("per_tensor_fp8_dynamic", "decode", 8, [(8, 16), (16, 23)])):
-        fm = fidelity_metrics(model, ref, PRESETS[name], modes=(mode,), prompt_len=8, patcher=patched,
-                              keep_positions=True)[mode]["positions"]
-        s = df[df["config"] == name]
-        assert (s["mode"] == mode).all() and list(zip(s["bin_lo"], s["bin_hi"], strict=True)) == bins
-        for (lo, hi), (_, r) in zip(bins, s.iterrows(), strict=True):
-            cols = slice(lo - first, hi - first)
-            assert r["kl_mean"] == pytest.approx(fm["kl"][:, cols].mean(), rel=1e-9, abs=1e-18)
-            assert r["flip_rate"] == pytest.approx(fm["flip"][:, cols].mean(), abs=1e-12)
-            assert r["n_sequences"] == 3 and r["n_positions"] == 3 * (hi - lo)
-            assert r["kl_mean_ci_low"] <= r["kl_mean"] <= r["kl_mean_ci_high"]
+    for name in ("snapmla", "per_tensor_fp8_dynamic"):
+        s = df[df["config"] == name].sort_values("depth")
+        assert list(s["depth"]) == [8, 16] and list(s["first_position"]) == [8, 16] and list(s["last_position"]) == [11, 19]
+        for _, r in s.iterrows():
+            d = int(r["depth"])
+            sub = ids[:, :d + 4 + 1]
+            fm = fidelity_metrics(model, fidelity_reference(model, sub), PRESETS[name], modes=("decode",),
+                                  prompt_len=d, patcher=patched, keep_positions=True)["decode"]["positions"]
+            assert r["kl_mean"] == pytest.approx(fm["kl"].mean(), rel=1e-3)
+            assert r["flip_rate"] == pytest.approx(fm["flip"].mean(), abs=1e-12)
+            assert r["n_sequences"] == 3 and r["n_positions"] == 3 * 4
+            for stat in ("kl_mean", "kl_p99", "flip_rate"):
+                assert r[f"{stat}_ci_low"] <= r[stat] <= r[f"{stat}_ci_high"]
             assert r["kl_mean_ci_low"] < r["kl_mean_ci_high"]  # three different sequences: a real interval
+    ch = pd.read_csv(out / "depth_change.csv")
+    assert set(ch["metric"]) == {"kl_mean", "flip_rate"} and (ch["depth_a"] == 8).all() and (ch["depth_b"] == 16).all()
     top = pd.read_csv(out / "top_positions.csv")
     assert set(top["config"]) == {"snapmla", "per_tensor_fp8_dynamic"} and top["document"].notna().all()
+    assert set(top["depth"]) <= {8, 16}
+    assert "held-out files hold a whole 21-token sequence" in (out / "table.md").read_text()
     for f in ("long_context.png", "long_context.pdf"):
         (out / f).unlink()
     _run(monkeypatch, "long_context", "--replot", "--out", str(out))
@@ -131,12 +135,12 @@ def test_long_context_bins_match_the_fidelity_metrics_and_replot(monkeypatch, tm
     assert (out / "long_context.pdf").read_bytes()[:4] == b"%PDF"
 
 
-def test_long_context_rejects_a_length_past_the_model_context(monkeypatch, tiny_ckpt, capsys):
+def test_long_context_rejects_a_window_past_the_model_context(monkeypatch, tiny_ckpt, capsys):
     with pytest.raises(SystemExit) as e:
-        _run(monkeypatch, "long_context", "--model", str(tiny_ckpt), "-p", "snapmla", "--max-len", "5000")
+        _run(monkeypatch, "long_context", "--model", str(tiny_ckpt), "-p", "snapmla", "--depths", "5000")
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "--max-len=5000" in err and "1024" in err
+    assert err.count("\n") == 0 and "--depths 5000" in err and "1024" in err
     with pytest.raises(SystemExit) as e:  # the default presets include ds_v32, whose 128-wide tiles the tiny model lacks
         _run(monkeypatch, "long_context", "--model", str(tiny_ckpt))
     err = capsys.readouterr().err.strip()

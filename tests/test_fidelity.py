@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,3 +163,46 @@ def test_kept_positions_are_the_values_behind_the_means_and_intervals(model, ids
                              n_resamples=200)
     assert "positions" not in plain["decode"]  # cell JSONs hold the per-sequence sums, not the positions
     assert plain["tokens_sha256"] == out["tokens_sha256"] and len(plain["tokens_sha256"]) == 16
+
+
+def test_default_depths_reach_the_context():
+    from snapquant.eval.fidelity import default_depths
+
+    assert default_depths(4096, 32) == [256, 512, 1024, 2048, 3072, 4063]
+    assert default_depths(4096, 16)[-1] == 4079 and default_depths(1024, 32) == [64, 128, 256, 512, 768, 991]
+    with pytest.raises(ConfigError):
+        default_depths(8, 8)
+
+
+def test_depth_windows_shared_latents_equal_a_prefill_per_depth_and_the_reference_is_unpatched(model):
+    """The shared exact latents, appended in one go, give each depth's windows what a real d-token bf16 prefill
+    gives (per-token, frozen dynamic per-tensor and KIVI-grouped scales alike), up to fp32 summation order;
+    the reference is the unpatched model's log-probs at the window positions, bit for bit."""
+    from snapquant.eval.fidelity import _identity_config, depth_window_metrics
+    from snapquant.patching import patched
+
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 256, (3, 40), generator=g)
+    cfgs = {"snapmla": PRESETS["snapmla"], "dyn": PRESETS["per_tensor_fp8_dynamic"],
+            "kivi": PRESETS["fp8_kivi"].replace(token_group=4)}
+    depths, steps = [5, 12, 30], 6
+    shared = depth_window_metrics(model, ids, cfgs, depths, steps, patcher=patched)
+    own = depth_window_metrics(model, ids, cfgs, depths, steps, patcher=patched, shared_prefill=False)
+    ref = fidelity_reference(model, ids).logprobs
+    cols = [d + j for d in depths for j in range(steps)]
+    for label in cfgs:
+        s, o = shared[label], own[label]
+        assert s["kl"].shape == (3, len(depths) * steps) and list(s["positions"]) == cols
+        assert list(s["depth"]) == [d for d in depths for _ in range(steps)]
+        assert s["kl"].min() > 0 and float(s["kl"].mean()) > 1e-8  # the quantized cache is read
+        # fp32 summation order moves single positions' KL by < 0.2% (a scale from other tokens would move far more)
+        np.testing.assert_allclose(s["kl"], o["kl"], rtol=2e-3, atol=1e-12)
+        assert float(s["kl"].mean()) == pytest.approx(float(o["kl"].mean()), rel=1e-4)
+        assert (s["flip"] == o["flip"]).all()
+        np.testing.assert_array_equal(s["ref_top1"], ref[:, cols].argmax(-1).numpy())
+    # the reference forward runs the identity config: bit-identical to the unpatched model
+    with patched(model, _identity_config()):
+        same = torch.log_softmax(model(input_ids=ids).logits.float(), -1)
+    assert torch.equal(same, ref)
+    with pytest.raises(ConfigError, match="depths"):
+        depth_window_metrics(model, ids, cfgs, [35], steps, patcher=patched)

@@ -127,21 +127,27 @@ def rope_vs_nope_claims(root: Path) -> list[Claim]:
 
 
 def long_context_claims(root: Path) -> list[Claim]:
+    """Per config: decode KL of the shallowest and the deepest window, and their paired change."""
     rel = "results/long_context/table.csv"
     df = _read(root, rel)
-    if df is None or "kl_mean_ci_low" not in df:
+    if df is None or not {"depth", "kl_mean_ci_low"} <= set(df):
         return []
+    change = _read(root, "results/long_context/depth_change.csv")
     out = []
     for cfg, g in df.groupby("config", sort=False):
         if cfg == "bf16":
             continue
-        g = g.sort_values("bin_lo")
+        g = g.sort_values("depth")
         first, last = g.iloc[0], g.iloc[-1]
-        out.append(Claim("long context", (
-            f"{cfg} ({first['mode']}): mean KL {_ci(first, 'kl_mean')} at positions "
-            f"[{int(first['bin_lo'])}, {int(first['bin_hi'])}), {_ci(last, 'kl_mean')} at "
-            f"[{int(last['bin_lo'])}, {int(last['bin_hi'])}) (n = {int(last['n_sequences'])} sequences; "
-            f"{int(first['n_positions'])} and {int(last['n_positions'])} positions)."), rel))
+        text = (f"{cfg}: decode KL of {int(last['n_positions'] // last['n_sequences'])}-step windows "
+                f"{_ci(first, 'kl_mean', 3)} at cache depth {int(first['depth'])}, {_ci(last, 'kl_mean', 3)} at "
+                f"{int(last['depth'])} (flip rate {_ci(first, 'flip_rate', 3)} and {_ci(last, 'flip_rate', 3)}")
+        c = None if change is None else change[(change["config"] == cfg) & (change["metric"] == "kl_mean")]
+        if c is not None and len(c):
+            c = c.iloc[0]
+            text += (f"; paired change {_g(c['delta'], 3)} [{_g(c['ci_low'], 3)}, {_g(c['ci_high'], 3)}], "
+                     f"{_p(c['p_value'])}")
+        out.append(Claim("long context", text + f"; {_n(last['n_sequences'], last['n_positions'])} per depth).", rel))
     return out
 
 

@@ -101,6 +101,10 @@ class TextSample:
     skip_headers: bool
     pieces: list[list[tuple[int, str, int]]]
     """Per row, its document pieces: (column where the piece starts, document, token offset past the header)."""
+    num_documents: int | None = None
+    """Documents in the source."""
+    documents_holding_a_row: int | None = None
+    """Documents long enough (past their header) for one whole row: fewer than the rows means a stream sample."""
 
     def locate(self, row: int, column: int) -> tuple[str, int]:
         """(document, token offset past its header) of the token at `column` of `row`; in a stream row,
@@ -213,4 +217,5 @@ def sample_sequences(tokenizer: Any, source: str | Path, seq_len: int, num_seque
             pieces.append(row_pieces)
             rows.append(stream[s:s + seq_len])
     ids = torch.tensor(rows, dtype=torch.long).view(num_sequences, seq_len)
-    return TextSample(ids, origins, str(source), method, seed, skip_headers, pieces)
+    return TextSample(ids, origins, str(source), method, seed, skip_headers, pieces, len(bodies),
+                      sum(1 for c in capacity if c))

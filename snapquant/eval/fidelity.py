@@ -275,3 +275,128 @@ def fidelity_table(results: dict[str, dict[str, Any]]) -> Any:
                            top1_agree_ci_high=1.0 - m["summary"]["flip_rate"]["ci_low"])
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------ decode windows at depth
+DEPTH_WINDOW_STEPS = 32
+
+
+def default_depths(context: int, steps: int = DEPTH_WINDOW_STEPS) -> list[int]:
+    """Cache depths for `depth_window_metrics` up to a model's `context`: powers of two from about
+    1/16 of the deepest window, 3/4 of the context, and the deepest window that fits,
+    `context - steps - 1` (its last step predicts the context's last token). 4096 and 32 steps:
+    256, 512, 1024, 2048, 3072, 4063."""
+    last = context - steps - 1
+    if last < 1:
+        raise ConfigError(f"no decode window of {steps} steps fits a context of {context} tokens")
+    out, p = [], 16
+    while p < last:
+        if p * 16 >= last:
+            out.append(p)
+        p *= 2
+    if out and out[-1] < context * 3 // 4 < last:
+        out.append(context * 3 // 4)
+    return [*out, last]
+
+
+def _identity_config() -> KVQuantConfig:
+    """Nothing quantized, BF16 prefill: a patched model reproduces the unpatched one and its cache holds the
+    exact latent and RoPE key of every token (in the model's dtype)."""
+    return KVQuantConfig(nope_dtype="bf16", rope_dtype="bf16", rope_prescale=False, query="bf16", pv="bf16",
+                         name="identity")
+
+
+@torch.no_grad()
+def depth_window_metrics(model: Any, ids: torch.Tensor, configs: dict[str, KVQuantConfig], depths: Any,
+                         steps: int = DEPTH_WINDOW_STEPS, *, patcher: Any = None, backend: str | None = None,
+                         shared_prefill: bool = True, on_window: Any = None) -> dict[str, dict[str, np.ndarray]]:
+    """Decode fidelity of windows at depth: for each depth d, `steps` teacher-forced decode steps after a
+    prefill of d tokens, scored against the unpatched model at the same positions.
+
+    The reference is one unpatched-equivalent forward per row over the longest window (`ids[:, :T]`,
+    T = max(depths) + steps + 1): the row's log-probs at every window position, and, through an identity
+    config (nothing quantized, BF16 prefill: bit-identical to the unpatched model), the exact latent and
+    RoPE key of every token. The prefill of d tokens is as served (`prefill: bf16`: the model's own
+    attention on fresh activations; the tokens stored in the config's format): with `shared_prefill`, the
+    first d exact latent rows are appended into a fresh `LatentCache` of the config in one append, as that
+    prefill would append them (its per-tensor / per-channel scales and KIVI groups formed from those d
+    tokens); the latents equal a d-token prefill's up to fp32 summation order (causal attention; tested in
+    tests/test_fidelity.py). Without it (or when the model has cache layers other than MLA latent layers),
+    every depth runs its own prefill through the patched model. Then step j consumes token d + j and
+    predicts token d + j + 1. `ids` is decoded as one batch: a scale frozen at the prefill over the whole
+    tensor (per_tensor_dynamic, per_channel without token groups) is computed over the batch's tokens, as a
+    served batch would; per-token scales and KIVI groups are per sequence.
+
+    Returns {label: `analysis.uncertainty.position_metrics` arrays [N, len(depths) * steps] (kl, flip,
+    nll_ref, nll_quant, ref_top1, quant_top1) plus "positions" and "depth" ([len(depths) * steps]: the
+    position t of each column, the prediction of token t + 1, and its window's depth)}.
+    `on_window(label, depth, seconds)` is called after each window (progress).
+    """
+    import time
+
+    from ..cache import LatentCache, LatentLayer
+    from ..models.stepping import decode_step, output_cache
+
+    depths = sorted({int(d) for d in depths})
+    T = depths[-1] + steps + 1
+    if steps < 1 or not depths or depths[0] < 1 or ids.dim() != 2 or ids.shape[1] < T:
+        raise ConfigError(f"decode windows of {steps} steps at depths {depths} need [N, >= {T}] token ids "
+                          f"(steps >= 1, depths >= 1), got {tuple(ids.shape)}")
+    if patcher is None:
+        from .harness import default_patcher
+
+        patcher = default_patcher()
+
+    def patch(cfg: KVQuantConfig):
+        return patcher(model, cfg) if backend is None else patcher(model, cfg, backend=backend)
+
+    dev = _device(model)
+    ids = ids[:, :T].cpu()
+    cols = torch.tensor([d + j for d in depths for j in range(steps)])
+    targets = ids[:, cols + 1]
+    ref_rows, latent_rows = [], []
+    with patch(_identity_config()):
+        for row in ids.split(1):
+            out = model(input_ids=row[:, :T - 1].to(dev), use_cache=True)
+            ref_rows.append(torch.log_softmax(out.logits[0, cols.to(dev)].float(), -1).cpu())
+            cache = output_cache(out)
+            layers = list(getattr(cache, "layers", ()))
+            if shared_prefill and layers and all(isinstance(layer, LatentLayer) for layer in layers):
+                latent_rows.append([layer.dense(layer.dtype) for layer in layers])
+            else:
+                shared_prefill = False
+            del out, cache
+    ref = torch.stack(ref_rows)  # [N, D * steps, V]
+    if shared_prefill:
+        latents = [(torch.cat([r[i][0] for r in latent_rows]), torch.cat([r[i][1] for r in latent_rows]))
+                   for i in range(len(latent_rows[0]))]
+        del latent_rows
+    results = {}
+    for label, cfg in configs.items():
+        lps = []
+        with patch(cfg):
+            for d in depths:
+                t0 = time.perf_counter()
+                steps_lp = []
+                if shared_prefill:
+                    cache = LatentCache(cfg, model)
+                    for i, (lat, rope) in enumerate(latents):
+                        cache.layer(i, lat.shape[-1], rope.shape[-1]).append(lat[:, :d].to(dev), rope[:, :d].to(dev))
+                    window = ids[:, d:d + steps].to(dev)
+                    for j in range(steps):
+                        out = decode_step(model, window[:, j:j + 1], d + j, cache)
+                        cache = output_cache(out)
+                        steps_lp.append(torch.log_softmax(out.logits[:, -1].float(), -1).cpu())
+                else:
+                    for k, out in enumerate(decode_steps(model, ids[:, :d + steps + 1].to(dev), d)):
+                        if k:  # the first output is the prefill's: its prediction is not a decode step
+                            steps_lp.append(torch.log_softmax(out.logits[:, -1].float(), -1).cpu())
+                lps.append(torch.stack(steps_lp, dim=1))
+                cache = out = None
+                if on_window:
+                    on_window(label, d, time.perf_counter() - t0)
+        met = position_metrics(ref, torch.cat(lps, dim=1), targets)
+        met["positions"] = cols.numpy()
+        met["depth"] = np.repeat(np.asarray(depths), steps)
+        results[label] = met
+    return results
