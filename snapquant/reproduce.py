@@ -139,14 +139,17 @@ JOBS: tuple[Job, ...] = (
         "the offline tasks' difficulty knobs around their defaults (the old defaults first)",
         code=(*DECODE, *EMBEDDED, *TASKS)),
     Job("results/tasks/mc", "cpu",
-        ("scripts/calibrate_tasks.py", "--n", "100", "--compare", "per_tensor_fp8", "--output-dir", "results/tasks/mc",
-         "sq_code_completion_mc"),
+        ("scripts/calibrate_tasks.py", "--n", "100", "--compare", "per_tensor_fp8", "--loglikelihood", "decode",
+         "--output-dir", "results/tasks/mc", "sq_code_completion_mc"),
         ("calibration.md", "calibration.csv", "calibration.json"),
         "the multiple-choice code completion task at its calibrated default: bf16 accuracy (loglikelihood "
-        "argmax) with its interval, and the discordance with per-tensor FP8 on lm-eval's loglikelihood path",
+        "argmax) with its interval, and the discordance with per-tensor FP8, the choices read through the "
+        "cache one decode step at a time (as served; lm-eval's one forward pass never reads it)",
         code=(*DECODE, *EMBEDDED, *TASKS)),
     Job("results/tasks/mc/knobs", "cpu",
-        ("scripts/calibrate_tasks.py", "--n", "100", "--output-dir", "results/tasks/mc/knobs",
+        # unpatched only: lm-eval's forward path equals the decode path to float rounding, in a quarter of the time
+        ("scripts/calibrate_tasks.py", "--n", "100", "--loglikelihood", "forward",
+         "--output-dir", "results/tasks/mc/knobs",
          "sq_code_completion_mc:mc_choices=8", "sq_code_completion_mc:completion_prefix=0.75",
          "sq_code_completion_mc:mc_distractors=other_files"),
         ("calibration.md", "calibration.csv", "calibration.json"),

@@ -139,7 +139,8 @@ def test_score_picks_the_argmax(monkeypatch):
     setting = Setting(TASK, {"mc_choices": 3})
 
     def prefer(index_of):
-        def lls(model, tok, contexts, choices, batch_size=16):
+        def lls(model, tok, contexts, choices, batch_size=16, through="forward"):
+            assert through == "decode"  # calibration's default
             docs = sq_utils.completion_mc_rows(num_samples=len(contexts), choices=3)
             assert [d["context"] for d in docs] == list(contexts)
             return [[-1.0 if j == index_of(d) else -9.0 for j in range(3)] for d in docs]
