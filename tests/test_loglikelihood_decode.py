@@ -139,3 +139,28 @@ def test_calibration_checks_the_loglikelihood_path():
         calibration.calibrate(None, None, [], 1, loglikelihood="both")
     with pytest.raises(ConfigError, match="batch_size"):
         direct.decode_loglikelihoods(None, [([1], [2])], batch_size=0)
+
+
+def test_sweep_key_reaches_snapquant_lm():
+    from types import SimpleNamespace
+
+    from snapquant import PRESETS
+    from snapquant.sweep import SweepSpec
+    from snapquant.sweep.evaluate import LmEvalEvaluator
+
+    base = {"name": "t", "model": "embedded", "tasks": ["sq_code_completion_mc"], "presets": ["bf16"]}
+    fwd, dec = SweepSpec.from_dict(base), SweepSpec.from_dict({**base, "loglikelihood": "decode"})
+    assert fwd.loglikelihood == "forward" and dec.loglikelihood == "decode"
+    assert SweepSpec.from_dict(dec.to_dict()) == dec
+    assert fwd.eval_key() == SweepSpec.from_dict({**base, "loglikelihood": "forward"}).eval_key() != dec.eval_key()
+    with pytest.raises(ConfigError, match="loglikelihood"):
+        SweepSpec.from_dict({**base, "loglikelihood": "prefill"})
+
+    class LM:  # SnapquantLM's signature: takes kv_config and loglikelihood
+        def __init__(self, pretrained, tokenizer, batch_size, kv_config=None, loglikelihood="forward"):
+            self.kw = {"kv_config": kv_config, "loglikelihood": loglikelihood}
+
+    ev = SimpleNamespace(_lm_class=LM, model=None, tokenizer=None)
+    cell = SimpleNamespace(config=PRESETS["per_tensor_fp8"])
+    assert LmEvalEvaluator._make_lm(ev, dec, cell).kw["loglikelihood"] == "decode"
+    assert LmEvalEvaluator._make_lm(ev, fwd, cell).kw["loglikelihood"] == "forward"
