@@ -10,6 +10,7 @@ under --output-dir (default results/tasks).
         sq_kv_retrieval_1k sq_code_completion
     python scripts/calibrate_tasks.py --n 40 sq_kv_retrieval_1k:kv_digits=10 sq_code_completion:completion_prefix=0
     python scripts/calibrate_tasks.py --n 100 sq_code_completion_mc:mc_choices=8,mc_distractors=other_files
+    python scripts/calibrate_tasks.py --n 40 sq_passkey_code:max_seq_lengths=1024,passkey_distractors=2
 
 A multiple-choice task (sq_code_completion_mc) is scored by loglikelihood (lm-eval's acc; --max-new-tokens
 does not apply), by default read through the cache as serving reads it (`--loglikelihood decode`: each

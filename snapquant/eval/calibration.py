@@ -1,7 +1,8 @@
 """Difficulty calibration of the offline tasks: accuracy per knob setting, with its interval and n.
 
 A setting is a task name plus the task metadata knobs it is built with (the same names a sweep's
-per-task `metadata:` takes, see `snapquant/eval/tasks/README.md`). Each setting's documents are
+per-task `metadata:` takes, see `snapquant/eval/tasks/README.md`; a pass-key setting's
+`max_seq_lengths` is one length, its documents the first n of the task's shuffled lengths x depths). Each setting's documents are
 scored with the direct harness (plain transformers): greedy decoding for the generation tasks,
 what lm-eval's generate_until does; for the multiple-choice task (`MULTIPLE_CHOICE`) the summed
 log-probability of each choice's tokens given the context, argmax (lm-eval's multiple_choice
@@ -49,7 +50,8 @@ class Setting:
                     "sq_code_completion": {"completion_prefix": sq_utils.COMPLETION_PREFIX,
                                            "completion_words": sq_utils.COMPLETION_WORDS,
                                            "completion_copyable": sq_utils.COMPLETION_COPYABLE},
-                    "sq_code_completion_mc": sq_utils.MC_DEFAULTS}.get(family, {})
+                    "sq_code_completion_mc": sq_utils.MC_DEFAULTS,
+                    **{task: PASSKEY_DEFAULTS for task in PASSKEY_TASKS}}.get(family, {})
         return ",".join(f"{k}={v}" for k, v in sorted({**defaults, **knobs}.items()))
 
 
@@ -76,9 +78,14 @@ def _number(value: str) -> Any:
     return value
 
 
+# Pass-key tasks and their haystacks; `max_seq_lengths` takes one length here (default: the YAML's lengths).
+PASSKEY_TASKS = {"sq_passkey": "repeat", "sq_passkey_code": "code"}
+PASSKEY_DEFAULTS = {"passkey_digits": sq_utils.PASSKEY_DIGITS, "passkey_distractors": sq_utils.PASSKEY_DISTRACTORS,
+                    "max_seq_lengths": "+".join(map(str, sq_utils.DEFAULT_LENGTHS))}
 KNOBS = {"sq_code_completion": {"completion_prefix", "completion_words", "completion_copyable"},
          "sq_code_completion_mc": set(sq_utils.MC_DEFAULTS),
-         "sq_kv_retrieval": {"kv_digits", "kv_distractors"}}
+         "sq_kv_retrieval": {"kv_digits", "kv_distractors"},
+         **{task: set(PASSKEY_DEFAULTS) for task in PASSKEY_TASKS}}
 # Tasks scored by loglikelihood (lm-eval output_type multiple_choice): documents carry `choices` and `gold`.
 MULTIPLE_CHOICE = frozenset({"sq_code_completion_mc"})
 
@@ -100,7 +107,7 @@ def build(setting: Setting, n: int, seed: int = sq_utils.DEFAULT_SEED,
     family = "sq_kv_retrieval" if length else setting.task
     if family not in KNOBS:
         raise ConfigError(f"setting task={setting.task!r} is not calibrated here; allowed: sq_code_completion, "
-                          "sq_code_completion_mc, sq_kv_retrieval_<N>k")
+                          "sq_code_completion_mc, sq_kv_retrieval_<N>k, sq_passkey, sq_passkey_code")
     unknown = set(setting.knobs) - KNOBS[family]
     if unknown:
         raise ConfigError(f"setting {setting.task}: unknown knob(s) {sorted(unknown)}; allowed: "
@@ -110,6 +117,14 @@ def build(setting: Setting, n: int, seed: int = sq_utils.DEFAULT_SEED,
         return ([d["prompt"] for d in docs], docs,
                 lambda d, g: sq_utils.process_exact_match(d, [g])["exact_match"], sq_utils.ANSWER_RESERVE,
                 ['"', "\n"])
+    if family in PASSKEY_TASKS:
+        knobs = dict(setting.knobs)
+        lengths = sq_utils._lengths(knobs)
+        per_cell = -(-n // (len(lengths) * len(sq_utils.PASSKEY_DEPTHS)))  # the first n of the shuffled docs
+        docs = sq_utils.passkey_rows(lengths, seed, per_cell, tokenizer_path, PASSKEY_TASKS[family],
+                                     **sq_utils.passkey_knobs(knobs))[:n]
+        return ([d["prompt"] for d in docs], docs, lambda d, g: sq_utils.process_passkey(d, [g])["exact_match"],
+                sq_utils.ANSWER_RESERVE, ["\n", "."])
     if family in MULTIPLE_CHOICE:
         docs = sq_utils.completion_mc_rows(seed, n, **sq_utils.completion_mc_knobs(dict(setting.knobs)))
         return ([d["context"] for d in docs], docs, lambda d, lls: float(direct.mc_pick(lls) == d["gold"]), 0, [])

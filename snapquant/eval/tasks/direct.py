@@ -302,8 +302,10 @@ def kv_task_name(length: int) -> str:
 
 def score_passkey(model, tokenizer, lengths: Sequence[int] = (1024, 2048, 4096), num_samples: int = 4,
                   seed: int = sq_utils.DEFAULT_SEED, tokenizer_path: str | None = None, haystack: str = "repeat",
-                  batch_size: int = 16) -> dict:
-    rows = sq_utils.passkey_rows(list(lengths), seed, num_samples, tokenizer_path, haystack)
+                  batch_size: int = 16, digits: int = sq_utils.PASSKEY_DIGITS,
+                  distractors: int = sq_utils.PASSKEY_DISTRACTORS) -> dict:
+    rows = sq_utils.passkey_rows(list(lengths), seed, num_samples, tokenizer_path, haystack,
+                                 **sq_utils.passkey_knobs({"passkey_digits": digits, "passkey_distractors": distractors}))
     preds = greedy_generate(model, tokenizer, [r["prompt"] for r in rows], sq_utils.ANSWER_RESERVE,
                             ["\n", "."], batch_size)
     name = "sq_passkey" if haystack == "repeat" else "sq_passkey_code"
