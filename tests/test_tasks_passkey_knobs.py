@@ -92,3 +92,14 @@ def test_calibration_setting_builds_and_scores(monkeypatch):
     assert calibration.score(None, None, s, 7) == [1.0] * 7
     monkeypatch.setattr(direct, "greedy_generate", answer(lambda d: d["distractor_keys"][0]))
     assert calibration.score(None, None, s, 7) == [0.0] * 7
+
+
+def test_yaml_defaults_and_a_budget_too_small_for_the_distractors():
+    tm = task_manager(include_defaults=False, num_samples=1, max_seq_lengths=[1024])
+    plain = list(tm.load(["sq_passkey_code"])["tasks"]["sq_passkey_code"].test_docs())
+    hard = list(tm.load(["sq_passkey"])["tasks"]["sq_passkey"].test_docs())
+    assert all(len(d["answer"]) == 20 and len(d["distractor_keys"]) == 32 for d in hard)  # sq_passkey.yaml
+    assert all(len(d["answer"]) == 5 and not d["distractor_keys"] for d in plain)  # its own metadata block
+    with pytest.raises(ConfigError, match="passkey_distractors") as e:
+        sq_utils.passkey_rows([512], num_samples=1, digits=20, distractors=32)
+    assert "\n" not in str(e.value)

@@ -267,6 +267,10 @@ def passkey_example(rng: random.Random, target_tokens: int, count_tokens: CountT
     decoy_depths = [rng.random() for _ in decoys]
     decoy_text = [_passkey_decoy(d, code) for d in decoys]
     fixed = count_tokens(intro + question + needle + "".join(decoy_text)) + count_tokens(" " + key) + 2
+    if decoys and fixed + unit_cost > target_tokens:
+        raise ConfigError(f"pass key: {len(decoys)} distractor keys of {digits} digits take {fixed} of the "
+                          f"{target_tokens}-token budget; lower distractors (task metadata passkey_distractors) "
+                          "or raise the length")
     n = max(1, (target_tokens - fixed) // unit_cost)
     n = min(n, len(lines))
 
