@@ -10,9 +10,13 @@ under --output-dir (default results/tasks).
         sq_kv_retrieval_1k sq_code_completion
     python scripts/calibrate_tasks.py --n 40 sq_kv_retrieval_1k:kv_digits=10 sq_code_completion:completion_prefix=0
     python scripts/calibrate_tasks.py --n 100 sq_code_completion_mc:mc_choices=8,mc_distractors=other_files
+    python scripts/calibrate_tasks.py --n 40 sq_passkey_code:max_seq_lengths=1024,passkey_distractors=2
 
 A multiple-choice task (sq_code_completion_mc) is scored by loglikelihood (lm-eval's acc; --max-new-tokens
-does not apply); its --compare preset runs lm-eval's loglikelihood computation, one forward pass per choice.
+does not apply), by default read through the cache as serving reads it (`--loglikelihood decode`: each
+context prefilled once, its choices teacher-forced one decode step at a time, so the --compare preset's
+decode steps read its quantized cache); `--loglikelihood forward` is lm-eval's one forward pass per
+choice, on which a `prefill: bf16` preset scores exactly what the unpatched model scores (discordance 0).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=0,
                    help="cap on generated tokens (0: each task's own budget; a cap can cut answers)")
+    p.add_argument("--loglikelihood", choices=("decode", "forward"), default="decode",
+                   help="how a multiple-choice task's loglikelihoods are read (both models alike)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--output-dir", type=Path, default=Path("results/tasks"))
     args = p.parse_args(argv)
@@ -68,12 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_embedded(dtype="float32")
     rows = calibration.calibrate(model, tok, settings, args.n, compare=args.compare,
                                  target_effect=args.target_effect, seed=args.seed, batch_size=args.batch_size,
-                                 max_new_tokens=args.max_new_tokens or None)
+                                 max_new_tokens=args.max_new_tokens or None, loglikelihood=args.loglikelihood)
     wall = time.perf_counter() - t0
     env = environment()
     run = {"command": "python scripts/calibrate_tasks.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "wall_s": round(wall, 1), "documents_per_setting": args.n,
            "max_new_tokens": args.max_new_tokens or "task's own", "seed": args.seed,
+           **({"loglikelihood": args.loglikelihood} if any(s.task in calibration.MULTIPLE_CHOICE for s in settings)
+              else {}),
            "torch_threads": torch.get_num_threads(), "python": env["python"],
            "torch": env["packages"].get("torch"), "transformers": env["packages"].get("transformers"),
            "hardware": f"{env['hardware'].get('platform')}, {env['hardware'].get('cpu_count')} CPUs",

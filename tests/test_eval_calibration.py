@@ -45,7 +45,7 @@ def test_parse_setting_and_early_errors():
     with pytest.raises(ConfigError, match="key=value"):
         parse_setting("sq_kv_retrieval_1k:kv_digits")
     with pytest.raises(ConfigError, match="not calibrated"):
-        calibration.build(Setting("sq_passkey"), 1)
+        calibration.build(Setting("sq_ruler_cwe"), 1)
     with pytest.raises(ConfigError, match="completion_prefix"):
         calibration.build(Setting("sq_kv_retrieval_1k", {"completion_prefix": 0.5}), 1)
     with pytest.raises(ConfigError, match="kv_digits"):

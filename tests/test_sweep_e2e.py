@@ -78,7 +78,9 @@ def test_per_task_metadata_reaches_the_task(tiny_ckpt, tmp_path):
     """lm-eval ignores simple_evaluate(metadata=...) once a TaskManager is given: ours must carry it."""
     spec = SweepSpec.from_dict({
         "name": "meta", "model": str(tiny_ckpt), "dtype": "float32", "device": "cpu", "fidelity": False,
-        "tasks": [{"name": "sq_passkey", "limit": 2, "metadata": {"max_seq_lengths": [512], "num_samples": 2},
+        # 512 tokens hold no distractor keys of the task's default (the old documents: 5 digits, none)
+        "tasks": [{"name": "sq_passkey", "limit": 2, "metadata": {"max_seq_lengths": [512], "num_samples": 2,
+                                                                  "passkey_digits": 5, "passkey_distractors": 0},
                    "gen_kwargs": {"max_gen_toks": 4}}],
         "presets": ["bf16", "snapmla"], "bootstrap_iters": 0, "output_dir": str(tmp_path / "out")})
     res = execute(spec, show_progress=False, report=False)

@@ -3,6 +3,7 @@ scoring, the direct loglikelihood scorer, and its calibration rows)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -139,7 +140,8 @@ def test_score_picks_the_argmax(monkeypatch):
     setting = Setting(TASK, {"mc_choices": 3})
 
     def prefer(index_of):
-        def lls(model, tok, contexts, choices, batch_size=16):
+        def lls(model, tok, contexts, choices, batch_size=16, through="forward"):
+            assert through == "decode"  # calibration's default
             docs = sq_utils.completion_mc_rows(num_samples=len(contexts), choices=3)
             assert [d["context"] for d in docs] == list(contexts)
             return [[-1.0 if j == index_of(d) else -9.0 for j in range(3)] for d in docs]
@@ -177,7 +179,8 @@ def test_choice_loglikelihoods_match_lm_eval(tiny):
 
 def test_calibration_row_and_lm_eval_path_on_a_patched_model(tiny, tmp_path, monkeypatch):
     """A multiple-choice row has the generation rows' columns; with a `prefill: bf16` preset the lm-eval
-    path (no cache) scores exactly what the unpatched model scores, so nothing is discordant."""
+    path (no cache, loglikelihood="forward") scores exactly what the unpatched model scores, so nothing is
+    discordant; the script records how the loglikelihoods were read (decode by default)."""
     import importlib.util
 
     import pandas as pd
@@ -186,7 +189,7 @@ def test_calibration_row_and_lm_eval_path_on_a_patched_model(tiny, tmp_path, mon
 
     model, tok = tiny
     (row,) = calibration.calibrate(model, tok, [Setting(TASK, {"completion_prefix": 0.75})], 3,
-                                   compare="per_tensor_fp8", log=lambda m: None)
+                                   compare="per_tensor_fp8", loglikelihood="forward", log=lambda m: None)
     assert set(row) == set(calibration.CSV_COLUMNS) and row["n"] == 3 and row["discordant"] == 0
     assert row["knobs"].startswith("completion_copyable=True,completion_prefix=0.75,mc_choices=")
 
@@ -199,6 +202,7 @@ def test_calibration_row_and_lm_eval_path_on_a_patched_model(tiny, tmp_path, mon
     table = pd.read_csv(tmp_path / "calibration.csv")
     assert list(table["task"]) == [TASK] and list(table["n"]) == [2]
     assert "mc_choices=2" in (tmp_path / "calibration.md").read_text()
+    assert json.loads((tmp_path / "calibration.json").read_text())["run"]["loglikelihood"] == "decode"
     assert mod.main([f"{TASK}:mc_choices=0"]) == 2
 
 

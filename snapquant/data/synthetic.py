@@ -231,16 +231,21 @@ def _passkey_needle(key: str, code: bool) -> str:
 
 
 def passkey_example(rng: random.Random, target_tokens: int, count_tokens: CountTokens, depth: float,
-                    haystack: Sequence[str] | None = None, digits: int = 5) -> dict:
+                    haystack: Sequence[str] | None = None, digits: int = 5, distractors: int = 0) -> dict:
     """A pass-key question: the key sits at relative `depth` of a haystack of about `target_tokens`.
 
     `haystack=None` gives the classic repeated-sentence filler; a sequence of code lines (each
     ending in '\\n') gives the code variant, where the needle is an assignment and the question an
-    assert. The answer is the key's digits.
+    assert. The answer is the key's digits. `distractors` adds that many expired keys at seeded
+    depths, each a near miss of the key (`near_miss_numbers`: one digit changed) and labelled as old
+    ("The old pass key was ..." / `OLD_PASS_KEY = ...`), so the answer must be the right one of several
+    almost equal numbers; with 0 the document is the one this function always gave for the seed.
     """
     _check_budget(target_tokens, 64, "pass-key")
     if not 0.0 <= depth <= 1.0:
         raise ConfigError(f"depth={depth!r} must lie in [0, 1]")
+    if isinstance(distractors, bool) or not isinstance(distractors, int) or distractors < 0:
+        raise ConfigError(f"distractors={distractors!r} must be an int >= 0")
     key = _number(rng, digits)
     code = haystack is not None
     if code:
@@ -257,20 +262,49 @@ def passkey_example(rng: random.Random, target_tokens: int, count_tokens: CountT
         question = "\n" + PASSKEY_QUESTION
         unit_cost = max(1, count_tokens(" " + PASSKEY_FILLER))
     needle = _passkey_needle(key, code)
-    fixed = count_tokens(intro + question + needle) + count_tokens(" " + key) + 2
+    # Drawn after everything the distractor-free document draws, so distractors=0 keeps its documents.
+    decoys = near_miss_numbers(key, rng, distractors) if distractors else []
+    decoy_depths = [rng.random() for _ in decoys]
+    decoy_text = [_passkey_decoy(d, code) for d in decoys]
+    fixed = count_tokens(intro + question + needle + "".join(decoy_text)) + count_tokens(" " + key) + 2
+    if decoys and fixed + unit_cost > target_tokens:
+        raise ConfigError(f"pass key: {len(decoys)} distractor keys of {digits} digits take {fixed} of the "
+                          f"{target_tokens}-token budget; lower distractors (task metadata passkey_distractors) "
+                          "or raise the length")
     n = max(1, (target_tokens - fixed) // unit_cost)
     n = min(n, len(lines))
 
     def render(n_units: int, with_answer: bool = False) -> str:
-        at = round(depth * n_units)
-        hay = lines[:n_units]
-        text = intro + "".join(hay[:at]) + needle + "".join(hay[at:n_units]) + question
+        inserts = sorted([(round(depth * n_units), 0, needle)]
+                         + [(round(d * n_units), 1 + j, t) for j, (d, t) in enumerate(zip(decoy_depths, decoy_text,
+                                                                                             strict=True))])
+        hay, parts, prev = lines[:n_units], [intro], 0
+        for at, _, text in inserts:
+            parts += [*hay[prev:at], text]
+            prev = at
+        text = "".join([*parts, *hay[prev:n_units], question])
         # No trailing space in the prompt: the answer's leading space belongs to its first token.
         return text + (" " + key if with_answer else "")
 
     n = _fit(lambda m: render(m, True), n, count_tokens, target_tokens, 1)
     return {"prompt": render(n), "answer": key, "depth": depth, "n_units": n,
-            "haystack": "code" if code else "repeat"}
+            "haystack": "code" if code else "repeat", "distractor_keys": decoys}
+
+
+def near_miss_numbers(key: str, rng: random.Random, count: int) -> list[str]:
+    """`count` distinct numbers of `key`'s length, each differing from it in exactly one digit (no leading
+    zero), in a seeded order; ConfigError when the key has fewer such neighbours (9 per digit)."""
+    pool = [key[:i] + c + key[i + 1:] for i in range(len(key)) for c in "0123456789"
+            if c != key[i] and not (i == 0 and c == "0")]
+    if count > len(pool):
+        raise ConfigError(f"distractors={count} exceeds the {len(pool)} near misses of a {len(key)}-digit key")
+    return rng.sample(pool, count)
+
+
+def _passkey_decoy(value: str, code: bool) -> str:
+    if code:
+        return f"OLD_PASS_KEY = {value}  # expired: not the pass key\n"
+    return f" The old pass key was {value}. It has expired."
 
 
 def passkey_training_document(rng: random.Random, target_tokens: int, count_tokens: CountTokens,

@@ -1,11 +1,16 @@
 """Difficulty calibration of the offline tasks: accuracy per knob setting, with its interval and n.
 
 A setting is a task name plus the task metadata knobs it is built with (the same names a sweep's
-per-task `metadata:` takes, see `snapquant/eval/tasks/README.md`). Each setting's documents are
+per-task `metadata:` takes, see `snapquant/eval/tasks/README.md`; a pass-key setting's
+`max_seq_lengths` is one length, its documents the first n of the task's shuffled lengths x depths). Each setting's documents are
 scored with the direct harness (plain transformers): greedy decoding for the generation tasks,
 what lm-eval's generate_until does; for the multiple-choice task (`MULTIPLE_CHOICE`) the summed
 log-probability of each choice's tokens given the context, argmax (lm-eval's multiple_choice
-`acc`). Optionally also with a quantized cache on the SAME documents, which gives
+`acc`), read through the cache one decode step at a time by default (`loglikelihood="decode"`,
+`direct.decode_loglikelihoods`: with a `prefill: bf16` preset the one way its quantized cache can
+change an answer) or by lm-eval's single forward pass (`"forward"`; the same numbers up to float
+rounding on the unpatched model, the unpatched model's numbers under any `prefill: bf16` preset).
+Optionally also with a quantized cache on the SAME documents, which gives
 the discordance rate from which the exact McNemar test's minimum detectable effect and the n
 needed to detect a given drop follow (`snapquant.analysis.significance.mde_paired_binary`).
 `scripts/calibrate_tasks.py` is the command line; it writes `results/tasks/calibration.{md,csv}`.
@@ -45,7 +50,8 @@ class Setting:
                     "sq_code_completion": {"completion_prefix": sq_utils.COMPLETION_PREFIX,
                                            "completion_words": sq_utils.COMPLETION_WORDS,
                                            "completion_copyable": sq_utils.COMPLETION_COPYABLE},
-                    "sq_code_completion_mc": sq_utils.MC_DEFAULTS}.get(family, {})
+                    "sq_code_completion_mc": sq_utils.MC_DEFAULTS,
+                    **{task: PASSKEY_DEFAULTS for task in PASSKEY_TASKS}}.get(family, {})
         return ",".join(f"{k}={v}" for k, v in sorted({**defaults, **knobs}.items()))
 
 
@@ -72,9 +78,14 @@ def _number(value: str) -> Any:
     return value
 
 
+# Pass-key tasks and their haystacks; `max_seq_lengths` takes one length here (default: the YAML's lengths).
+PASSKEY_TASKS = {"sq_passkey": "repeat", "sq_passkey_code": "code"}
+PASSKEY_DEFAULTS = {"passkey_digits": sq_utils.PASSKEY_DIGITS, "passkey_distractors": sq_utils.PASSKEY_DISTRACTORS,
+                    "max_seq_lengths": "+".join(map(str, sq_utils.DEFAULT_LENGTHS))}
 KNOBS = {"sq_code_completion": {"completion_prefix", "completion_words", "completion_copyable"},
          "sq_code_completion_mc": set(sq_utils.MC_DEFAULTS),
-         "sq_kv_retrieval": {"kv_digits", "kv_distractors"}}
+         "sq_kv_retrieval": {"kv_digits", "kv_distractors"},
+         **{task: set(PASSKEY_DEFAULTS) for task in PASSKEY_TASKS}}
 # Tasks scored by loglikelihood (lm-eval output_type multiple_choice): documents carry `choices` and `gold`.
 MULTIPLE_CHOICE = frozenset({"sq_code_completion_mc"})
 
@@ -96,7 +107,7 @@ def build(setting: Setting, n: int, seed: int = sq_utils.DEFAULT_SEED,
     family = "sq_kv_retrieval" if length else setting.task
     if family not in KNOBS:
         raise ConfigError(f"setting task={setting.task!r} is not calibrated here; allowed: sq_code_completion, "
-                          "sq_code_completion_mc, sq_kv_retrieval_<N>k")
+                          "sq_code_completion_mc, sq_kv_retrieval_<N>k, sq_passkey, sq_passkey_code")
     unknown = set(setting.knobs) - KNOBS[family]
     if unknown:
         raise ConfigError(f"setting {setting.task}: unknown knob(s) {sorted(unknown)}; allowed: "
@@ -106,6 +117,14 @@ def build(setting: Setting, n: int, seed: int = sq_utils.DEFAULT_SEED,
         return ([d["prompt"] for d in docs], docs,
                 lambda d, g: sq_utils.process_exact_match(d, [g])["exact_match"], sq_utils.ANSWER_RESERVE,
                 ['"', "\n"])
+    if family in PASSKEY_TASKS:
+        knobs = dict(setting.knobs)
+        lengths = sq_utils._lengths(knobs)
+        per_cell = -(-n // (len(lengths) * len(sq_utils.PASSKEY_DEPTHS)))  # the first n of the shuffled docs
+        docs = sq_utils.passkey_rows(lengths, seed, per_cell, tokenizer_path, PASSKEY_TASKS[family],
+                                     **sq_utils.passkey_knobs(knobs))[:n]
+        return ([d["prompt"] for d in docs], docs, lambda d, g: sq_utils.process_passkey(d, [g])["exact_match"],
+                sq_utils.ANSWER_RESERVE, ["\n", "."])
     if family in MULTIPLE_CHOICE:
         docs = sq_utils.completion_mc_rows(seed, n, **sq_utils.completion_mc_knobs(dict(setting.knobs)))
         return ([d["context"] for d in docs], docs, lambda d, lls: float(direct.mc_pick(lls) == d["gold"]), 0, [])
@@ -115,14 +134,19 @@ def build(setting: Setting, n: int, seed: int = sq_utils.DEFAULT_SEED,
 
 
 def score(model, tokenizer, setting: Setting, n: int, *, seed: int = sq_utils.DEFAULT_SEED,
-          tokenizer_path: str | None = None, batch_size: int = 8, max_new_tokens: int | None = None) -> list[float]:
+          tokenizer_path: str | None = None, batch_size: int = 8, max_new_tokens: int | None = None,
+          loglikelihood: str = "decode") -> list[float]:
     """Per-document 0/1 scores of the setting's first n documents (greedy, as the lm-eval task; a
-    multiple-choice task by loglikelihood argmax, `direct.choice_loglikelihoods`, in batches of
-    `batch_size` on a patched model, one context at a time with its choices batched otherwise);
-    `max_new_tokens` caps the task's generation budget (quick checks; answers may be cut)."""
+    multiple-choice task by loglikelihood argmax, `direct.choice_loglikelihoods` through `loglikelihood`:
+    "decode" (each context prefilled once, its choices teacher-forced through the cache in batches of
+    `batch_size`) or "forward" (lm-eval's pass: batches of `batch_size` on a patched model, one context
+    at a time with its choices batched otherwise)); `max_new_tokens` caps the task's generation budget
+    (quick checks; answers may be cut)."""
+    direct.check_loglikelihood_path("loglikelihood", loglikelihood)
     prompts, docs, scorer, max_new, stops = build(setting, n, seed, tokenizer_path)
     if setting.task in MULTIPLE_CHOICE:
-        lls = direct.choice_loglikelihoods(model, tokenizer, prompts, [d["choices"] for d in docs], batch_size)
+        lls = direct.choice_loglikelihoods(model, tokenizer, prompts, [d["choices"] for d in docs], batch_size,
+                                           through=loglikelihood)
         return [scorer(d, ll) for d, ll in zip(docs, lls, strict=True)]
     max_new = min(max_new, max_new_tokens) if max_new_tokens else max_new
     gens = direct.greedy_generate(model, tokenizer, prompts, max_new, stops, batch_size)
@@ -159,22 +183,24 @@ def n_for_mde(discordance: float, target: float, *, alpha: float = 0.05, n_max: 
 
 def calibrate(model, tokenizer, settings: Sequence[Setting], n: int, *, compare: str | None = None,
               target_effect: float = 0.05, seed: int = sq_utils.DEFAULT_SEED, tokenizer_path: str | None = None,
-              batch_size: int = 8, max_new_tokens: int | None = None,
+              batch_size: int = 8, max_new_tokens: int | None = None, loglikelihood: str = "decode",
               log: Callable[[str], None] = print) -> list[dict]:
     """One row per setting: accuracy of the unpatched model with its exact 95% interval and n; with
     `compare` (a preset name) also that preset's accuracy on the same documents, the discordance,
-    the MDE at this n and the n at which the MDE reaches `target_effect`."""
+    the MDE at this n and the n at which the MDE reaches `target_effect`. `loglikelihood` ("decode" or
+    "forward", see `score`) is how a multiple-choice task is read, by both models alike."""
     from ..analysis.significance import mde_paired_binary
 
     if n < 1:
         raise ConfigError(f"n={n!r} must be >= 1")
+    direct.check_loglikelihood_path("loglikelihood", loglikelihood)
     rows = []
     for s in settings:
         build(s, 1, seed, tokenizer_path)  # bad task or knob: fail before any model time is spent
     for s in settings:
         t0 = time.perf_counter()
         base = score(model, tokenizer, s, n, seed=seed, tokenizer_path=tokenizer_path, batch_size=batch_size,
-                     max_new_tokens=max_new_tokens)
+                     max_new_tokens=max_new_tokens, loglikelihood=loglikelihood)
         k = int(sum(base))
         low, high = proportion_interval(k, len(base))
         row: dict[str, Any] = {"task": s.task, "knobs": s.label(), "n": len(base), "correct": k,
@@ -187,7 +213,7 @@ def calibrate(model, tokenizer, settings: Sequence[Setting], n: int, *, compare:
 
             with patched(model, compare, backend="reference"):
                 other = score(model, tokenizer, s, n, seed=seed, tokenizer_path=tokenizer_path,
-                              batch_size=batch_size, max_new_tokens=max_new_tokens)
+                              batch_size=batch_size, max_new_tokens=max_new_tokens, loglikelihood=loglikelihood)
             disc = sum(a != b for a, b in zip(base, other, strict=True))
             row.update(compare_accuracy=sum(other) / len(other), discordant=disc, discordance=disc / len(base),
                        mde=mde_paired_binary(len(base), disc / len(base)))

@@ -7,6 +7,14 @@
   which for per-token formats equals what step-by-step decode would see; docs/numerics.md, "Why
   per-token matters"). With
   `prefill: bf16` they reproduce the unquantized model, by design.
+- `loglikelihood="decode"` reads loglikelihood requests (multiple choice) as serving reads the cache
+  instead: each context is prefilled once into a fresh `LatentCache` (in the preset's format) and its
+  continuations are teacher-forced one decode step at a time, batched over the continuations of a
+  context (`snapquant.eval.tasks.direct.decode_loglikelihoods`); every step's attention reads the
+  quantized cache, so a `prefill: bf16` preset can change an answer. The default, "forward", keeps
+  lm-eval's one pass per request (cheaper: no per-token steps; existing results stay comparable).
+  Perplexity (`loglikelihood_rolling`) stays on the forward pass either way: decoding whole files one
+  token at a time is what `snapquant.eval.fidelity`'s decode mode measures, on fewer tokens.
 - `generation="auto"|"loop"|"hf"` picks what runs `generate_until` batches: `hf` is HF `generate`; `loop`
   is `snapquant.eval.generation.DecodeLoop` (one preallocated LatentCache per batch, fixed-shape decode
   steps captured as a CUDA graph on GPUs, HF's stopping rules checked off the critical path: the same
@@ -17,8 +25,8 @@
   pays off at large batches); `gen_steps` ('auto', 'graph', 'static', 'eager') and `gen_check_every`
   are the loop's knobs.
 - `get_model_info()` adds `snapquant_preset`, `snapquant_config`, `snapquant_backend`,
-  `snapquant_kernel_options` and `snapquant_generation` (requested path, the path each batch took and
-  why), so the results JSON (`results["config"]`) records which scheme and which decode path produced
+  `snapquant_kernel_options`, `snapquant_loglikelihood` and `snapquant_generation` (requested path, the
+  path each batch took and why), so the results JSON (`results["config"]`) records which scheme and which decode path produced
   the numbers.
 
 Importing this module registers the model type `snapquant` with lm-eval, so after
@@ -54,8 +62,12 @@ class SnapquantLM(HFLM):
     def __init__(self, pretrained: Any, kv_config: str | dict | KVQuantConfig = "snapmla", backend: str = "auto",
                  kernel_options: dict[str, Any] | None = None, generation: str = "auto",
                  gen_batch_size: int | str | None = None, gen_steps: str = "auto", gen_check_every: int | str = 16,
-                 **kwargs: Any) -> None:
+                 loglikelihood: str = "forward", **kwargs: Any) -> None:
         # option checks before the model loads: one line naming the field
+        from .tasks.direct import check_loglikelihood_path
+
+        self.loglikelihood_path = check_loglikelihood_path("loglikelihood", loglikelihood)
+        self._ll_decode = False
         if generation not in GENERATION_PATHS:
             raise ConfigError(f"generation must be one of {', '.join(GENERATION_PATHS)}, got {generation!r}")
         from .generation import STEP_MODES
@@ -131,6 +143,28 @@ class SnapquantLM(HFLM):
             generation_kwargs[self._cache_kwarg] = LatentCache(self.kv_config, self.model)
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        # HFLM.loglikelihood tokenizes (lm-eval's _encode_pair, prefix token for an empty context) and calls
+        # _loglikelihood_tokens; the flag sends that call, and not loglikelihood_rolling's, to the decode path.
+        self._ll_decode = self.loglikelihood_path == "decode"
+        try:
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self._ll_decode = False
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        if not self._ll_decode:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        from .tasks.direct import decode_loglikelihoods
+
+        bs = override_bs or self.batch_size
+        bs = bs if isinstance(bs, int) and bs > 0 else 16  # "auto": continuations of one context per batch
+        res = decode_loglikelihoods(self.model, [(ctx, cont) for _, ctx, cont in requests], bs, self.max_length)
+        for (request_str, _, _), answer in zip(requests, res, strict=True):
+            if request_str is not None:
+                self.cache_hook.add_partial("loglikelihood", request_str, answer)
+        return res
+
     def _decode_loop(self):
         if self._loop is None:
             from .generation import DecodeLoop, graph_reason
@@ -148,6 +182,7 @@ class SnapquantLM(HFLM):
             "snapquant_config": self.kv_config.to_dict(),
             "snapquant_backend": self.kv_backend,
             "snapquant_kernel_options": self.kv_kernel_options,
+            "snapquant_loglikelihood": self.loglikelihood_path,
             "snapquant_generation": {
                 "requested": self.generation,
                 "default_path": self._gen_default[0],

@@ -155,6 +155,8 @@ class LmEvalEvaluator:
                 kw["backend"] = spec.backend
             if spec.kernel_options and "kernel_options" in params:
                 kw["kernel_options"] = spec.kernel_options
+            if spec.loglikelihood != "forward" and "loglikelihood" in params:
+                kw["loglikelihood"] = spec.loglikelihood
         return cls(**kw)
 
     def _run_task(self, lm: Any, task: Any, spec: SweepSpec, progress: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ Shape of a sweep file (every key but `model`, `tasks` and one of `presets`/`grid
     device_map: null               # "auto" for models larger than one GPU
     backend: auto                  # the decode backend: auto | reference | triton | any registered name
     kernel_options: {}             # the decode kernels' knobs, e.g. {num_splits: 8} (see snapquant.patch)
+    loglikelihood: forward         # forward (lm-eval's pass) | decode (read through the quantized cache)
     tasks:
       - sq_code_ppl                # a bare name, or a mapping:
       - {name: sq_passkey, limit: 16, num_fewshot: 0, metric: acc}
@@ -125,6 +126,10 @@ class SweepSpec:
     """The decode kernels' knobs passed to snapquant.patch (empty: the kernels' defaults)."""
     batch_size: int = 8
     max_length: int | None = None
+    loglikelihood: str = "forward"
+    """How SnapquantLM reads loglikelihood (multiple-choice) requests: "forward", lm-eval's one pass (a
+    `prefill: bf16` preset then scores what the unpatched model scores), or "decode", the context
+    prefilled and each continuation teacher-forced through the quantized cache (`snapquant.eval.lm`)."""
     seed: int = 1234
     bootstrap_iters: int = 1000
     """lm-eval's bootstrap iterations for stderr of non-mean metrics (0 disables them)."""
@@ -165,6 +170,8 @@ class SweepSpec:
                                   "max_length", "seed", "tasks", "fidelity", "include_path")}
         if d["kernel_options"]:  # only when set: sweeps written before the key existed keep their cell ids
             keep["kernel_options"] = d["kernel_options"]
+        if d["loglikelihood"] != "forward":  # likewise
+            keep["loglikelihood"] = d["loglikelihood"]
         return stable_hash(keep)[:8]
 
     # ---------------------------------------------------------------- loading
@@ -235,6 +242,7 @@ def _build(d: dict[str, Any], errs: list[str]) -> SweepSpec | None:
         _check_int(errs, k, d.get(k, 1), minimum=0 if k != "batch_size" else 1)
     if d.get("max_length") is not None:
         _check_int(errs, "max_length", d["max_length"], minimum=1)
+    _check_choice(errs, "loglikelihood", d.get("loglikelihood", "forward"), ("forward", "decode"))
     for k in ("model_kwargs",):
         if not isinstance(d.get(k, {}), dict):
             errs.append(f"{k}: expected a mapping")
@@ -263,7 +271,7 @@ def _build(d: dict[str, Any], errs: list[str]) -> SweepSpec | None:
         model=model, tasks=tasks, presets=presets, grid=grid, name=name, tokenizer=d.get("tokenizer"),
         dtype=d.get("dtype", "auto"), device=device, device_map=dm, model_kwargs=dict(d.get("model_kwargs") or {}),
         backend=d.get("backend"), kernel_options=kernel_options, batch_size=d.get("batch_size", 8),
-        max_length=d.get("max_length"),
+        max_length=d.get("max_length"), loglikelihood=d.get("loglikelihood", "forward"),
         seed=d.get("seed", 1234), bootstrap_iters=d.get("bootstrap_iters", 1000), baseline=baseline,
         include_path=tuple(str(Path(p).resolve()) for p in include), fidelity=fidelity,
         allow_code_execution=d.get("allow_code_execution", False), output_dir=d.get("output_dir"),

@@ -2,7 +2,10 @@
 
 The trainer uses this on the GPU machine, which has no lm-eval; `tests/test_tasks_lmeval.py`
 checks that it agrees with the lm-eval tasks on the same model. Greedy decoding, left padding;
-multiple choice by summed choice loglikelihoods (`choice_loglikelihoods`), as lm-eval's HFLM.
+multiple choice by summed choice loglikelihoods (`choice_loglikelihoods`), as lm-eval's HFLM
+(`through="forward"`), or read through the cache one decode step at a time as serving reads it
+(`through="decode"`, `decode_loglikelihoods`: on a patched model the only path on which a
+`prefill: bf16` preset's quantized cache can change a loglikelihood).
 """
 
 from __future__ import annotations
@@ -16,7 +19,19 @@ import torch
 
 from ...data.tokenizer import encode_text
 from ...errors import ConfigError
+from ...models.stepping import cache_kwarg, decode_step, output_cache
 from . import sq_utils
+
+# How a loglikelihood is computed: "forward" (lm-eval's HFLM: one forward pass over context + continuation,
+# no cache) or "decode" (prefill the context into the cache, then one teacher-forced decode step per
+# continuation token, each reading the cache in the patched preset's format).
+LOGLIKELIHOOD_PATHS = ("forward", "decode")
+
+
+def check_loglikelihood_path(name: str, value) -> str:
+    if value not in LOGLIKELIHOOD_PATHS:
+        raise ConfigError(f"{name} must be one of {', '.join(LOGLIKELIHOOD_PATHS)}, got {value!r}")
+    return value
 
 
 def _stop(text: str, stops: Sequence[str]) -> str:
@@ -73,9 +88,15 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 
 @torch.no_grad()
 def choice_loglikelihoods(model, tokenizer, contexts: Sequence[str], choices: Sequence[Sequence[str]],
-                          batch_size: int = 16, share_context: bool | None = None) -> list[list[float]]:
+                          batch_size: int = 16, share_context: bool | None = None,
+                          through: str = "forward") -> list[list[float]]:
     """Sum of the log-probabilities of each choice's tokens given its context (lm-eval's loglikelihood
     requests of a multiple_choice task, target_delimiter ""): one list per context, one value per choice.
+
+    `through="decode"` reads the cache as serving does (`decode_loglikelihoods`: the context prefilled
+    once, its choices teacher-forced one decode step at a time in batches of `batch_size`); on a patched
+    model the decode steps read the quantized cache. `share_context` is the forward path's option
+    (ConfigError with "decode"). The rest of this docstring is the forward path (the default).
 
     `share_context=False` is lm-eval's HFLM computation: one forward pass per (context, choice) over the
     context and the choice's tokens but the last, right-padded batches of `batch_size`, no cache, the
@@ -91,6 +112,14 @@ def choice_loglikelihoods(model, tokenizer, contexts: Sequence[str], choices: Se
 
     if len(contexts) != len(choices):
         raise ValueError(f"{len(contexts)} contexts but {len(choices)} choice lists")
+    check_loglikelihood_path("through", through)
+    if through == "decode":
+        if share_context is not None:
+            raise ConfigError("share_context applies to through='forward' only (decode always prefills each "
+                              "context once)")
+        pairs = [encode_pair(tokenizer, c, x) for c, xs in zip(contexts, choices, strict=True) for x in xs]
+        flat = iter(decode_loglikelihoods(model, pairs, batch_size))
+        return [[next(flat)[0] for _ in xs] for xs in choices]
     if share_context is None:
         share_context = not is_patched(model)
     elif share_context and is_patched(model):
@@ -123,10 +152,96 @@ def choice_loglikelihoods(model, tokenizer, contexts: Sequence[str], choices: Se
     return out
 
 
-def _shared_context_lls(model, ctx: list[int], conts: list[list[int]], device) -> list[float]:
+@torch.no_grad()
+def decode_loglikelihoods(model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int = 16,
+                          max_length: int | None = None) -> list[tuple[float, bool]]:
+    """(loglikelihood, is_greedy) of each (context tokens, continuation tokens) pair, read as serving reads
+    it: prefill the context (which writes the cache, in the patched preset's format on a patched model),
+    then feed the continuation one token per decode step (teacher forcing; each step's attention reads
+    the cache of everything before it). The first continuation token's log-prob comes from the prefill's
+    last logits, token j's from the step that consumed token j - 1. `is_greedy`: every continuation token
+    is its position's argmax (lm-eval's second value).
+
+    Pairs with the same context tokens share one prefill: their continuations run as one right-padded
+    batch of up to `batch_size` rows on copies of the prefilled cache (a row only ever attends to its own
+    earlier tokens, so the padding after a short continuation is never read; every row steps at the same
+    position). A longer group is prefilled again per batch. As lm-eval, context + continuation is
+    left-truncated to `max_length` + 1 tokens (default the model's max_position_embeddings). On an
+    unpatched model this equals lm-eval's forward path up to float rounding.
+    """
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size!r}")
+    device = next(model.parameters()).device
+    max_len = max_length or model.config.max_position_embeddings
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (ctx, cont) in enumerate(pairs):
+        if not cont or len(cont) > max_len:
+            raise ValueError(f"pair {i}: a continuation of {len(cont)} tokens (must be 1..{max_len})")
+        ctx = tuple(ctx)[-(max_len + 1 - len(cont)):]  # lm-eval's left truncation of context + continuation
+        if not ctx:
+            raise ValueError(f"pair {i}: empty context (lm-eval conditions an empty context on a prefix token)")
+        groups.setdefault(ctx, []).append(i)
+    out: list[tuple[float, bool]] = [(math.nan, False)] * len(pairs)
+    for ctx, idx in groups.items():
+        idx = sorted(idx, key=lambda i: -len(pairs[i][1]))  # longest first: tight padding per batch
+        for b in range(0, len(idx), batch_size):
+            chunk = idx[b:b + batch_size]
+            for i, res in zip(chunk, _decode_chunk(model, list(ctx), [list(pairs[i][1]) for i in chunk], device),
+                              strict=True):
+                out[i] = res
+    return out
+
+
+def _fresh_cache(model):
+    """The cache a serving call starts from: the patch's LatentCache on a patched model (as `generate`
+    builds it), HF's DynamicCache otherwise."""
     from transformers.cache_utils import DynamicCache
 
-    from ...models.stepping import cache_kwarg
+    from ...cache import LatentCache
+    from ...patching import patch_state
+
+    state = patch_state(model)
+    if state is None:
+        return DynamicCache(config=model.config)
+    return LatentCache(state.config, model, joint_rows=state.backend == "flashmla")
+
+
+def _decode_chunk(model, ctx: list[int], conts: list[list[int]], device) -> list[tuple[float, bool]]:
+    cache = _fresh_cache(model)
+    out = model(input_ids=torch.tensor([ctx], device=device), use_cache=True, **{cache_kwarg(model): cache})
+    cache = _returned(out, cache)
+    first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+    lls = [first[x[0]].item() for x in conts]
+    greedy = [int(first.argmax()) == x[0] for x in conts]
+    width = max(len(x) for x in conts) - 1
+    if width == 0:
+        return list(zip(lls, greedy, strict=True))
+    ids = torch.zeros((len(conts), width + 1), dtype=torch.long)  # right-padded continuations
+    for r, x in enumerate(conts):
+        ids[r, :len(x)] = torch.tensor(x)
+    ids = ids.to(device)
+    lens = torch.tensor([len(x) for x in conts], device=device)
+    total = torch.zeros(len(conts), dtype=torch.float64, device=device)
+    hits = torch.ones(len(conts), dtype=torch.bool, device=device)
+    cache.batch_repeat_interleave(len(conts))
+    for t in range(width):  # the step consuming continuation token t predicts token t + 1
+        step = decode_step(model, ids[:, t:t + 1], len(ctx) + t, cache)
+        cache = _returned(step, cache)
+        logp = torch.log_softmax(step.logits[:, -1].float(), dim=-1)
+        live = lens > t + 1
+        target = ids[:, t + 1]
+        total += torch.where(live, logp.gather(1, target[:, None])[:, 0].double(), 0.0)
+        hits &= ~live | (logp.argmax(-1) == target)
+    return [(lls[r] + float(total[r]), greedy[r] and bool(hits[r])) for r in range(len(conts))]
+
+
+def _returned(out, cache):
+    new = output_cache(out)
+    return cache if new is None else new
+
+
+def _shared_context_lls(model, ctx: list[int], conts: list[list[int]], device) -> list[float]:
+    from transformers.cache_utils import DynamicCache
 
     kw = cache_kwarg(model)
     cache = DynamicCache(config=model.config)
@@ -150,11 +265,12 @@ def _shared_context_lls(model, ctx: list[int], conts: list[list[int]], device) -
 
 
 def score_completion_mc(model, tokenizer, num_samples: int = 200, seed: int = sq_utils.DEFAULT_SEED,
-                        batch_size: int = 16, **knobs) -> dict:
-    """sq_code_completion_mc's acc and acc_norm (`knobs`: task metadata names, as in its YAML)."""
+                        batch_size: int = 16, through: str = "forward", **knobs) -> dict:
+    """sq_code_completion_mc's acc and acc_norm (`knobs`: task metadata names, as in its YAML; `through`:
+    see `choice_loglikelihoods`)."""
     rows = sq_utils.completion_mc_rows(seed, num_samples, **sq_utils.completion_mc_knobs(knobs))
     lls = choice_loglikelihoods(model, tokenizer, [r["context"] for r in rows], [r["choices"] for r in rows],
-                                batch_size)
+                                batch_size, through=through)
     acc = [float(mc_pick(ll) == r["gold"]) for r, ll in zip(rows, lls, strict=True)]
     norm = [float(mc_pick(ll, r["choices"]) == r["gold"]) for r, ll in zip(rows, lls, strict=True)]
     return {"sq_code_completion_mc": sum(acc) / len(acc), "sq_code_completion_mc_norm": sum(norm) / len(norm)}
@@ -186,8 +302,10 @@ def kv_task_name(length: int) -> str:
 
 def score_passkey(model, tokenizer, lengths: Sequence[int] = (1024, 2048, 4096), num_samples: int = 4,
                   seed: int = sq_utils.DEFAULT_SEED, tokenizer_path: str | None = None, haystack: str = "repeat",
-                  batch_size: int = 16) -> dict:
-    rows = sq_utils.passkey_rows(list(lengths), seed, num_samples, tokenizer_path, haystack)
+                  batch_size: int = 16, digits: int = sq_utils.PASSKEY_DIGITS,
+                  distractors: int = sq_utils.PASSKEY_DISTRACTORS) -> dict:
+    rows = sq_utils.passkey_rows(list(lengths), seed, num_samples, tokenizer_path, haystack,
+                                 **sq_utils.passkey_knobs({"passkey_digits": digits, "passkey_distractors": distractors}))
     preds = greedy_generate(model, tokenizer, [r["prompt"] for r in rows], sq_utils.ANSWER_RESERVE,
                             ["\n", "."], batch_size)
     name = "sq_passkey" if haystack == "repeat" else "sq_passkey_code"

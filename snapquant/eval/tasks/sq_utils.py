@@ -12,7 +12,7 @@ with `TaskManager(metadata=...)`, which overrides it) plus the YAML `dataset_kwa
 - difficulty knobs (README "Difficulty knobs"): `kv_digits`, `kv_distractors` (retrieval),
   `completion_prefix`, `completion_words`, `completion_copyable` (code completion; the multiple-choice
   variant takes prefix and copyable with its own defaults, plus `mc_choices`, `mc_distractors`),
-  `passkey_digits`.
+  `passkey_digits`, `passkey_distractors` (pass key).
 Documents are a pure function of (tokenizer, seed, length, index): the same call gives the same docs.
 """
 
@@ -46,6 +46,8 @@ KV_DISTRACTORS = 16
 # defaults: values of the trained lengths, no near misses), for the trainers.
 KV_TRAINING_FORMAT = {"digits": 7, "distractors": 0}
 PASSKEY_DIGITS = 5
+PASSKEY_DISTRACTORS = 0
+PASSKEY_MAX_DIGITS = 20  # the key must fit the answer budget: 20 random digits are at most 14 tokens
 # Metric names the length-keyed YAMLs declare; a length outside them has no metric to land in.
 METRIC_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -372,8 +374,10 @@ def process_exact_match(doc: dict, results: list[str]) -> dict[str, float]:
 # ------------------------------------------------------------------------------------ pass key
 
 def passkey_rows(lengths: list[int], seed: int = DEFAULT_SEED, num_samples: int = 10,
-                 tokenizer: str | None = None, haystack: str = "repeat", digits: int = PASSKEY_DIGITS) -> list[dict]:
-    """`num_samples` questions per (length, depth) pair, depths in PASSKEY_DEPTHS; keys of `digits` digits."""
+                 tokenizer: str | None = None, haystack: str = "repeat", digits: int = PASSKEY_DIGITS,
+                 distractors: int = PASSKEY_DISTRACTORS) -> list[dict]:
+    """`num_samples` questions per (length, depth) pair, depths in PASSKEY_DEPTHS; keys of `digits` digits,
+    `distractors` expired near-miss keys in each haystack (`snapquant.data.synthetic.passkey_example`)."""
     count = token_counter(get_tokenizer(tokenizer))
     lines = None
     if haystack == "code":
@@ -386,17 +390,30 @@ def passkey_rows(lengths: list[int], seed: int = DEFAULT_SEED, num_samples: int 
             for i in range(num_samples):
                 rng = seed_rng("eval", "passkey", haystack, seed, length, depth, i)
                 ex = passkey_example(rng, length - ANSWER_RESERVE, count, depth=depth, haystack=lines,
-                                     digits=digits)
+                                     digits=digits, distractors=distractors)
                 out.append({"index": i, "length": length, **ex})
     # Interleave lengths and depths so that `--limit N` still samples all of them.
     random.Random(f"passkey-order/{seed}").shuffle(out)
     return out
 
 
+def passkey_knobs(metadata: dict[str, Any]) -> dict[str, Any]:
+    """`passkey_rows` difficulty keyword arguments from task metadata, validated (one-line errors naming the key)."""
+    digits = metadata.get("passkey_digits", PASSKEY_DIGITS)
+    if isinstance(digits, bool) or not isinstance(digits, int) or not 1 <= digits <= PASSKEY_MAX_DIGITS:
+        raise ConfigError(f"task metadata passkey_digits={digits!r} must be an int in [1, {PASSKEY_MAX_DIGITS}]")
+    distractors = _nonnegative_int(metadata, "passkey_distractors", PASSKEY_DISTRACTORS)
+    near = 9 * digits - 1  # one-digit neighbours of a key (no leading zero)
+    if distractors > near:
+        raise ConfigError(f"task metadata passkey_distractors={distractors} exceeds the {near} near misses of a "
+                          f"{digits}-digit key (raise passkey_digits)")
+    return {"digits": digits, "distractors": distractors}
+
+
 def passkey_docs(**kwargs: Any):
     return _dataset(passkey_rows(_lengths(kwargs), _int(kwargs, "sq_seed", DEFAULT_SEED),
                                  _int(kwargs, "num_samples", 10), _tokenizer_name(kwargs),
-                                 kwargs.get("haystack", "repeat"), _int(kwargs, "passkey_digits", PASSKEY_DIGITS)))
+                                 kwargs.get("haystack", "repeat"), **passkey_knobs(kwargs)))
 
 
 def _by_length(doc_length: int, score: float) -> dict[str, float]:
