@@ -119,7 +119,7 @@ def build(setting: Setting, n: int, seed: int = sq_utils.DEFAULT_SEED,
                 ['"', "\n"])
     if family in PASSKEY_TASKS:
         knobs = dict(setting.knobs)
-        lengths = sq_utils._lengths(knobs)
+        lengths = sq_utils.task_lengths(knobs)
         per_cell = -(-n // (len(lengths) * len(sq_utils.PASSKEY_DEPTHS)))  # the first n of the shuffled docs
         docs = sq_utils.passkey_rows(lengths, seed, per_cell, tokenizer_path, PASSKEY_TASKS[family],
                                      **sq_utils.passkey_knobs(knobs))[:n]

@@ -107,7 +107,8 @@ def _flag(kwargs: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def _lengths(kwargs: dict[str, Any], default=DEFAULT_LENGTHS) -> list[int]:
+def task_lengths(kwargs: dict[str, Any], default=DEFAULT_LENGTHS) -> list[int]:
+    """The task's `max_seq_lengths` metadata as a list of supported lengths (one int or a list; errors name it)."""
     lengths = kwargs.get("max_seq_lengths", list(default))
     if isinstance(lengths, int):
         lengths = [lengths]
@@ -411,7 +412,7 @@ def passkey_knobs(metadata: dict[str, Any]) -> dict[str, Any]:
 
 
 def passkey_docs(**kwargs: Any):
-    return _dataset(passkey_rows(_lengths(kwargs), _int(kwargs, "sq_seed", DEFAULT_SEED),
+    return _dataset(passkey_rows(task_lengths(kwargs), _int(kwargs, "sq_seed", DEFAULT_SEED),
                                  _int(kwargs, "num_samples", 10), _tokenizer_name(kwargs),
                                  kwargs.get("haystack", "repeat"), **passkey_knobs(kwargs)))
 
@@ -459,7 +460,7 @@ def _ruler_tokenizer_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     kwargs = dict(kwargs)
     kwargs["tokenizer"] = _tokenizer_name(kwargs) or default_tokenizer_path()
     kwargs.setdefault("max_seq_lengths", [4096])
-    kwargs["max_seq_lengths"] = _lengths(kwargs, default=(4096,))
+    kwargs["max_seq_lengths"] = task_lengths(kwargs, default=(4096,))
     return kwargs
 
 
