@@ -187,6 +187,11 @@ def _made_with(log: Path) -> str:
             "`device_call*.log`.")
 
 
+def _span(values) -> str:
+    v = sorted(values)
+    return str(v[0]) if v[0] == v[-1] else f"{v[0]}-{v[-1]}"
+
+
 def _findings(study, ev, an) -> list[str]:
     """What this model can and cannot show, from the study, the task grid and the analyses."""
     L = ["## What this model can and cannot show", ""]
@@ -227,8 +232,10 @@ def _findings(study, ev, an) -> list[str]:
             + ", ".join(f"{k} {_f(r['kl_max'], 2)}" for k, r in rows)
             + f". The bulk of the distribution is at or below the floor; the largest single position "
             f"({_f(worst, 2)}) is {_f(worst / fl['kl_max'], 2)}x the floor's largest; KL grows with the square of a "
-            "logit perturbation, so a 16x larger rounding allows up to ~256x. The fixed tolerance of 1e-3 nats per position is not met at 1-2 of "
-            f"{rows[0][1]['positions']} positions per preset, and the floor itself exceeds it "
+            "logit perturbation, so a 16x larger rounding allows up to ~256x. The fixed tolerance of 1e-3 nats "
+            "per position is not met at "
+            f"{_span(r['positions_over_tolerance'] for _, r in rows)} of {rows[0][1]['positions']} "
+            "positions per preset, and the floor itself exceeds it "
             f"({fl['positions_over_tolerance']} position): it is too tight for a BF16 model, not a kernel error "
             "(the kernels match the reference to the bit or to fp32 rounding at the kernel level: "
             "`scripts/check_kernels_gpu.py`).")

@@ -423,7 +423,7 @@ def setting_length(setting: str) -> int:
     """Context the setting's prompts fill (kv retrieval: its length; code completion: 4000 chars, < 2K tokens)."""
     from snapquant.eval import calibration
 
-    return calibration._kv_length(setting.partition(":")[0]) or 2048
+    return calibration.kv_task_length(setting.partition(":")[0]) or 2048
 
 
 # Difficulty grid: the previous run scored 0 on every default-difficulty kv / passkey task, so the

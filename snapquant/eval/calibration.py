@@ -45,7 +45,7 @@ class Setting:
     def label(self) -> str:
         """Every knob of the task with its value, defaults filled in (so a row survives a changed default)."""
         knobs = dict(self.knobs)
-        family = "sq_kv_retrieval" if _kv_length(self.task) else self.task
+        family = "sq_kv_retrieval" if kv_task_length(self.task) else self.task
         defaults = {"sq_kv_retrieval": {"kv_digits": sq_utils.KV_DIGITS, "kv_distractors": sq_utils.KV_DISTRACTORS},
                     "sq_code_completion": {"completion_prefix": sq_utils.COMPLETION_PREFIX,
                                            "completion_words": sq_utils.COMPLETION_WORDS,
@@ -90,7 +90,8 @@ KNOBS = {"sq_code_completion": {"completion_prefix", "completion_words", "comple
 MULTIPLE_CHOICE = frozenset({"sq_code_completion_mc"})
 
 
-def _kv_length(task: str) -> int | None:
+def kv_task_length(task: str) -> int | None:
+    """Context length of a per-length kv-retrieval task (sq_kv_retrieval_<N>k -> N * 1024), else None."""
     prefix = "sq_kv_retrieval_"
     if task.startswith(prefix) and task[len(prefix):-1].isdigit() and task.endswith("k"):
         return int(task[len(prefix):-1]) * 1024
@@ -103,7 +104,7 @@ def build(setting: Setting, n: int, seed: int = sq_utils.DEFAULT_SEED,
     """(prompts, docs, scorer, max_new_tokens, stop strings) of a setting's first n docs; the scorer
     takes (doc, generation), or for a MULTIPLE_CHOICE task (doc, one loglikelihood per choice), which
     needs no generation budget (0) and no stops."""
-    length = _kv_length(setting.task)
+    length = kv_task_length(setting.task)
     family = "sq_kv_retrieval" if length else setting.task
     if family not in KNOBS:
         raise ConfigError(f"setting task={setting.task!r} is not calibrated here; allowed: sq_code_completion, "
