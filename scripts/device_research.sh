@@ -20,13 +20,14 @@ pack() { tar -czf "$OUT/research_results.tar.gz" -C "$RES" . 2>/dev/null; cp -f 
 trap pack EXIT
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu_call$CALL.txt"
 case "$CALL" in
-  # ~550 s: data (scan + decontaminate + tokenize, ~100 s), 20 s speed measurement, train the planned
-  # steps, then held-out perplexity, the task-difficulty grid and the activation study (~150 s kept).
-  1) timeout 575 python $S data train eval study --state $STATE --out $RES --budget-s 550 --train-later-s 0 \
-       --after-train-s 150 --no-embedded-tasks 2>&1 | tee "$OUT/call1.log" ;;
-  # ~550 s: analyses (eval and study skip when call 1 finished them; each part is saved as it finishes;
-  # what has no time left is logged as skipped).
-  2) timeout 575 python $S eval study analyses --state $STATE --out $RES --budget-s 550 2>&1 | tee "$OUT/call2.log" ;;
+  # ~555 s: data (scan + decontaminate + tokenize, ~60 s), speed measurement, train the planned steps
+  # (2K rows, the last 30% of the steps 8K rows), then held-out perplexity, the task-difficulty grid
+  # and the activation study (~140 s kept).
+  1) timeout 575 python $S data train eval study --state $STATE --out $RES --budget-s 555 --train-later-s 0 \
+       --after-train-s 140 --no-embedded-tasks 2>&1 | tee "$OUT/call1.log" ;;
+  # ~470 s: analyses (agreement, fidelity parts, tasks under FP8, long context; each part is saved as it
+  # finishes; what has no time left is logged as skipped and call 3 resumes it).
+  2) timeout 490 python $S eval study analyses --state $STATE --out $RES --budget-s 470 2>&1 | tee "$OUT/call2.log" ;;
   # ~490 s: resume the analyses (a rerun continues where call 2 stopped), card and figures.
   3) timeout 575 python $S analyses --state $STATE --out $RES --budget-s 550 2>&1 | tee "$OUT/call3.log" ;;
   *) echo "unknown call $CALL (1, 2 or 3)"; exit 2 ;;

@@ -24,6 +24,10 @@ def test_research_model_smoke(tmp_path):
         assert (out / name).is_file(), name
     an = json.loads((out / "analyses.json").read_text())
     assert an["complete"], sorted(an["parts"])
+    cur = json.loads((out / "training_info.json").read_text())["curriculum"]
+    assert cur["short_seq_len"] == 256 and 0 < cur["long_from_step"] <= 8, cur  # both row lengths trained
+    tasks = json.loads((out / "eval.json").read_text())["models"]["research"]["tasks"]
+    assert {"sq_code_completion_mc", "sq_passkey:passkey_digits=5,passkey_distractors=0,max_seq_lengths=512"} <= set(tasks)
     assert an["parts"]["agreement"]["ran"] is False  # no CUDA here: said so, not skipped silently
     # Resumable: a second run skips every finished stage.
     res2 = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={"PYTHONPATH": str(ROOT),
@@ -40,3 +44,16 @@ def test_research_model_smoke(tmp_path):
 
 def test_device_script_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "device_research.sh")]).returncode == 0
+
+
+def test_length_curriculum_plan_fills_the_time():
+    """The planned steps spend exactly the measured time: short steps then the long share at its cost."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from train_research_model import RESEARCH_ARCH, plan_steps, step_cost
+
+    kappa = step_cost(RESEARCH_ARCH, 229_000_000, 8192) / step_cost(RESEARCH_ARCH, 229_000_000, 2048)
+    assert 1.2 < kappa < 3.0  # attention is a large but not dominant share of an 8K row's cost
+    for done, units, f in ((5, 1000.0, 0.3), (0, 400.0, 0.5), (40, 10.0, 0.0)):
+        total = plan_steps(done, units, f, kappa)
+        spent = ((1 - f) * total - done) + f * total * kappa
+        assert units - 2 * kappa <= spent <= units + 1e-9, (done, units, f, total, spent)
