@@ -182,9 +182,13 @@ def _made_with(log: Path) -> str:
             start = rec
     if not start:
         return ""
-    return (f"Made on {start.get('hardware', '?')} at commit {str(start.get('commit', '?'))[:7]} (torch "
-            f"{start.get('torch', '?')}, transformers {start.get('transformers', '?')}); the device logs are "
+    # provenance.json, when present, corrects the commit a device recorded (see its note).
+    prov = log.parent / "provenance.json"
+    fix = json.loads(prov.read_text()) if prov.is_file() else {}
+    made = (f"Made on {start.get('hardware', '?')} at commit {str(fix.get('commit', start.get('commit', '?')))[:7]} "
+            f"(torch {start.get('torch', '?')}, transformers {start.get('transformers', '?')}); the device logs are "
             "`device_call*.log`.")
+    return made + (f" {fix['note']}" if fix.get("note") else "")
 
 
 def _span(values) -> str:
