@@ -7,7 +7,8 @@
 #   3. the end-to-end decode step (8 layers at DeepSeek-V2-Lite attention dims, CUDA graphs): snapmla on the
 #      Triton kernels vs the bf16 preset on FlashMLA, at batch 32 / 32K and at a 16 GiB KV-cache budget (each
 #      at the largest batch that fits).
-#   SNAPQUANT_GIT_COMMIT=$(git rev-parse HEAD) bash scripts/device_anchor.sh
+#   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out where the tree is committed> bash scripts/device_anchor.sh
+# (a copied checkout can carry git metadata older than its files, so `git rev-parse` there may name the wrong commit)
 # Without a wheel (or FlashMLA installed otherwise) the benchmarks run and their FlashMLA rows say
 # "FlashMLA not installed". Results: results/bench/{decode,bench}_anchor_h200.*, results/bench/e2e_anchor_h200.*;
 # logs in $OUT, everything in $OUT/device_anchor.tar.gz.

@@ -2,7 +2,8 @@
 # The kernels' GPU check in one device call (< 9 minutes on an H200): every kernel against the reference,
 # the GPU test suite, the decode benchmark at the headline shapes (with FlashMLA BF16 rows when its wheel
 # is in .anchors/, see scripts/anchor_env.sh), and the PTX of every default launch.
-#   SNAPQUANT_GIT_COMMIT=$(git rev-parse HEAD) bash scripts/device_check.sh
+#   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out where the tree is committed> bash scripts/device_check.sh
+# (a copied checkout can carry git metadata older than its files, so `git rev-parse` there may name the wrong commit)
 # Logs go to $OUT; the full outputs (kernels_check.*, decode_h200.*, bench_h200.*, PTX) to $OUT/device_check.tar.gz.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
