@@ -5,7 +5,12 @@
 #   bash scripts/device_eval.sh 1      # GPU tests + V2-Lite shape, snapmla
 #   bash scripts/device_eval.sh 2      # V2-Lite shape, bf16
 #   bash scripts/device_eval.sh 3      # V3 shape (as many layers as fit), both presets, batch 32
-# Logs go to $OUT (default /tmp/device_eval) and the results folder.
+#   bash scripts/device_eval.sh 4      # < 560 s: lm-eval from .whl/ if present, GPU tests of the loop, then V2-Lite
+#                                      # shape, bf16 + snapmla: SnapquantLM.generate_until end to end (1K prompts,
+#                                      # 256 new tokens, batch 32 / 128) and decode-loop rows at 1K / 8K / 32K, batch 32
+#   SMOKE=1 bash scripts/device_eval.sh 4   # the same steps on CPU (tiny model, no install), into $OUT only
+# Logs go to $OUT (default /tmp/device_eval) and the results folder; case 4 also packs them into
+# $OUT/device_eval4.tgz.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/device_eval}"
@@ -20,6 +25,31 @@ case "${1:-1}" in
        2>&1 | tee "$OUT/eval_part2.log" | grep -v "^USDT" | tail -30 ;;
   3) timeout 450 python scripts/bench_eval.py --models v3 --batches 32 --contexts 1024,8192 --budget-s 360 \
        2>&1 | tee "$OUT/eval_part3.log" | grep -v "^USDT" | tail -30 ;;
+  4) # lm-eval and datasets are not in the device image: install the wheels carried in .whl/ beside it
+     if [ -z "$SMOKE" ] && ls .whl/*.whl >/dev/null 2>&1; then
+       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+         2>&1 | tail -3
+       # PYTHONPATH comes before site-packages: .whl/ holds only what the image lacks, so nothing is shadowed
+       export PYTHONPATH="$PYTHONPATH:/tmp/site"
+     fi
+     timeout 60 python -c "import lm_eval, lm_eval.evaluator, lm_eval.models.huggingface, datasets, fsspec, pyarrow, \
+huggingface_hub, transformers, torch; import snapquant.eval.lm; print('imports ok: lm_eval', lm_eval.__version__, \
+'datasets', datasets.__version__, 'fsspec', fsspec.__version__, 'pyarrow', pyarrow.__version__, 'hub', \
+huggingface_hub.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)" 2>&1 \
+       | tee "$OUT/imports.txt" | tail -3
+     timeout 100 python -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_generation.py tests/test_graphs.py \
+       2>&1 | tee "$OUT/pytest_gpu_eval4.txt" | tail -4
+     # smoke: the tiny model's own small grid (its defaults), results only in $OUT
+     grid=(--models v2lite --out results/bench/eval_h200 --e2e-batches 32,128 --e2e-prompt 1024 --e2e-new-tokens 256
+           --batches 32 --contexts 1024,8192,32768 --new-tokens 64 --check-tokens 16)
+     [ -n "$SMOKE" ] && grid=(--smoke --out "$OUT/eval_smoke")
+     left=$((530 - SECONDS))  # the whole case ends before 560 s: the last cell may overrun its estimate
+     timeout $((left > 60 ? left - 10 : 50)) python scripts/bench_eval.py "${grid[@]}" --presets bf16,snapmla \
+       --e2e-lmeval --e2e-n-batches 2 --paths loop --budget-s $((left > 120 ? left - 60 : 60)) \
+       2>&1 | tee "$OUT/eval_part4.log" | grep -v "^USDT" | tail -30
+     [ -z "$SMOKE" ] && cp results/bench/eval_h200.* "$OUT"/
+     tar czf "$OUT/device_eval4.tgz" -C "$OUT" --exclude device_eval4.tgz . 2>/dev/null
+     echo "case 4 done in ${SECONDS}s" ;;
 esac
-cp results/bench/eval_h200.* "$OUT"/ 2>/dev/null
+[ -z "$SMOKE" ] && cp results/bench/eval_h200.* "$OUT"/ 2>/dev/null
 exit 0

@@ -15,18 +15,28 @@ EOS disabled (every row runs to the end, both paths do the same steps):
             preallocated cache, experts as grouped GEMMs (snapquant.models.experts), stopping checked
             every 16 steps off the critical path
 
-Per cell: tokens/s = batch x new tokens / decode seconds (decode = after the first token: HF's per-step
+Per cell: tokens/s = batch x (new tokens - 1) / decode seconds (decode = after the first token: HF's per-step
 times from a streamer callback, the loop's from its own timer; capture excluded, reported apart), the
-median step time, the split of one step into attention / experts / the rest (GPU kernel time under
-torch.profiler of the uncaptured fixed-shape step, each module's kernels attributed by a
-record_function range; the rest is norms, projections, router, LM head), and peak memory. Before
-timing, per model and preset: the first two selections' logits and the greedy tokens of the loop
-against HF generate from the same cache (max |logit diff| / max |logit|; the fraction of rows whose
-first token agrees; the mean length of the agreeing prefix over the new tokens).
+median step time, peak memory, and for loop cells an eager step split (`eager_step_split`): the same
+fixed-shape step run uncaptured, timed whole and at every attention / routed-experts module boundary
+(CUDA events or perf_counter from forward hooks), with `split_sum_over_step` checking that the parts add
+up to the unhooked step. It is the eager step's split, not the graph step's. Before timing, per model
+and preset: the first two selections' logits and the greedy tokens of the loop against HF generate from
+the same cache (max |logit diff| / max |logit|; the fraction of rows whose first token agrees; the mean
+length of the agreeing prefix over the new tokens).
+
+`--e2e-lmeval` first runs, per preset and batch in `--e2e-batches`, `--e2e-n-batches` batches of synthetic
+gsm8k-like lm-eval Instances (`--e2e-prompt`-token prompts of a word-level tokenizer, lm-eval's gsm8k stop
+strings, greedy, max_gen_toks = `--e2e-new-tokens`) through `SnapquantLM.generate_until`, the call lm-eval's
+evaluator makes: rows with path `lmeval` give tokens/s over the whole call (prefill, decode, stopping,
+lm-eval's tokenization and post-processing), the path each batch took (decode loop or HF generate), and
+a gsm8k-sized cell (1319 prompts) projected from the measured batch times, with cells per hour. From the
+ok loop rows the output also derives how many requests of each preset fit the GPU's memory beside the
+weights (`capacity`).
 
 Every section is bounded: cells whose cache would not fit are skipped (status `skip: memory`), and no
-new cell starts after `--budget-s` seconds (status `skip: budget`); results are written after every
-cell (CSV + Markdown + JSON, atomically) and merged with the rows already in `--out` by key, so a
+new cell starts that would end (by a rough per-cell estimate) after `--budget-s` seconds (status `skip:
+budget`); results are written after every cell (CSV + Markdown + JSON, atomically) and merged with the rows already in `--out` by key, so a
 sweep split over several calls accumulates in one table. `--smoke` runs the same plumbing on CPU with
 a tiny model in seconds (the loop's fixed-shape steps uncaptured).
 """
@@ -38,10 +48,12 @@ import csv
 import io
 import itertools
 import json
+import math
 import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +63,10 @@ from ..atomic import atomic_write_json, atomic_write_text
 from ..models.stepping import cache_kwarg
 
 COLUMNS = ("model", "layers", "preset", "batch", "context", "path", "new_tokens", "tokens_per_s", "step_ms",
-           "attention_ms", "experts_ms", "rest_ms", "kernel_ms", "split_clock", "prefill_s", "capture_s",
-           "peak_gib", "cache_gib", "experts", "status")
+           "eager_step_ms", "eager_attention_ms", "eager_experts_ms", "eager_rest_ms", "split_sum_over_step",
+           "split_clock", "prefill_s", "capture_s", "peak_gib", "cache_gib", "weights_gib", "experts",
+           "steady_tokens_per_s", "gen_tokens", "batches", "cell_1319_s", "cells_per_hour", "gen_path", "status")
+E2E_PATH = "lmeval"  # the `path` of rows timed through SnapquantLM.generate_until
 KEY = ("model", "preset", "batch", "context", "path")
 V2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
                num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64,
@@ -188,63 +202,221 @@ def run_cell(model, preset: str, batch: int, context: int, path: str, new_tokens
     return out
 
 
-def step_split(model, preset: str, batch: int, context: int, steps: int = 3) -> dict[str, float]:
-    """ms per fixed-shape (uncaptured) decode step in attention / experts / the rest: GPU kernel time on
-    CUDA, CPU time elsewhere, attributed by record_function ranges around each module."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+class _Clock:
+    """Timestamps in stream order: CUDA events recorded on the current stream (GPU time, including any idle
+    gap while the stream waits for the host to launch the next kernel), or `time.perf_counter` on CPU."""
 
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self, a: Any, b: Any) -> float:
+        return float(a.elapsed_time(b)) if self.cuda else (b - a) * 1e3
+
+
+def split_intervals(marks: list[tuple[str, str, Any]], ms) -> dict[str, float]:
+    """Milliseconds per region from `marks` [(kind, label, timestamp)], kind 'enter' / 'exit' / 'mark',
+    in the order they were recorded: every interval between two consecutive marks goes to the innermost
+    region open at its start, or to 'rest'. The intervals tile [first mark, last mark], so the regions add
+    up to the whole by construction and nested regions are never counted twice."""
+    out: dict[str, float] = {"rest": 0.0}
+    stack: list[str] = []
+    for (kind, label, t0), (_, _, t1) in itertools.pairwise(marks):
+        if kind == "enter":
+            stack.append(label)
+        elif kind == "exit":
+            if not stack or stack[-1] != label:
+                raise ValueError(f"exit {label!r} does not close the innermost open region {stack[-1:]}")
+            stack.pop()
+        region = stack[-1] if stack else "rest"
+        out[region] = out.get(region, 0.0) + ms(t0, t1)
+    return out
+
+
+def eager_step_split(model, preset: str, batch: int, context: int, steps: int = 5) -> dict[str, Any]:
+    """The uncaptured fixed-shape decode step (DecodeGraph(capture=False): the step the CUDA graph records,
+    run eagerly) timed whole and split into MLA attention modules / routed-experts modules / the rest (norms,
+    projections, router, shared experts, LM head).
+
+    Forward pre/post hooks on those modules put a timestamp (`_Clock`: CUDA events on the stream, or
+    perf_counter on CPU) at every module boundary; `split_intervals` gives each interval to the region it
+    lies in. Medians over `steps` steps. `split_sum_over_step` = (attention + experts + rest) of the hooked
+    steps / the median of the same step timed without hooks: near 1 when the hooks neither double count
+    nor slow the step. This is an eager step: on the GPU it includes the launch gaps the CUDA graph removes,
+    so it is longer than the graph's `step_ms`; read it as where an eager step's time goes, not as a split of
+    the graph step."""
     from ..cache import LatentCache
     from ..graphs import DecodeGraph
     from ..models.experts import decode_experts, expert_modules
     from ..models.registry import find_mla_modules
 
     dev = next(model.parameters()).device
-    cuda = dev.type == "cuda"
-    cache = fill_cache(LatentCache(preset, model, max_cache_len=context + steps + 8), model, batch, context)
-    ranges: list = []
+    clock = _Clock(dev.type == "cuda")
+    cache = fill_cache(LatentCache(preset, model, max_cache_len=context + 2 * steps + 8), model, batch, context)
+    ids = torch.full((batch, 1), 5, dtype=torch.long, device=dev)
+    marks: list[tuple[str, str, Any]] = []
     hooks = []
 
-    def wrap(mod, name):
-        hooks.append(mod.register_forward_pre_hook(lambda *a: ranges.append(record_function(name).__enter__())))
-        hooks.append(mod.register_forward_hook(lambda *a: ranges.pop().__exit__(None, None, None)))
+    def wrap(mod, label: str) -> None:
+        hooks.append(mod.register_forward_pre_hook(lambda *a: marks.append(("enter", label, clock.mark()))))
+        hooks.append(mod.register_forward_hook(lambda *a: marks.append(("exit", label, clock.mark()))))
 
-    for _, m, _ in find_mla_modules(model):
-        wrap(m, "sq_attention")
-    for m in expert_modules(model):
-        wrap(m, "sq_experts")
-    ids = torch.full((batch, 1), 5, dtype=torch.long, device=dev)
-    try:
-        with decode_experts(model), torch.no_grad():
-            graph = DecodeGraph(model, cache, capture=False)
+    plain: list[float] = []
+    parts: list[dict[str, float]] = []
+    with decode_experts(model), torch.no_grad():
+        graph = DecodeGraph(model, cache, capture=False)
+        for _ in range(2):  # warm-up: kernel selection, allocator
             graph.step(ids)
             graph.rewind(1)
+        _sync(dev)
+        # plain and hooked steps alternate, so that drift (clocks, a shared host) hits both alike
+        for _ in range(steps):
+            a = clock.mark()
+            graph.step(ids)
+            b = clock.mark()
             _sync(dev)
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            with profile(activities=acts) as prof:
-                for _ in range(steps):
-                    with record_function("sq_step"):
-                        graph.step(ids)
-                        _sync(dev)
-                    graph.rewind(1)
-    finally:
-        for h in hooks:
-            h.remove()
+            plain.append(clock.ms(a, b))
+            graph.rewind(1)
+            try:
+                for _, m, _ in find_mla_modules(model):
+                    wrap(m, "attention")
+                for m in expert_modules(model):
+                    wrap(m, "experts")
+                marks.clear()
+                marks.append(("mark", "start", clock.mark()))
+                graph.step(ids)
+                marks.append(("mark", "end", clock.mark()))
+                _sync(dev)
+            finally:
+                for h in hooks:
+                    h.remove()
+                hooks.clear()
+            split = split_intervals(marks, clock.ms)
+            split["hooked"] = clock.ms(marks[0][2], marks[-1][2])
+            parts.append(split)
+            graph.rewind(1)
+    del graph, cache
 
-    def total(evt, self_time: bool) -> float:
-        if cuda:
-            name = "self_device_time_total" if self_time else "device_time_total"
-            alt = "self_cuda_time_total" if self_time else "cuda_time_total"
-            return float(getattr(evt, name, getattr(evt, alt, 0.0)))
-        return float(evt.self_cpu_time_total if self_time else evt.cpu_time_total)
+    def med(key: str) -> float:
+        return statistics.median(p.get(key, 0.0) for p in parts)
 
-    avg = prof.key_averages()
-    by_name = {e.key: total(e, False) for e in avg}
-    # CUDA: every kernel's own time; CPU: the step range's time (ops nest, their self times would miss Python)
-    kernels = sum(total(e, True) for e in avg) if cuda else by_name.get("sq_step", 0.0)
-    att, exp = by_name.get("sq_attention", 0.0), by_name.get("sq_experts", 0.0)
-    ms = 1e-3 / steps
-    return {"attention_ms": att * ms, "experts_ms": exp * ms, "rest_ms": max(kernels - att - exp, 0.0) * ms,
-            "kernel_ms": kernels * ms, "split_clock": "gpu kernels" if cuda else "cpu"}
+    step = statistics.median(plain)
+    att, exp, rest = med("attention"), med("experts"), med("rest")
+    return {"eager_step_ms": step, "eager_attention_ms": att, "eager_experts_ms": exp, "eager_rest_ms": rest,
+            "eager_hooked_ms": med("hooked"), "split_sum_over_step": (att + exp + rest) / step if step > 0 else None,
+            "split_clock": "cuda events" if clock.cuda else "cpu perf_counter"}
+
+
+# ---------------------------------------------------------------------------------------------- e2e
+GSM8K_UNTIL = ("Question:", "</s>", "<|im_end|>")  # lm-eval's gsm8k stop strings
+GSM8K_TEST = 1319  # prompts in gsm8k's test split: one sweep cell's generation
+
+
+def synthetic_tokenizer(vocab: int):
+    """A word-level fast tokenizer over exactly `vocab` ids, built offline: <pad> <s> </s> <unk>, the stop
+    strings of `GSM8K_UNTIL` as ordinary words (so a random-weight model can emit them and the stopping rules
+    see real matches), then w6, w7, ...; a prompt of n words encodes to n tokens and every id decodes to one word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>", "<unk>", *[u for u in GSM8K_UNTIL if u != "</s>"]]
+    words += [f"w{i}" for i in range(len(words), vocab)]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", model_max_length=1 << 20)
+
+
+def e2e_requests(tokenizer, n: int, prompt_len: int, max_gen_toks: int, seed: int = 3) -> list:
+    """`n` lm-eval generate_until Instances as gsm8k's config makes them: a `prompt_len`-token prompt of
+    random words, until = `GSM8K_UNTIL`, greedy (do_sample false, temperature 0), max_gen_toks."""
+    from lm_eval.api.instance import Instance
+
+    g = torch.Generator().manual_seed(seed)
+    first = 3 + len(GSM8K_UNTIL)  # no stop word and no special token inside a prompt
+    ids = torch.randint(first, len(tokenizer), (n, prompt_len), generator=g).tolist()
+    kwargs = {"until": list(GSM8K_UNTIL), "do_sample": False, "temperature": 0.0, "max_gen_toks": max_gen_toks}
+    return [Instance("generate_until", {}, (tokenizer.decode(row), dict(kwargs)), i, doc_id=i, task_name="synthetic")
+            for i, row in enumerate(ids)]
+
+
+def project_cell(first_s: float, steady_batch_s: float, batch: int, prompts: int = GSM8K_TEST) -> float:
+    """Seconds of one sweep cell's generation over `prompts` requests: the first batch (capture, warm-up)
+    as measured, every further batch (the last one partial, costed as a full one: a step costs nearly the
+    same at any batch) at the measured steady batch time."""
+    return first_s + max(math.ceil(prompts / batch) - 1, 0) * steady_batch_s
+
+
+def run_e2e(model, tokenizer, preset: str, batch: int, n_batches: int, prompt_len: int, new_tokens: int,
+            backend: str, generation: str = "auto", gen_steps: str = "auto") -> dict[str, Any]:
+    """`n_batches` x `batch` synthetic gsm8k-like requests through `SnapquantLM.generate_until` (what lm-eval's
+    evaluator calls: tokenization, left-padded batches, prefill, decode, stopping, post-processing), timed
+    per batch; the model must be unpatched (SnapquantLM patches it) and is left patched with `preset`."""
+    from ..eval.lm import SnapquantLM
+
+    dev = next(model.parameters()).device
+    lm = SnapquantLM(pretrained=model, tokenizer=tokenizer, kv_config=preset, backend=backend, batch_size=batch,
+                     device=str(dev), generation=generation, gen_steps=gen_steps)
+    batches: list[dict[str, Any]] = []
+    loop_seconds: list[dict[str, Any]] = []
+    inner = lm._model_generate
+
+    def timed(context, max_length, stop, **kw):  # instance attribute: this LM only
+        _sync(dev)
+        t = time.perf_counter()
+        seq = inner(context, max_length, stop, **kw)
+        _sync(dev)
+        batches.append({"start": t, "end": time.perf_counter(), "rows": int(context.shape[0]),
+                        "prompt": int(context.shape[1]), "new": int(seq.shape[1] - context.shape[1])})
+        return seq
+
+    lm._model_generate = timed
+    loop = None
+    if lm.generation_default[0] == "loop":
+        loop = lm.decode_loop()
+        loop_generate = loop.generate
+
+        def recorded(*a, **kw):
+            res = loop_generate(*a, **kw)
+            loop_seconds.append(dict(res.seconds, steps=res.steps))
+            return res
+
+        loop.generate = recorded
+    reqs = e2e_requests(tokenizer, batch * n_batches, prompt_len, new_tokens)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    texts = lm.generate_until(reqs, disable_tqdm=True)
+    t1 = time.perf_counter()
+    assert len(texts) == len(reqs)
+    info = lm.get_model_info()["snapquant_generation"]
+    if loop is not None:
+        loop.release()  # its kept cache and graph
+    del lm, loop
+    tokens = [b["rows"] * b["new"] for b in batches]
+    steady = batches[1:] or batches
+    steady_s = (t1 - steady[0]["start"]) if len(batches) > 1 else (t1 - t0)  # includes lm-eval's own work
+    steady_batch_s = steady_s / len(steady)
+    first_s = (batches[1]["start"] - t0) if len(batches) > 1 else (t1 - t0)
+    cell_s = project_cell(first_s, steady_batch_s, batch)
+    paths = "; ".join(f"{b['path']} x{b['count']} ({b['reason']})" for b in info["batches"])
+    out: dict[str, Any] = {
+        "tokens_per_s": sum(tokens) / (t1 - t0), "steady_tokens_per_s": sum(tokens[-len(steady):]) / steady_s,
+        "gen_tokens": statistics.mean(b["new"] for b in batches), "gen_path": f"{paths}; steps={info['steps']}",
+        "cell_1319_s": cell_s, "cells_per_hour": 3600.0 / cell_s, "total_s": t1 - t0, "batches": len(batches),
+        "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
+    if loop_seconds:
+        later = loop_seconds[1:] or loop_seconds
+        out["prefill_s"] = statistics.mean(x["prefill"] for x in later)
+        out["capture_s"] = loop_seconds[0].get("capture", 0.0)
+        out["step_ms"] = statistics.mean(x["decode"] / max(x["steps"], 1) for x in later) * 1e3
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -264,11 +436,52 @@ def check_paths(model, preset: str, batch: int, context: int, new_tokens: int, s
 
 
 # ---------------------------------------------------------------------------------------------- output
+# Step-split columns of earlier versions (torch.profiler ranges): they added up to 10-20x the step, so they
+# are dropped from merged rows rather than shown beside the validated split.
+LEGACY_SPLIT = ("attention_ms", "experts_ms", "rest_ms", "kernel_ms")
+
+
+def _clean(row: dict) -> dict:
+    row = {k: v for k, v in row.items() if k not in LEGACY_SPLIT}
+    if row.get("split_clock") == "gpu kernels":
+        row.pop("split_clock")
+    return row
+
+
 def _merge(old: list[dict], new: list[dict]) -> list[dict]:
-    keyed = {tuple(str(r.get(k)) for k in KEY): r for r in old}
+    keyed = {tuple(str(r.get(k)) for k in KEY): _clean(r) for r in old}
     for r in new:
         keyed[tuple(str(r.get(k)) for k in KEY)] = r
     return list(keyed.values())
+
+
+def capacity(rows: list[dict], memory_gib: float | None) -> list[dict]:
+    """Per (model, context, batch) with an ok decode-loop row for a preset: the largest batch whose weights +
+    per-request memory fit `memory_gib`, two ways: 'peak' counts everything the measured peak holds beyond the
+    weights as per request (conservative), 'cache' counts only the cache bytes per request (the rest of the
+    measured peak as fixed); with each preset's ratio to bf16's, and the decode tokens/s ratio to bf16 at the
+    measured batch."""
+    if not memory_gib:
+        return []
+    ok = [r for r in rows if r.get("path") == "loop" and r.get("status") == "ok" and r.get("peak_gib")
+          and r.get("weights_gib") and r.get("cache_gib")]
+    out = []
+    for r in sorted(ok, key=lambda r: (r["model"], int(r["context"]), int(r["batch"]), r["preset"])):
+        B, peak, w, cache = int(r["batch"]), float(r["peak_gib"]), float(r["weights_gib"]), float(r["cache_gib"])
+        per_peak, per_cache = (peak - w) / B, cache / B
+        fixed = peak - w - cache
+        out.append({"model": r["model"], "context": int(r["context"]), "batch": B, "preset": r["preset"],
+                    "tokens_per_s": r.get("tokens_per_s"), "memory_gib": memory_gib, "per_request_gib_peak": per_peak,
+                    "per_request_gib_cache": per_cache,
+                    "max_batch_peak": int(max(memory_gib - w, 0) // per_peak) if per_peak > 0 else None,
+                    "max_batch_cache": int(max(memory_gib - w - fixed, 0) // per_cache) if per_cache > 0 else None})
+    for c in out:
+        base = next((x for x in out if (x["model"], x["context"], x["batch"], x["preset"]) ==
+                     (c["model"], c["context"], c["batch"], "bf16")), None)
+        for k in ("max_batch_peak", "max_batch_cache", "tokens_per_s"):
+            ok_ = base is not None and base.get(k) and c.get(k) is not None
+            c[f"{k}_vs_bf16"] = float(c[k]) / float(base[k]) if ok_ else None
+    return out
 
 
 def write_outputs(out: Path, rows: list[dict], checks: list[dict], env: dict) -> None:
@@ -277,24 +490,69 @@ def write_outputs(out: Path, rows: list[dict], checks: list[dict], env: dict) ->
     w.writeheader()
     w.writerows(rows)
     atomic_write_text(out.with_suffix(".csv"), buf.getvalue())
-    atomic_write_json(out.with_suffix(".json"), {"env": env, "rows": rows, "checks": checks}, indent=2)
+    mem = env.get("memory_gib")
+    mem = float(mem) * float(env.get("mem_frac", 1.0)) if mem else None
+    cap = capacity(rows, mem)
+    atomic_write_json(out.with_suffix(".json"), {"env": env, "rows": rows, "checks": checks, "capacity": cap}, indent=2)
 
     def f(v, fmt):
-        return "" if v is None or v == "" else format(v, fmt)
+        return "" if v is None or v == "" else format(float(v), fmt)
 
+    def order(r):
+        return (r["model"], r["preset"], int(r["batch"]), int(r["context"]), r["path"])
+
+    decode = [r for r in rows if r.get("path") != E2E_PATH]
+    e2e = [r for r in rows if r.get("path") == E2E_PATH]
     lines = [f"# lm-eval generation throughput: HF generate vs the snapquant decode loop ({env.get('device')})", "",
-             f"Random-weight models, {env.get('dtype')} weights, {env.get('new_tokens')} greedy tokens per request after a "
-             f"cache filled with `context` random latent tokens; tokens/s = batch x (new tokens - 1) / decode "
-             f"seconds. Step split from torch.profiler on the uncaptured fixed-shape step ({env.get('split_clock')}). "
-             f"Commit {env.get('git_commit')}, torch {env.get('torch')}, transformers {env.get('transformers')}.", "",
-             "| model | preset | batch | context | path | tokens/s | ms/step | attention ms | experts ms | rest ms | "
-             "peak GiB | cache GiB | experts | status |", "|" + "---|" * 14]
-    for r in sorted(rows, key=lambda r: (r["model"], r["preset"], r["batch"], r["context"], r["path"])):
+             f"Random-weight models, {env.get('dtype')} weights. Last call: commit {env.get('git_commit')}, torch "
+             f"{env.get('torch')}, transformers {env.get('transformers')}, `{env.get('command')}`; rows merged "
+             f"from earlier calls keep their own numbers (the JSON has only the last call's environment).", ""]
+    if e2e:
+        lines += ["## End to end through lm-eval's `generate_until`", "",
+                  "`SnapquantLM.generate_until` on synthetic gsm8k-like requests (prompts of `context` random words = "
+                  "tokens, until = Question: / </s> / <|im_end|>, greedy, max_gen_toks = new tokens), timed around the "
+                  "whole call: tokenization, left-padded batches, prefill, decode, stopping, post-processing. "
+                  "tokens/s = generated tokens (rows x new tokens per batch) / seconds, over all batches (the first "
+                  "one captures the graph) and over the later ones (steady). 1319-prompt cell = the first batch + "
+                  "ceil(1319 / batch) - 1 steady batches: gsm8k's test split at this prompt length, every answer "
+                  "running to the token limit (an upper bound; real prompts are shorter or longer).", "",
+                  "| model | preset | batch | prompt | new | batches | tokens/s | steady tokens/s | ms/step | prefill s "
+                  "| 1319-prompt cell s | cells/h | peak GiB | path | status |", "|" + "---|" * 15]
+        for r in sorted(e2e, key=order):
+            lines.append(f"| {r['model']} ({r.get('layers')}L) | {r['preset']} | {r['batch']} | {r['context']} | "
+                         f"{f(r.get('gen_tokens'), '.0f')} | {r.get('batches', '')} | {f(r.get('tokens_per_s'), '.0f')} | "
+                         f"{f(r.get('steady_tokens_per_s'), '.0f')} | {f(r.get('step_ms'), '.2f')} | "
+                         f"{f(r.get('prefill_s'), '.2f')} | {f(r.get('cell_1319_s'), '.0f')} | "
+                         f"{f(r.get('cells_per_hour'), '.1f')} | {f(r.get('peak_gib'), '.1f')} | {r.get('gen_path') or ''} | "
+                         f"{r.get('status', '')} |")
+        lines.append("")
+    lines += ["## Decode after a filled cache", "",
+              "`new_tokens` greedy tokens per request after a cache filled with `context` random latent tokens; tokens/s = "
+              "batch x (new tokens - 1) / decode seconds. Eager split: the uncaptured fixed-shape step timed with "
+              f"{env.get('split_clock') or 'CUDA events'} at the module boundaries (forward hooks); an eager step is not "
+              "the graph step (it includes launch gaps the graph removes): eager ms is the same step unhooked, "
+              "sum/step = (attention + experts + rest) / eager ms (about 1: nothing counted twice).", "",
+              "| model | preset | batch | context | path | tokens/s | ms/step | eager ms | eager attention | eager experts "
+              "| eager rest | sum/step | peak GiB | cache GiB | experts | status |", "|" + "---|" * 16]
+    for r in sorted(decode, key=order):
         lines.append(f"| {r['model']} ({r.get('layers')}L) | {r['preset']} | {r['batch']} | {r['context']} | {r['path']} | "
-                     f"{f(r.get('tokens_per_s'), '.0f')} | {f(r.get('step_ms'), '.2f')} | "
-                     f"{f(r.get('attention_ms'), '.2f')} | {f(r.get('experts_ms'), '.2f')} | {f(r.get('rest_ms'), '.2f')} | "
+                     f"{f(r.get('tokens_per_s'), '.0f')} | {f(r.get('step_ms'), '.2f')} | {f(r.get('eager_step_ms'), '.2f')} | "
+                     f"{f(r.get('eager_attention_ms'), '.2f')} | {f(r.get('eager_experts_ms'), '.2f')} | "
+                     f"{f(r.get('eager_rest_ms'), '.2f')} | {f(r.get('split_sum_over_step'), '.3f')} | "
                      f"{f(r.get('peak_gib'), '.1f')} | {f(r.get('cache_gib'), '.2f')} | {r.get('experts') or ''} | "
                      f"{r.get('status', '')} |")
+    if cap:
+        lines += ["", f"Requests that fit {mem:.0f} GiB (GPU memory x mem_frac) beside the weights, from each ok decode-loop "
+                  "row: 'peak' counts all of the measured peak beyond the weights as per request, 'cache' only the cache "
+                  "(the rest of the peak as fixed); ratios against bf16 at the same model, context and batch:", "",
+                  "| model | context | batch | preset | tokens/s | vs bf16 | GiB/request (peak) | max batch (peak) | vs bf16 "
+                  "| GiB/request (cache) | max batch (cache) | vs bf16 |", "|" + "---|" * 12]
+        for c in cap:
+            lines.append(f"| {c['model']} | {c['context']} | {c['batch']} | {c['preset']} | {f(c['tokens_per_s'], '.0f')} | "
+                         f"{f(c['tokens_per_s_vs_bf16'], '.2f')} | {f(c['per_request_gib_peak'], '.3f')} | "
+                         f"{c['max_batch_peak']} | {f(c['max_batch_peak_vs_bf16'], '.2f')} | "
+                         f"{f(c['per_request_gib_cache'], '.3f')} | {c['max_batch_cache']} | "
+                         f"{f(c['max_batch_cache_vs_bf16'], '.2f')} |")
     if checks:
         lines += ["", "Loop vs HF generate from the same cache (max |logit diff| / max |logit| of the first two "
                   "selections; greedy agreement over the new tokens, per row):", "",
@@ -319,15 +577,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", default="bf16,snapmla")
     p.add_argument("--batches", default="32,128")
     p.add_argument("--contexts", default="1024,8192,32768")
-    p.add_argument("--paths", default="hf,loop")
+    p.add_argument("--paths", default="hf,loop", help="decode cells: hf, loop (empty: none, e.g. with --e2e-lmeval)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--check-tokens", type=int, default=32, help="greedy tokens compared loop vs HF (0: no check)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--budget-s", type=float, default=420.0, help="start no cell after this many seconds")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="start no cell that would end (by a rough estimate) after this many seconds")
     p.add_argument("--mem-frac", type=float, default=0.85, help="skip cells whose weights + cache exceed this "
                                                                  "fraction of GPU memory")
-    p.add_argument("--no-split", action="store_true", help="skip the profiler step split")
+    p.add_argument("--no-split", action="store_true", help="skip the eager step split")
+    p.add_argument("--e2e-lmeval", action="store_true",
+                   help="first, per preset: synthetic gsm8k-like requests through SnapquantLM.generate_until")
+    p.add_argument("--e2e-batches", default="32,128", help="batch sizes of the --e2e-lmeval cells")
+    p.add_argument("--e2e-prompt", type=int, default=1024, help="prompt tokens per --e2e-lmeval request")
+    p.add_argument("--e2e-new-tokens", type=int, default=256, help="max_gen_toks of the --e2e-lmeval requests")
+    p.add_argument("--e2e-n-batches", type=int, default=3, help="batches per --e2e-lmeval cell (the first captures)")
+    p.add_argument("--e2e-generation", default="auto", help="SnapquantLM generation= for --e2e-lmeval (auto, loop, hf)")
     p.add_argument("--smoke", action="store_true", help="CPU plumbing run: tiny model, small cells, seconds")
     p.add_argument("--out", default="results/bench/eval_h200")
     args = p.parse_args(argv)
@@ -346,9 +612,13 @@ def main(argv: list[str] | None = None) -> int:
         paths = [x for x in args.paths.split(",") if x]
         if set(paths) - {"hf", "loop"}:
             raise ConfigError(f"--paths: unknown path in {args.paths!r} (hf, loop)")
-        batches, contexts = _ints(args.batches), _ints(args.contexts)
+        batches, contexts, e2e_batches = _ints(args.batches), _ints(args.contexts), _ints(args.e2e_batches)
         if args.new_tokens < 2:
             raise ConfigError("--new-tokens must be at least 2 (the first token is the prefill's)")
+        if args.e2e_generation not in ("auto", "loop", "hf"):
+            raise ConfigError(f"--e2e-generation must be auto, loop or hf, got {args.e2e_generation!r}")
+        if args.e2e_n_batches < 1 or args.e2e_prompt < 1 or args.e2e_new_tokens < 1:
+            raise ConfigError("--e2e-n-batches, --e2e-prompt and --e2e-new-tokens must be positive")
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -363,31 +633,47 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     cuda = torch.cuda.is_available() and not args.smoke
     device = "cuda" if cuda else "cpu"
+    e2e_steps = "auto"
     if args.smoke:
         torch.set_num_threads(1)
         models = ["tiny"]
         batches = [2, 3] if args.batches == p.get_default("batches") else batches
         contexts = [16, 40] if args.contexts == p.get_default("contexts") else contexts
+        e2e_batches = [2] if args.e2e_batches == p.get_default("e2e_batches") else e2e_batches
         args.new_tokens, args.check_tokens = min(args.new_tokens, 6), min(args.check_tokens, 5)
+        args.e2e_prompt, args.e2e_new_tokens = min(args.e2e_prompt, 24), min(args.e2e_new_tokens, 6)
+        args.e2e_n_batches = min(args.e2e_n_batches, 2)
+        if args.e2e_generation == "auto":  # on CPU auto means HF generate: run the loop's plumbing instead
+            args.e2e_generation, e2e_steps = "loop", "static"
     dtype = torch.bfloat16 if cuda else torch.float32
     steps = "graph" if cuda else "static"
     backend = args.backend if cuda else "reference"
     out = Path(args.out)
     recorded = environment()
+    total_mem = torch.cuda.get_device_properties(0).total_memory if cuda else None
     env = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "transformers": transformers.__version__,
            "git_commit": recorded.get("git_commit"), "dtype": str(dtype).replace("torch.", ""),
            "new_tokens": args.new_tokens, "backend": backend, "steps": steps, "smoke": args.smoke,
-           "split_clock": "gpu kernels" if cuda else "cpu", "vocab": args.vocab,
+           "split_clock": "cuda events" if cuda else "cpu perf_counter", "vocab": args.vocab,
+           "memory_gib": total_mem / 2**30 if total_mem else None, "mem_frac": args.mem_frac,
            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
            "environment": recorded}
+    if args.e2e_lmeval:
+        env["e2e"] = {"prompt": args.e2e_prompt, "new_tokens": args.e2e_new_tokens, "n_batches": args.e2e_n_batches,
+                      "generation": args.e2e_generation, "until": list(GSM8K_UNTIL)}
     old = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").is_file() else {}
-    rows: list[dict] = list(old.get("rows", [])) if not args.smoke else []
+    rows: list[dict] = [_clean(r) for r in old.get("rows", [])] if not args.smoke else []
     checks: list[dict] = list(old.get("checks", [])) if not args.smoke else []
-    total_mem = torch.cuda.get_device_properties(0).total_memory if cuda else None
 
-    def over_budget() -> bool:
-        return time.perf_counter() - start > args.budget_s
+    def left() -> float:
+        return args.budget_s - (time.perf_counter() - start)
+
+    def emit(row: dict) -> None:
+        nonlocal rows
+        rows = _merge(rows, [row])
+        print(f"[{time.perf_counter() - start:6.0f}s] {json.dumps(row)}", flush=True)
+        write_outputs(out, rows, checks, env)
 
     for shape in models:
         layers = None
@@ -400,10 +686,27 @@ def main(argv: list[str] | None = None) -> int:
         weights = sum(x.numel() * x.element_size() for x in model.parameters())
         print(f"[{time.perf_counter() - start:6.0f}s] built {shape}: {n_layers} layers, {weights / 2**30:.1f} GiB "
               f"in {time.perf_counter() - t:.0f}s", flush=True)
+        base = {"model": shape, "layers": n_layers, "weights_gib": weights / 2**30}
+        tokenizer = synthetic_tokenizer(model.config.vocab_size) if args.e2e_lmeval else None
         for preset in presets:
+            bpt = _bytes_per_token(preset, model)
+            for B in e2e_batches if args.e2e_lmeval else ():
+                row = {**base, "preset": preset, "batch": B, "context": args.e2e_prompt, "path": E2E_PATH,
+                       "new_tokens": args.e2e_new_tokens}
+                need = weights + bpt * B * (args.e2e_prompt + args.e2e_new_tokens) * n_layers
+                estimate = _estimate_s(cuda, "e2e", B, args.e2e_prompt, args.e2e_new_tokens, args.e2e_n_batches)
+                if total_mem is not None and need > args.mem_frac * total_mem:
+                    row["status"] = f"skip: memory ({need / 2**30:.0f} GiB)"
+                elif estimate > left():
+                    row["status"] = f"skip: budget (~{estimate:.0f}s > {max(left(), 0):.0f}s left)"
+                else:
+                    row.update(_measure_e2e(model, tokenizer, preset, B, args, backend, e2e_steps, cuda))
+                snapquant.unpatch(model)  # SnapquantLM patched it
+                emit(row)
             snapquant.patch(model, preset, backend=backend)
             experts = plan_decode_experts(model).implementation
-            if args.check_tokens and not over_budget():
+            if args.check_tokens and paths and _estimate_s(cuda, "hf", batches[0], contexts[0], args.check_tokens) \
+                    + _estimate_s(cuda, "loop", batches[0], contexts[0], args.check_tokens) < left():
                 try:
                     c = check_paths(model, preset, batches[0], contexts[0], args.check_tokens, steps)
                     c["model"] = shape
@@ -411,23 +714,21 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[{time.perf_counter() - start:6.0f}s] check {shape} {preset}: {json.dumps(c)}", flush=True)
                 except Exception as e:  # keep going: the timings are still worth having
                     print(f"check {shape} {preset} failed: {type(e).__name__}: {e}", flush=True)
-            bpt = _bytes_per_token(preset, model)
-            for B in batches:
+            for B in batches if paths else ():
                 for L in contexts:
                     for path in paths:
-                        row = {"model": shape, "layers": n_layers, "preset": preset, "batch": B, "context": L,
-                               "path": path, "new_tokens": args.new_tokens, "experts": experts if path == "loop"
+                        row = {**base, "preset": preset, "batch": B, "context": L, "path": path,
+                               "new_tokens": args.new_tokens, "experts": experts if path == "loop"
                                else "batched_mm (HF decode)" if cuda else experts_implementation(model)}
                         need = weights + bpt * B * (L + args.new_tokens) * n_layers
+                        estimate = _estimate_s(cuda, path, B, L, args.new_tokens)
                         if total_mem is not None and need > args.mem_frac * total_mem:
                             row["status"] = f"skip: memory ({need / 2**30:.0f} GiB)"
-                        elif over_budget():
-                            row["status"] = "skip: budget"
+                        elif estimate > left():
+                            row["status"] = f"skip: budget (~{estimate:.0f}s > {max(left(), 0):.0f}s left)"
                         else:
                             row.update(_measure(model, preset, B, L, path, args, steps, cuda))
-                        rows = _merge(rows, [row])
-                        print(f"[{time.perf_counter() - start:6.0f}s] {json.dumps(row)}", flush=True)
-                        write_outputs(out, rows, checks, env)
+                        emit(row)
             snapquant.unpatch(model)
         del model
         if cuda:
@@ -435,6 +736,18 @@ def main(argv: list[str] | None = None) -> int:
     write_outputs(out, rows, checks, env)
     print(f"wrote {out.with_suffix('.md')} in {time.perf_counter() - start:.0f}s", flush=True)
     return 0
+
+
+def _estimate_s(cuda: bool, kind: str, batch: int, context: int, new_tokens: int, n_batches: int = 1) -> float:
+    """A rough upper estimate of a cell's seconds on an H200 (V2-Lite shape), from the measured step times
+    (loop ~20-27 ms, HF generate ~200-400 ms) and a prefill of ~50K tokens/s; 0 on CPU (smoke runs)."""
+    if not cuda:
+        return 0.0
+    if kind == "e2e":
+        return 15.0 + n_batches * (new_tokens * 0.03 + batch * context / 50_000 + 1.0)
+    if kind == "hf":
+        return 5.0 + new_tokens * (0.25 + batch * 0.0015)
+    return 12.0 + new_tokens * 0.03 + batch * context * 4e-7  # loop: fill, capture, eager split
 
 
 def _bytes_per_token(preset: str, model) -> float:
@@ -454,11 +767,33 @@ def _measure(model, preset: str, B: int, L: int, path: str, args, steps: str, cu
         row = {"tokens_per_s": res["tokens_per_s"], "step_ms": res["step_s"] * 1e3, "prefill_s": res["prefill_s"],
                "capture_s": res["capture_s"], "peak_gib": res["peak_gib"], "cache_gib": res["cache_gib"],
                "status": "ok"}
+        del res
         if path == "loop" and not args.no_split:
-            row.update(step_split(model, preset, B, L))
+            try:
+                row.update(eager_step_split(model, preset, B, L))
+            except Exception as e:  # the throughput above stands without its split
+                row["split_clock"] = f"error: {type(e).__name__}: {str(e)[:80]}"
+                traceback.print_exc()
         return row
     except torch.cuda.OutOfMemoryError as e:
         return {"status": f"oom: {str(e)[:80]}"}
+    finally:
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def _measure_e2e(model, tokenizer, preset: str, B: int, args, backend: str, gen_steps: str, cuda: bool) -> dict[str, Any]:
+    try:
+        res = run_e2e(model, tokenizer, preset, B, args.e2e_n_batches, args.e2e_prompt, args.e2e_new_tokens,
+                      backend, args.e2e_generation, gen_steps)
+        return {**res, "status": "ok"}
+    except ImportError as e:  # lm-eval (or datasets) missing: the decode cells still run
+        return {"status": f"skip: {type(e).__name__}: {str(e)[:80]}"}
+    except torch.cuda.OutOfMemoryError as e:
+        return {"status": f"oom: {str(e)[:80]}"}
+    except Exception as e:  # one device call measures many cells: record this one's failure, go on
+        traceback.print_exc()
+        return {"status": f"error: {type(e).__name__}: {str(e)[:80]}"}
     finally:
         if cuda:
             torch.cuda.empty_cache()

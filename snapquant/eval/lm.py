@@ -102,6 +102,15 @@ class SnapquantLM(HFLM):
             return "hf", f"auto: {reason}"
         return "loop", "auto: CUDA graph decode supported"
 
+    @property
+    def generation_default(self) -> tuple[str, str]:
+        """The path ('loop' or 'hf') that generation batches take unless a request sends them to HF, and why."""
+        return self._gen_default
+
+    def decode_loop(self) -> Any:
+        """The `DecodeLoop` that runs generation batches on the loop path (made on first use, then kept)."""
+        return self._decode_loop()
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         if self.gen_batch_size is None:
             return super().generate_until(requests, disable_tqdm=disable_tqdm)
