@@ -9,6 +9,8 @@
 #      at the largest batch that fits).
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out where the tree is committed> bash scripts/device_anchor.sh
 # (a copied checkout can carry git metadata older than its files, so `git rev-parse` there may name the wrong commit)
+# BENCH_BUDGET_S (170), BENCH_TIMEOUT_S (270) and E2E_TIMEOUT_S (180) shrink the two steps when this script runs
+# after another one in the same device call (scripts/device_profile.sh with ANCHOR=1 sets them).
 # Without a wheel (or FlashMLA installed otherwise) the benchmarks run and their FlashMLA rows say
 # "FlashMLA not installed". Results: results/bench/{decode,bench}_anchor_h200.*, results/bench/e2e_anchor_h200.*;
 # logs in $OUT, everything in $OUT/device_anchor.tar.gz.
@@ -20,10 +22,11 @@ mkdir -p "$OUT" "$RES"
 trap 'tar -czf "$OUT/device_anchor.tar.gz" $RES/*anchor_h200* "$OUT"/*.log "$OUT"/*.txt 2>/dev/null' EXIT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 source scripts/anchor_env.sh > "$OUT/flashmla.txt"; cat "$OUT/flashmla.txt"
-timeout 270 python3 scripts/bench_decode.py --out "$RES" --tag anchor_h200 --no-append --budget-s 170 \
+timeout "${BENCH_TIMEOUT_S:-270}" python3 scripts/bench_decode.py --out "$RES" --tag anchor_h200 --no-append \
+  --budget-s "${BENCH_BUDGET_S:-170}" \
   --shapes 128x16x4096,32x16x16384,8x16x32768,32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768 \
   --variants "bf16,snapmla,snapmla+gluon+fp8mma" 2>&1 | tee "$OUT/bench_anchor.log" \
   | grep -E "read bandwidth| us |SKIPPED|Targets" | head -48
-timeout 180 python3 scripts/bench_e2e.py --device cuda --layers 8 --batch 32 --contexts 32768 --steps 5 \
+timeout "${E2E_TIMEOUT_S:-180}" python3 scripts/bench_e2e.py --device cuda --layers 8 --batch 32 --contexts 32768 --steps 5 \
   --presets bf16@flashmla,snapmla --backend triton --graphs --no-stock --kv-budget-gib 16 \
   --out "$RES/e2e_anchor_h200.json" 2>&1 | tee "$OUT/e2e_anchor.log" | grep -E "^(batch|kv_budget|Traceback|error)|Error" | head -20

@@ -10,6 +10,7 @@
                    (scripts/bench_e2e.py)
     results        CSV / markdown / JSON writing (atomic) and the performance targets
     plot           the side-by-side figure (PNG + PDF)
+    ncu            Nsight Compute CSV exports -> one summary row per kernel (scripts/profile_decode.py)
     compile_stats  compiles the kernels for a GPU target on any machine: registers, spills, shared
                    memory, pipelined loads, MMA kind, the SASS mix of the page loop
 
