@@ -8,7 +8,7 @@
 #      one warm call each), parsed into results/kernels/profile_h200.{md,csv};
 #   3. with ANCHOR=1, scripts/device_anchor.sh afterwards (decode benchmark at the 8 headline shapes with FlashMLA,
 #      then the end-to-end anchor), its budgets shrunk to the time left of TOTAL_S.
-#   SNAPQUANT_GIT_COMMIT=$(git rev-parse HEAD) ANCHOR=1 bash scripts/device_profile.sh
+#   SNAPQUANT_GIT_COMMIT=<HEAD hash, written out> ANCHOR=1 bash scripts/device_profile.sh
 # Knobs (env): TOTAL_S (560: the whole call), PROFILE_S (330 with ANCHOR=1, else TOTAL_S - 40), NCU (ncu).
 # Everything comes back as at most 8 files in $OUT: profile_h200.{md,csv}, profile_timings_h200.csv,
 # profile_logs.tar.gz (logs + the CSV exports of every report), ncu_<shape>.tar.gz (that shape's .ncu-rep files,
