@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -92,3 +93,18 @@ def test_kernel_claims_give_each_ratio_against_flashmla_with_its_interval(tmp_pa
     (c,) = C.kernel_claims(tmp_path)
     assert "128x16x4096 0.78 [0.77, 0.79]" in c.text and ">= 25 timed runs" in c.text
     assert C.kernel_claims(tmp_path / "nowhere") == []
+
+
+def test_research_task_claims_carry_exact_intervals_and_the_mcnemar_test(tmp_path):
+    from scipy import stats
+
+    res = tmp_path / "results" / "research_model"
+    res.mkdir(parents=True)
+    rows = [{"task": "mc", "config": "bf16", "score": 0.57, "delta": 0.0, "p_value": 1.0, "discordant": [0, 0], "n": 100},
+            {"task": "mc", "config": "snapmla", "score": 0.50, "delta": -0.07, "p_value": 0.016, "discordant": [7, 0],
+             "n": 100}]
+    (res / "analyses.json").write_text(json.dumps({"parts": {"tasks": {"rows": rows}}}))
+    (c,) = C.research_model_claims(tmp_path)
+    ci = stats.binomtest(50, 100).proportion_ci(method="exact")
+    assert f"snapmla 0.50 [{ci.low:.2f}, {ci.high:.2f}]" in c.text, c.text
+    assert "only in BF16 / only under FP8: 7/0, exact McNemar p = 0.016" in c.text and "n = 100 documents" in c.text

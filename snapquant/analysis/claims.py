@@ -224,6 +224,36 @@ def research_model_claims(root: Path) -> list[Claim]:
                 f"{min(v['n'] for v in tasks.values())} each); "
                 + (f"{len(inside)} in [0.4, 0.9]." if inside else
                    "none lies in [0.4, 0.9], so its task scores cannot show an FP8 effect.")), rel))
+    out += _research_task_fp8_claims(root)
+    return out
+
+
+def _research_task_fp8_claims(root: Path) -> list[Claim]:
+    """Task accuracy under each FP8 preset on the settings where the research model's BF16 score is in
+    [0.4, 0.9]: Clopper-Pearson intervals, and the exact McNemar test on the same documents."""
+    import json
+
+    from ..eval.calibration import proportion_interval
+
+    rel = f"{RESEARCH}/analyses.json"
+    f = root / rel
+    if not f.is_file():
+        return []
+    rows = ((json.loads(f.read_text()).get("parts", {}) or {}).get("tasks", {}) or {}).get("rows", [])
+    out = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        said = []
+        for r in (r for r in rows if r["task"] == task):
+            n = int(r["n"])
+            lo, hi = proportion_interval(round(r["score"] * n), n)
+            said.append(f"{r['config']} {_g(r['score'])} [{_g(lo)}, {_g(hi)}]"
+                        + ("" if r["config"] == "bf16" else
+                           f" (vs unpatched BF16 {_g(r['delta'])}; documents right only in BF16 / only under FP8: "
+                           f"{r['discordant'][0]}/{r['discordant'][1]}, exact McNemar {_p(r['p_value'])})"))
+        if said:
+            out.append(Claim("research model, tasks under FP8", (
+                f"{task} (BF16 score in [0.4, 0.9]), accuracy with Clopper-Pearson 95% intervals, n = "
+                f"{rows[0]['n']} documents: " + "; ".join(said) + "."), rel))
     return out
 
 
