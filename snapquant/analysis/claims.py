@@ -225,6 +225,46 @@ def research_model_claims(root: Path) -> list[Claim]:
                 + (f"{len(inside)} in [0.4, 0.9]." if inside else
                    "none lies in [0.4, 0.9], so its task scores cannot show an FP8 effect.")), rel))
     out += _research_task_fp8_claims(root)
+    return _research_model_summary(root) + out
+
+
+def _research_model_summary(root: Path) -> list[Claim]:
+    """What the research model is (training, held-out loss beside the embedded model's on the same held-out
+    code) and whether its activations have the outliers of real LLMs."""
+    import json
+
+    out = []
+    info, ev = root / RESEARCH / "training_info.json", root / RESEARCH / "eval.json"
+    if info.is_file() and ev.is_file():
+        t = json.loads(info.read_text())
+        models = json.loads(ev.read_text()).get("models", {})
+
+        def nll(model: str, text: str) -> str:
+            h = models.get(model, {}).get("heldout", {}).get(text)
+            if not h:
+                return "n/a"
+            ci = h.get("nll_ci", [math.nan, math.nan])
+            return (f"{h['nll']:.2f} [{ci[0]:.2f}, {ci[1]:.2f}] nats/token ({h['windows']} windows of "
+                    f"{h['window']} tokens)")
+
+        out.append(Claim("research model, training", (
+            f"{t['params'] / 1e6:.0f}M parameters, {t['step']} steps, {t['tokens'] / 1e6:.1f}M tokens "
+            f"({t['train_seconds']:.0f} s on one GPU). Held-out code: {nll('research', 'code')}; the embedded model "
+            f"on the same files: {nll('embedded', 'code')}. Intervals: 95% bootstrap over windows."),
+            f"{RESEARCH}/eval.json"))
+    st = root / RESEARCH / "study.json"
+    if st.is_file():
+        m = json.loads(st.read_text()).get("models", {}).get("research")
+        if m:
+            rope = max(r["absmax_over_rms"] for r in m["cache"] if r["part"] == "rope")
+            nope = max(r["absmax_over_rms"] for r in m["cache"] if r["part"] == "nope")
+            mm = max(r["max_over_median"] for r in m["massive"])
+            out.append(Claim("research model, activations", (
+                f"largest |x| / RMS over {len(m['massive'])} layers: RoPE key {rope:.1f}, normalised latent "
+                f"{nope:.1f}; residual-stream max / median {mm:.1f} (real LLMs show a few activations up to 100,000x "
+                "larger than the rest: Sun et al. 2024, docs/references.md): the outliers SnapMLA is designed around "
+                "are absent."),
+                f"{RESEARCH}/study.json"))
     return out
 
 
