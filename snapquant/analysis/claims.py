@@ -273,7 +273,7 @@ def _research_task_fp8_claims(root: Path) -> list[Claim]:
     [0.4, 0.9]: Clopper-Pearson intervals, and the exact McNemar test on the same documents."""
     import json
 
-    from ..eval.calibration import proportion_interval
+    from .significance import proportion_interval
 
     rel = f"{RESEARCH}/analyses.json"
     f = root / rel

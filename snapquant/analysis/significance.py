@@ -484,3 +484,11 @@ def _unjson(v: Any) -> Any:
         except ValueError:
             return v
     return v
+
+
+def proportion_interval(correct: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Exact (Clopper-Pearson) interval of a binomial proportion (`scipy.stats.binomtest`)."""
+    from scipy import stats
+
+    ci = stats.binomtest(correct, n).proportion_ci(confidence_level=confidence, method="exact")
+    return float(ci.low), float(ci.high)

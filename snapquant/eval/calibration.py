@@ -155,11 +155,10 @@ def score(model, tokenizer, setting: Setting, n: int, *, seed: int = sq_utils.DE
 
 
 def proportion_interval(correct: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
-    """Exact (Clopper-Pearson) interval of a binomial proportion."""
-    from scipy import stats
+    """Exact (Clopper-Pearson) interval of a binomial proportion (`analysis.significance.proportion_interval`)."""
+    from ..analysis.significance import proportion_interval as exact
 
-    ci = stats.binomtest(correct, n).proportion_ci(confidence_level=confidence, method="exact")
-    return float(ci.low), float(ci.high)
+    return exact(correct, n, confidence)
 
 
 def n_for_mde(discordance: float, target: float, *, alpha: float = 0.05, n_max: int = 100_000) -> int | None:
