@@ -15,7 +15,10 @@ What it checks (each case isolated: one failure never stops the others):
    reference's own (+1e-6).
 3. a patched tiny model decoding with backend=triton agrees with backend=reference: logits within
    2e-3 of the largest reference logit at every step of a 32-step teacher-forced decode.
-4. a do_bench (CUDA graph) timing of fp8 vs bf16 decode at (B=128, H=16, L=4096) and
+4. on Hopper, the native FP8 MMA kernels (fp8_mma=True) against the reference's MMA models
+   (`check_mma_numerics_gpu.py`: bit agreement and residual per model, the best-fitting retained bits and
+   k-group; mma_numerics.csv / .md in --out). A measurement: it fails only if it cannot run.
+5. a do_bench (CUDA graph) timing of fp8 vs bf16 decode at (B=128, H=16, L=4096) and
    (B=32, H=64, L=8192), with GB/s and TFLOP/s (bytes of each format's cache; FLOPs
    2 H L (r + d + r)); "+fp8mma" is the opt-in native FP8 MMA variant. A sanity number only.
 
@@ -312,6 +315,17 @@ def model_cases() -> list[tuple]:
 
 
 # ------------------------------------------------------------------------------------------ part 4
+def check_mma_numerics(out: Path, quick: bool) -> dict:
+    """The native FP8 kernels against the reference's `mma` models (scripts/check_mma_numerics_gpu.py)."""
+    import check_mma_numerics_gpu
+
+    t0 = time.perf_counter()
+    rc = check_mma_numerics_gpu.run(out, quick=quick)
+    return {"part": "mma", "case": "native FP8 MMA numerics fit", "ok": rc == 0,
+            "detail": f"{out / 'mma_numerics.md'} ({time.perf_counter() - t0:.0f} s)"}
+
+
+# ------------------------------------------------------------------------------------------ part 5
 def bench(names: list[str], B: int, H: int, L: int) -> list[dict]:
     import triton
 
@@ -426,6 +440,8 @@ def main() -> int:
                 continue
             rows.append(run_case(check_decode, name, configs[cfg_name], B, H, L, S, ns, knobs,
                                  label=f"{name} B={B} H={H} L={L} s_q={S}"))
+    if torch.cuda.get_device_capability()[0] == 9 and (not args.only or args.only in "mma numerics"):
+        rows.append(run_case(check_mma_numerics, Path(args.out), args.quick, label="mma numerics"))
     if args.only:
         return finish(args, env, rows, t_start)
     rows.append(run_case(check_subnormal_codes, label="pairs: subnormal e4m3 codes"))

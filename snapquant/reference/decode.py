@@ -24,20 +24,25 @@ probabilities below 2^-40 of the earlier peak, which cannot change the output at
 
 Scales that vary along channels (per-token-block, per-channel) are handled per channel block k with
 their own P (and pi), which is how a kernel must do it: V's scale lies on the reduction axis.
-All accumulation is fp32.
+All accumulation is fp32, except where `mma` models Hopper's native FP8 MMA for the fp8 x fp8 products
+(`snapquant.reference.mma`): then <q^, c^> and P^ @ c^ are computed as that model says, and nothing else
+changes.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from ..config import KVQuantConfig
 from ..constants import PI_ABS_FLOOR, PI_REL_FLOOR
-from ..errors import ShapeError
+from ..errors import ConfigError, ShapeError
 from ..quant.dtypes import get_element_format
 from ..quant.quantizer import QuantizedKV
+from .mma import MMANumerics, as_mma, mma_dot
 from .query import quantize_query, round_bf16
 
 LOG2E = math.log2(math.e)
@@ -53,6 +58,7 @@ def mla_decode_reference(
     *,
     causal: bool = True,
     round_16bit: bool = True,
+    mma: MMANumerics | Mapping[str, Any] | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention of `q` over the quantized cache `kv`.
 
@@ -65,6 +71,11 @@ def mla_decode_reference(
         causal: with S > 1, query i sees cache positions < length - S + 1 + i.
         round_16bit: round 'bf16' query and P to bf16 as a 16-bit kernel does; False keeps them in
             fp32 (the unquantized baseline of an fp32 model).
+        mma: the arithmetic of the fp8 x fp8 products (`MMANumerics`, a mapping of its fields or a mode
+            name): None / "exact" is the default kernels' (exact products, fp32 accumulation);
+            "hopper_fp8" models the opt-in native FP8 MMA kernels (`fp8_mma=True`), see
+            `snapquant.reference.mma`. It needs e4m3 operands: an fp8 query and latent for QK, pv
+            'fp8_scale_fused' for PV (a ConfigError otherwise).
 
     Returns:
         (out `[B, (S,) H, r]` fp32 in the latent space, lse `[B, (S,) H]` fp32, natural log).
@@ -77,6 +88,8 @@ def mla_decode_reference(
     B, S, H, r, d, T = check_decode_inputs(q, kv)
     lengths = checked_lengths(lengths, B, T, q.device)
     tau = 1.0 / math.sqrt(r + d) if softmax_scale is None else float(softmax_scale)
+    numerics = as_mma(mma)
+    check_mma_operands(numerics, cfg, kv)
 
     q_nope, q_rope, sigma = quantize_query(q, cfg, r, round_16bit)  # [B,S,H,r], [B,S,H,d], [B,S,H]
     codes = kv.latent.codes_f32()  # [B, T, r]
@@ -102,7 +115,11 @@ def mla_decode_reference(
         end = min(start + cfg.pv_block, T)
         c_blk = codes[:, start:end].reshape(B, end - start, nb, bw)
         s_blk = s_tok[:, start:end]  # [B, n, nb]
-        partial = torch.einsum("bshkw,bnkw->bshnk", q_nope_blocks, c_blk)  # [B, S, H, n, nb]
+        if numerics.native_qk:  # each block's dot product as the native FP8 MMA sums it
+            prods = q_nope_blocks.double()[:, :, :, None] * c_blk.double()[:, None, None]  # [B, S, H, n, nb, bw]
+            partial = mma_dot(prods.new_zeros(prods.shape[:-1]), prods, numerics, numerics.qk_promote)
+        else:
+            partial = torch.einsum("bshkw,bnkw->bshnk", q_nope_blocks, c_blk)  # [B, S, H, n, nb]
         rope_dot = torch.einsum("bshd,bnd->bshn", q_rope, rope[:, start:end])
         if kv.rope_prescaled:  # one scaled domain: s_j * (<q^, c^> + <q~r, r~>)
             raw = s_blk[:, None, None, :, 0] * (partial[..., 0] + rope_dot)
@@ -126,7 +143,12 @@ def mla_decode_reference(
             pi_max = torch.maximum(pi_max * alpha[..., None], pi_new)
             p_hat = p_fmt.round_trip(f / pi_new[..., None, :])
             beta = alpha[..., None] * pi / pi_new
-            acc = beta[..., None] * acc + torch.einsum("bshnk,bnkw->bshkw", p_hat, c_blk)
+            if numerics.native_pv:  # the rescaled accumulator is the MMA's C operand; K = the block's tokens
+                prods = p_hat.double().permute(0, 1, 2, 4, 3)[..., None, :] * c_blk.double().permute(0, 2, 3, 1)[
+                    :, None, None]  # [B, S, H, nb, bw, n]
+                acc = mma_dot(beta[..., None] * acc, prods, numerics, numerics.pv_promote)
+            else:
+                acc = beta[..., None] * acc + torch.einsum("bshnk,bnkw->bshkw", p_hat, c_blk)
             l_sum = beta * l_sum + e.sum(dim=-1, keepdim=True) / pi_new
             pi = pi_new
         else:
@@ -147,6 +169,20 @@ def mla_decode_reference(
     if single:
         return out[:, 0], lse[:, 0]
     return out, lse
+
+
+def check_mma_operands(numerics: MMANumerics, cfg: KVQuantConfig, kv: QuantizedKV) -> None:
+    """A native FP8 MMA multiplies e4m3 codes: QK needs an fp8 query and latent, PV e4m3 P (fp8_scale_fused;
+    fp8_naive's P carries V's scale and is no e4m3 value). ConfigError naming what does not fit."""
+    if numerics.mode == "exact":
+        return
+    if numerics.products in ("qk", "both") and not (cfg.query == "fp8_e4m3" and kv.config.nope_dtype == "fp8_e4m3"):
+        raise ConfigError(f"mma={numerics.mode!r} with products={numerics.products!r} models e4m3 x e4m3 QK: it "
+                          f"needs query 'fp8_e4m3' and nope_dtype 'fp8_e4m3', got query={cfg.query!r}, "
+                          f"nope_dtype={kv.config.nope_dtype!r}")
+    if numerics.products in ("pv", "both") and cfg.pv != "fp8_scale_fused":
+        raise ConfigError(f"mma={numerics.mode!r} with products={numerics.products!r} models e4m3 x e4m3 PV: it "
+                          f"needs pv 'fp8_scale_fused', got pv={cfg.pv!r}")
 
 
 def check_decode_inputs(q: torch.Tensor, kv: QuantizedKV) -> tuple[int, int, int, int, int, int]:
