@@ -174,6 +174,34 @@ class LatentLayer(_MaxCacheLen, CacheLayerMixin):
         if self.indexer_keys is not None:
             self.indexer_keys = self.indexer_keys[:, : self.seen]
 
+    def load_request(self, slot: int, src: LatentLayer | None, n: int) -> None:
+        """Make request `slot` hold the first `n` stored tokens of `src` (a batch-1 layer of the same config;
+        None or n == 0: hold nothing). The buffers are written in place, so a captured DecodeGraph keeps
+        reading them; the caller then sets the host view with `set_lengths`."""
+        from .attention.store_policies import PassThrough, RowScales
+
+        store = self.store
+        if store is None or store.capacity is None or n > store.capacity:
+            raise ShapeError(f"load_request needs a preallocated, prefilled layer with room for {n} tokens")
+        if src is not None and n:
+            for name, part in store.parts.items():
+                if not isinstance(part, (PassThrough, RowScales)):  # a shared or grouped scale spans requests
+                    raise ConfigError(f"load_request: {type(part).__name__} scales are not per token")
+                other = src.store.parts[name]
+                part.codes[slot, :n].copy_(other.codes[0, :n])
+                if part.scale is not None:
+                    part.scale[slot, :n].copy_(other.scale[0, :n])
+        store.lengths[slot].fill_(n)  # in place: graphs read this tensor
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        """The host view after requests were loaded or emptied: request b holds `lengths[b]` tokens, as if
+        left-padded to the longest (HF positions = cumsum of the stored mask - 1 = each request's own)."""
+        seen = max(lengths)
+        want = torch.tensor(lengths, device=self.store.lengths.device).view(-1, 1)
+        self.stored = torch.arange(seen, device=want.device).view(1, -1) >= seen - want
+        self.seen = seen
+        self._full_tail = min(lengths)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Plain HF API (unpatched model): store every token, return the dequantized cache `[B, 1, T, r|d]`."""
         self.append(key_states[:, 0], value_states[:, 0])

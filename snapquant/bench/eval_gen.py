@@ -318,15 +318,17 @@ GSM8K_UNTIL = ("Question:", "</s>", "<|im_end|>")  # lm-eval's gsm8k stop string
 GSM8K_TEST = 1319  # prompts in gsm8k's test split: one sweep cell's generation
 
 
-def synthetic_tokenizer(vocab: int):
+def synthetic_tokenizer(vocab: int, stop_every: int = 0):
     """A word-level fast tokenizer over exactly `vocab` ids, built offline: <pad> <s> </s> <unk>, the stop
     strings of `GSM8K_UNTIL` as ordinary words (so a random-weight model can emit them and the stopping rules
-    see real matches), then w6, w7, ...; a prompt of n words encodes to n tokens and every id decodes to one word."""
+    see real matches), then w6, w7, ...; a prompt of n words encodes to n tokens and every id decodes to one word.
+    `stop_every=m`: every m-th word is `Question:w<i>` instead, so a random model's greedy answers stop after
+    ~m tokens on average, at scattered points (what refilling finished slots needs to show anything)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = ["<pad>", "<s>", "</s>", "<unk>", *[u for u in GSM8K_UNTIL if u != "</s>"]]
-    words += [f"w{i}" for i in range(len(words), vocab)]
+    words += [f"Question:w{i}" if stop_every and i % stop_every == 0 else f"w{i}" for i in range(len(words), vocab)]
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
@@ -341,6 +343,7 @@ def e2e_requests(tokenizer, n: int, prompt_len: int, max_gen_toks: int, seed: in
     g = torch.Generator().manual_seed(seed)
     first = 3 + len(GSM8K_UNTIL)  # no stop word and no special token inside a prompt
     ids = torch.randint(first, len(tokenizer), (n, prompt_len), generator=g).tolist()
+    ids = [[i if "Question:" not in tokenizer.convert_ids_to_tokens(i) else first for i in r] for r in ids]
     kwargs = {"until": list(GSM8K_UNTIL), "do_sample": False, "temperature": 0.0, "max_gen_toks": max_gen_toks}
     return [Instance("generate_until", {}, (tokenizer.decode(row), dict(kwargs)), i, doc_id=i, task_name="synthetic")
             for i, row in enumerate(ids)]
@@ -354,7 +357,8 @@ def project_cell(first_s: float, steady_batch_s: float, batch: int, prompts: int
 
 
 def run_e2e(model, tokenizer, preset: str, batch: int, n_batches: int, prompt_len: int, new_tokens: int,
-            backend: str, generation: str = "auto", gen_steps: str = "auto") -> dict[str, Any]:
+            backend: str, generation: str = "auto", gen_steps: str = "auto",
+            refill: bool | str = False) -> dict[str, Any]:
     """`n_batches` x `batch` synthetic gsm8k-like requests through `SnapquantLM.generate_until` (what lm-eval's
     evaluator calls: tokenization, left-padded batches, prefill, decode, stopping, post-processing), timed
     per batch; the model must be unpatched (SnapquantLM patches it) and is left patched with `preset`."""
@@ -362,7 +366,10 @@ def run_e2e(model, tokenizer, preset: str, batch: int, n_batches: int, prompt_le
 
     dev = next(model.parameters()).device
     lm = SnapquantLM(pretrained=model, tokenizer=tokenizer, kv_config=preset, backend=backend, batch_size=batch,
-                     device=str(dev), generation=generation, gen_steps=gen_steps)
+                     device=str(dev), generation=generation, gen_steps=gen_steps, gen_refill=refill)
+    # tokens to each answer's stop (the stop word or EOS included): what either batching must generate
+    stop_ids = torch.tensor([i for w, i in tokenizer.get_vocab().items()
+                             if any(u in w for u in GSM8K_UNTIL)], device=dev)
     batches: list[dict[str, Any]] = []
     loop_seconds: list[dict[str, Any]] = []
     inner = lm._model_generate
@@ -372,8 +379,11 @@ def run_e2e(model, tokenizer, preset: str, batch: int, n_batches: int, prompt_le
         t = time.perf_counter()
         seq = inner(context, max_length, stop, **kw)
         _sync(dev)
+        new = seq[:, context.shape[1]:]
+        hit = torch.isin(new, stop_ids)
+        first = torch.where(hit.any(1), hit.int().argmax(1) + 1, torch.full_like(hit[:, 0], new.shape[1], dtype=torch.long))
         batches.append({"start": t, "end": time.perf_counter(), "rows": int(context.shape[0]),
-                        "prompt": int(context.shape[1]), "new": int(seq.shape[1] - context.shape[1])})
+                        "prompt": int(context.shape[1]), "new": int(new.shape[1]), "answer": int(first.sum())})
         return seq
 
     lm._model_generate = timed
@@ -411,6 +421,12 @@ def run_e2e(model, tokenizer, preset: str, batch: int, n_batches: int, prompt_le
         "gen_tokens": statistics.mean(b["new"] for b in batches), "gen_path": f"{paths}; steps={info['steps']}",
         "cell_1319_s": cell_s, "cells_per_hour": 3600.0 / cell_s, "total_s": t1 - t0, "batches": len(batches),
         "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
+    out["answer_tokens_per_s"] = sum(b["answer"] for b in batches) / (t1 - t0)
+    out["answer_tokens"] = sum(b["answer"] for b in batches) / len(reqs)
+    if info["refill_stats"]:
+        q = info["refill_stats"]
+        out.update(refills=sum(x["refills"] for x in q), decode_steps=sum(x["decode_steps"] for x in q),
+                   utilisation=sum(x["useful_slot_steps"] for x in q) / max(sum(x["slot_steps"] for x in q), 1))
     if loop_seconds:
         later = loop_seconds[1:] or loop_seconds
         out["prefill_s"] = statistics.mean(x["prefill"] for x in later)
@@ -501,8 +517,8 @@ def write_outputs(out: Path, rows: list[dict], checks: list[dict], env: dict) ->
     def order(r):
         return (r["model"], r["preset"], int(r["batch"]), int(r["context"]), r["path"])
 
-    decode = [r for r in rows if r.get("path") != E2E_PATH]
-    e2e = [r for r in rows if r.get("path") == E2E_PATH]
+    decode = [r for r in rows if not str(r.get("path")).startswith(E2E_PATH)]
+    e2e = [r for r in rows if str(r.get("path")).startswith(E2E_PATH)]
     lines = [f"# lm-eval generation throughput: HF generate vs the snapquant decode loop ({env.get('device')})", "",
              f"Random-weight models, {env.get('dtype')} weights. Last call: commit {env.get('git_commit')}, torch "
              f"{env.get('torch')}, transformers {env.get('transformers')}, `{env.get('command')}`; rows merged "
@@ -523,7 +539,8 @@ def write_outputs(out: Path, rows: list[dict], checks: list[dict], env: dict) ->
                          f"{f(r.get('gen_tokens'), '.0f')} | {r.get('batches', '')} | {f(r.get('tokens_per_s'), '.0f')} | "
                          f"{f(r.get('steady_tokens_per_s'), '.0f')} | {f(r.get('step_ms'), '.2f')} | "
                          f"{f(r.get('prefill_s'), '.2f')} | {f(r.get('cell_1319_s'), '.0f')} | "
-                         f"{f(r.get('cells_per_hour'), '.1f')} | {f(r.get('peak_gib'), '.1f')} | {r.get('gen_path') or ''} | "
+                         f"{f(r.get('cells_per_hour'), '.1f')} | {f(r.get('peak_gib'), '.1f')} | {r['path']}: {r.get('gen_path') or ''}"
+                         f"{_refill_note(r)} | "
                          f"{r.get('status', '')} |")
         lines.append("")
     lines += ["## Decode after a filled cache", "",
@@ -566,6 +583,14 @@ def write_outputs(out: Path, rows: list[dict], checks: list[dict], env: dict) ->
 
 
 # ---------------------------------------------------------------------------------------------- main
+def _refill_note(r: dict) -> str:
+    """Answer tokens/s (to each answer's stop) and slot use of --refill rows."""
+    if "/stop" not in str(r.get("path")) or r.get("answer_tokens_per_s") is None:
+        return ""
+    util = f", slot use {r['utilisation']:.2f}, {r['refills']} refills" if r.get("utilisation") is not None else ""
+    return f" (answers: {r['answer_tokens']:.0f} tokens, {r['answer_tokens_per_s']:.0f} tokens/s{util})"
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -594,6 +619,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--e2e-new-tokens", type=int, default=256, help="max_gen_toks of the --e2e-lmeval requests")
     p.add_argument("--e2e-n-batches", type=int, default=3, help="batches per --e2e-lmeval cell (the first captures)")
     p.add_argument("--e2e-generation", default="auto", help="SnapquantLM generation= for --e2e-lmeval (auto, loop, hf)")
+    p.add_argument("--refill", type=int, default=0, metavar="M",
+                   help="--e2e-lmeval on a workload whose answers stop at scattered points (every M-th word is a stop "
+                        "word): per batch size a row without slot refill (path lmeval/stopM) and one with it "
+                        "(lmeval/stopM+refill); 0: the plain rows")
     p.add_argument("--smoke", action="store_true", help="CPU plumbing run: tiny model, small cells, seconds")
     p.add_argument("--out", default="results/bench/eval_h200")
     args = p.parse_args(argv)
@@ -687,11 +716,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - start:6.0f}s] built {shape}: {n_layers} layers, {weights / 2**30:.1f} GiB "
               f"in {time.perf_counter() - t:.0f}s", flush=True)
         base = {"model": shape, "layers": n_layers, "weights_gib": weights / 2**30}
-        tokenizer = synthetic_tokenizer(model.config.vocab_size) if args.e2e_lmeval else None
+        tokenizer = synthetic_tokenizer(model.config.vocab_size, args.refill) if args.e2e_lmeval else None
+        e2e_paths = [(f"{E2E_PATH}/stop{args.refill}", False), (f"{E2E_PATH}/stop{args.refill}+refill", True)] \
+            if args.refill else [(E2E_PATH, False)]
         for preset in presets:
             bpt = _bytes_per_token(preset, model)
-            for B in e2e_batches if args.e2e_lmeval else ():
-                row = {**base, "preset": preset, "batch": B, "context": args.e2e_prompt, "path": E2E_PATH,
+            for B, (e2e_path, refill) in ((B, x) for B in e2e_batches for x in e2e_paths) if args.e2e_lmeval else ():
+                row = {**base, "preset": preset, "batch": B, "context": args.e2e_prompt, "path": e2e_path,
                        "new_tokens": args.e2e_new_tokens}
                 need = weights + bpt * B * (args.e2e_prompt + args.e2e_new_tokens) * n_layers
                 estimate = _estimate_s(cuda, "e2e", B, args.e2e_prompt, args.e2e_new_tokens, args.e2e_n_batches)
@@ -700,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif estimate > left():
                     row["status"] = f"skip: budget (~{estimate:.0f}s > {max(left(), 0):.0f}s left)"
                 else:
-                    row.update(_measure_e2e(model, tokenizer, preset, B, args, backend, e2e_steps, cuda))
+                    row.update(_measure_e2e(model, tokenizer, preset, B, args, backend, e2e_steps, cuda, refill))
                 snapquant.unpatch(model)  # SnapquantLM patched it
                 emit(row)
             snapquant.patch(model, preset, backend=backend)
@@ -782,10 +813,11 @@ def _measure(model, preset: str, B: int, L: int, path: str, args, steps: str, cu
             torch.cuda.empty_cache()
 
 
-def _measure_e2e(model, tokenizer, preset: str, B: int, args, backend: str, gen_steps: str, cuda: bool) -> dict[str, Any]:
+def _measure_e2e(model, tokenizer, preset: str, B: int, args, backend: str, gen_steps: str, cuda: bool,
+                 refill: bool = False) -> dict[str, Any]:
     try:
         res = run_e2e(model, tokenizer, preset, B, args.e2e_n_batches, args.e2e_prompt, args.e2e_new_tokens,
-                      backend, args.e2e_generation, gen_steps)
+                      backend, args.e2e_generation, gen_steps, refill)
         return {**res, "status": "ok"}
     except ImportError as e:  # lm-eval (or datasets) missing: the decode cells still run
         return {"status": f"skip: {type(e).__name__}: {str(e)[:80]}"}

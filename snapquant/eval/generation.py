@@ -27,8 +27,9 @@ min length, ...); the caller then uses HF generate.
 Batches are whatever the caller passes (lm-eval's Collator sorts a task's requests by length and cuts
 them into batch_size rows). The cache and the captured graph are kept and reused by the next batch of
 the same size that fits (cropped to zero, prefilled again); configs whose scales freeze at the prefill
-get a fresh cache per batch. Finished rows keep their slot until the batch stops (HF's rule); refilling
-slots is not done (see docs/performance.md, "lm-eval generation").
+get a fresh cache per batch. Finished rows keep their slot until the batch stops (HF's rule). To refill
+finished slots with waiting requests instead, `snapquant.eval.refill.run_queue(loop, prompts, ...)` takes a
+whole queue (each request then stops on its own; docs/performance.md, "lm-eval generation").
 """
 
 from __future__ import annotations
@@ -241,6 +242,23 @@ class DecodeLoop:
         frozen = any(part.frozen_scale() is not None for layer in cache.latent_layers if layer.store is not None
                      for part in layer.store.parts.values())
         self._slot = None if frozen else (batch, cache.max_cache_len, cache, graph)
+
+    # the refill queue (snapquant.eval.refill) runs its own schedule over the same cache, graph and selection
+    def acquire_cache(self, batch: int, need: int) -> tuple[LatentCache, Any]:
+        """The kept (cache, graph) when they fit `batch` x `need` positions (cropped to 0), else a new cache."""
+        return self._cache(batch, need)
+
+    def keep_cache(self, batch: int, cache: LatentCache, graph: Any) -> None:
+        """Keep the cache and graph for the next call (unless its scales froze at the prefill)."""
+        self._keep(batch, cache, graph)
+
+    def select(self, logits: torch.Tensor, plan: DecodingPlan, prompt: torch.Tensor) -> torch.Tensor:
+        """HF's token selection from the last position's logits."""
+        return self._select(logits, plan, prompt)
+
+    def forward_kwargs(self, cache: LatentCache) -> dict[str, Any]:
+        """The model's cache argument, and logits_to_keep=1 where the model takes it."""
+        return {self._cache_kw: cache, **({"logits_to_keep": 1} if self._logits_to_keep else {})}
 
     def release(self) -> None:
         """Drop the kept cache and graph (their memory)."""

@@ -23,7 +23,10 @@
   to win). Requests the loop cannot reproduce (beam search, repetition penalty, ...) go to HF with one
   warning naming the reason. `gen_batch_size` overrides `batch_size` for generation only (the loop
   pays off at large batches); `gen_steps` ('auto', 'graph', 'static', 'eager') and `gen_check_every`
-  are the loop's knobs.
+  are the loop's knobs. `gen_refill` (True, False, 'auto'; default 'auto') hands each group of requests
+  with the same generation kwargs to the loop as one queue over `gen_batch_size` slots, refilling a slot
+  whose request stopped with the next waiting one (`snapquant.eval.refill`; 'auto': when the batch-1
+  prefill costs less than the idle slot-steps it removes); False keeps lm-eval's batches and HF's rule.
 - `get_model_info()` adds `snapquant_preset`, `snapquant_config`, `snapquant_backend`,
   `snapquant_kernel_options`, `snapquant_loglikelihood` and `snapquant_generation` (requested path, the
   path each batch took and why), so the results JSON (`results["config"]`) records which scheme and which decode path produced
@@ -62,7 +65,7 @@ class SnapquantLM(HFLM):
     def __init__(self, pretrained: Any, kv_config: str | dict | KVQuantConfig = "snapmla", backend: str = "auto",
                  kernel_options: dict[str, Any] | None = None, generation: str = "auto",
                  gen_batch_size: int | str | None = None, gen_steps: str = "auto", gen_check_every: int | str = 16,
-                 loglikelihood: str = "forward", **kwargs: Any) -> None:
+                 gen_refill: bool | str = "auto", loglikelihood: str = "forward", **kwargs: Any) -> None:
         # option checks before the model loads: one line naming the field
         from .tasks.direct import check_loglikelihood_path
 
@@ -76,6 +79,8 @@ class SnapquantLM(HFLM):
             raise ConfigError(f"gen_steps must be one of {', '.join(STEP_MODES)}, got {gen_steps!r}")
         self.gen_batch_size = _positive_int("gen_batch_size", gen_batch_size) if gen_batch_size is not None else None
         self.gen_check_every = _positive_int("gen_check_every", gen_check_every)
+        self.gen_refill = _refill_arg(gen_refill)
+        self._slots: int | None = None  # set while generate_until hands whole groups to the refill queue
         super().__init__(pretrained=pretrained, **kwargs)
         self.kv_config = resolve_config(kv_config)
         self.kv_backend = backend
@@ -87,6 +92,7 @@ class SnapquantLM(HFLM):
         self._loop = None
         self._gen_batches: Counter = Counter()  # (path, reason) -> batches
         self._warned: set[str] = set()
+        self.refill_stats: list[dict] = []  # one per queue run (snapquant.eval.refill.run_queue's stats)
         self._gen_default = self._default_path()
 
     def _default_path(self) -> tuple[str, str]:
@@ -112,14 +118,29 @@ class SnapquantLM(HFLM):
         return self._decode_loop()
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        if self.gen_batch_size is None:
-            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        slots = self.gen_batch_size or self.batch_size_per_gpu
         saved = self.batch_size_per_gpu
-        self.batch_size_per_gpu = self.gen_batch_size
+        if self._queues(slots) and len(requests) > slots:
+            # one lm-eval "batch" per group of gen_kwargs (sorted longest first, as lm-eval sorts); the queue
+            # runs it through `slots` slots (_model_generate)
+            self._slots, self.batch_size_per_gpu = slots, len(requests)
+        elif self.gen_batch_size is not None:
+            self.batch_size_per_gpu = self.gen_batch_size
         try:
             return super().generate_until(requests, disable_tqdm=disable_tqdm)
         finally:
-            self.batch_size_per_gpu = saved
+            self.batch_size_per_gpu, self._slots = saved, None
+
+    def _queues(self, slots: Any) -> bool:
+        """Whether generation groups go to the refill queue: the loop path, refill not off, a fixed slot count."""
+        if self.gen_refill is False or self._gen_default[0] != "loop" or not isinstance(slots, int):
+            return False
+        from .refill import refill_reason
+
+        reason = refill_reason(self._decode_loop())
+        if reason is not None and self.gen_refill is True:
+            raise ConfigError(f"gen_refill=True: {reason}")
+        return reason is None
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         path, reason = self._gen_default
@@ -143,6 +164,8 @@ class SnapquantLM(HFLM):
             # request the loop refuses (or an explicit generation="loop" that cannot run) is worth a warning
             level = logging.WARNING if plan is not None or self.generation == "loop" else logging.INFO
             log.log(level, "snapquant generation: HF generate for these requests: %s", reason)
+        if self._slots is not None and context.shape[0] > self._slots:
+            return self._queue_generate(path, reason, plan, context, max_length, stop, generation_kwargs)
         self._gen_batches[(path, reason)] += 1
         if path == "loop":
             return self._decode_loop().generate(
@@ -151,6 +174,36 @@ class SnapquantLM(HFLM):
         if generation_kwargs.get(self._cache_kwarg) is None:
             generation_kwargs[self._cache_kwarg] = LatentCache(self.kv_config, self.model)
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    def _queue_generate(self, path, reason, plan, context, max_length: int, stop: list[str], kwargs: dict):
+        """A whole group of requests (left-padded `context`) -> HF-shaped sequences: the refill queue on the
+        loop path, else HF generate over chunks of the slot count, each row padded after its own tokens."""
+        import torch
+
+        B, P, slots = context.shape[0], context.shape[1], self._slots
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        rows: list[list[int]] = []
+        if path == "loop":
+            am = kwargs.get("attention_mask")
+            prompts = [r[P - int(n):] for r, n in zip(context.tolist(), am.sum(1).tolist(), strict=True)]
+            from .refill import run_queue
+
+            res = run_queue(self._decode_loop(), prompts, slots=slots, max_new_tokens=max_length - P, plan=plan,
+                            stop=stop, refill=self.gen_refill, pad_token_id=pad)
+            self._gen_batches[(path, f"{reason}; refill={self.gen_refill!r}")] += 1
+            self.refill_stats.append(res.stats)
+            rows = res.tokens
+        else:
+            for i in range(0, B, slots):
+                kw = dict(kwargs, attention_mask=kwargs["attention_mask"][i:i + slots])
+                self._gen_batches[(path, reason)] += 1
+                if kw.get(self._cache_kwarg) is None:
+                    kw[self._cache_kwarg] = LatentCache(self.kv_config, self.model)
+                out = HFLM._model_generate(self, context[i:i + slots], max_length, stop, **kw)
+                rows += out[:, P:].tolist()
+        T = max(len(r) for r in rows)
+        new = torch.tensor([r + [pad] * (T - len(r)) for r in rows], dtype=torch.long, device=context.device)
+        return torch.cat([context, new], dim=1)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         # HFLM.loglikelihood tokenizes (lm-eval's _encode_pair, prefix token for an empty context) and calls
@@ -199,10 +252,24 @@ class SnapquantLM(HFLM):
                 "steps": self._loop.steps if self._loop is not None else self.gen_steps,
                 "check_every": self.gen_check_every,
                 "gen_batch_size": self.gen_batch_size,
+                "refill": self.gen_refill,
+                "refill_stats": self.refill_stats,
                 "batches": [{"path": p, "reason": r, "count": n} for (p, r), n in self._gen_batches.items()],
             },
         })
         return info
+
+
+def _refill_arg(value: Any) -> bool | str:
+    """gen_refill from Python or an lm-eval model_args string."""
+    text = str(value).lower()
+    if text in ("true", "1"):
+        return True
+    if text in ("false", "0"):
+        return False
+    if text == "auto":
+        return "auto"
+    raise ConfigError(f"gen_refill must be true, false or auto, got {value!r}")
 
 
 def _positive_int(name: str, value: Any) -> int:
