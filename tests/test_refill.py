@@ -129,3 +129,24 @@ def test_lm_eval_groups_go_through_the_queue_with_the_same_strings(base):
     assert infos["loop", False]["refill_stats"] == [] and infos["loop", False]["refill"] is False
     with pytest.raises(ConfigError, match="gen_refill must be"):
         SnapquantLM(pretrained="/nonexistent/checkpoint", gen_refill="maybe")
+
+
+@pytest.mark.gpu
+def test_refill_through_the_captured_graph_gives_the_static_steps_tokens():
+    """On CUDA the queue replays one captured step while slots are refilled in place: every request's tokens
+    equal the uncaptured fixed-shape step's (same kernels), with refills happening and one capture."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tok = char_tokenizer()
+    torch.manual_seed(0)
+    model = tiny_model("deepseek_v3", moe=True, vocab_size=len(tok), dtype=torch.bfloat16, kv_lora_rank=64,
+                       qk_rope_head_dim=16).cuda()  # kernel widths (powers of two >= 16)
+    snapquant.patch(model, "snapmla", backend="triton")
+    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS * 3]
+    plan = decoding_plan(model, {"do_sample": False}, 4)
+    static = run_queue(DecodeLoop(model, tok, steps="static", check_every=4), ids, slots=5, max_new_tokens=MAX_NEW,
+                       plan=plan, stop=STOP, refill=True)
+    graph_loop = DecodeLoop(model, tok, steps="graph", check_every=4)
+    graph = run_queue(graph_loop, ids, slots=5, max_new_tokens=MAX_NEW, plan=plan, stop=STOP, refill=True)
+    assert graph.stats["refills"] > 0 and graph_loop.captures == 1
+    assert graph.tokens == static.tokens

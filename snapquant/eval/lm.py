@@ -23,7 +23,8 @@
   to win). Requests the loop cannot reproduce (beam search, repetition penalty, ...) go to HF with one
   warning naming the reason. `gen_batch_size` overrides `batch_size` for generation only (the loop
   pays off at large batches); `gen_steps` ('auto', 'graph', 'static', 'eager') and `gen_check_every`
-  are the loop's knobs. `gen_refill` (True, False, 'auto'; default 'auto') hands each group of requests
+  are the loop's knobs. `gen_refill` (True, False, 'auto'; default False until the captured-graph path is
+  checked on a GPU: `tests/test_refill.py -m gpu`) hands each group of requests
   with the same generation kwargs to the loop as one queue over `gen_batch_size` slots, refilling a slot
   whose request stopped with the next waiting one (`snapquant.eval.refill`; 'auto': when the batch-1
   prefill costs less than the idle slot-steps it removes); False keeps lm-eval's batches and HF's rule.
@@ -65,7 +66,7 @@ class SnapquantLM(HFLM):
     def __init__(self, pretrained: Any, kv_config: str | dict | KVQuantConfig = "snapmla", backend: str = "auto",
                  kernel_options: dict[str, Any] | None = None, generation: str = "auto",
                  gen_batch_size: int | str | None = None, gen_steps: str = "auto", gen_check_every: int | str = 16,
-                 gen_refill: bool | str = "auto", loglikelihood: str = "forward", **kwargs: Any) -> None:
+                 gen_refill: bool | str = False, loglikelihood: str = "forward", **kwargs: Any) -> None:
         # option checks before the model loads: one line naming the field
         from .tasks.direct import check_loglikelihood_path
 
