@@ -37,7 +37,7 @@ huggingface_hub, transformers, torch; import snapquant.eval.lm; print('imports o
 'datasets', datasets.__version__, 'fsspec', fsspec.__version__, 'pyarrow', pyarrow.__version__, 'hub', \
 huggingface_hub.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)" 2>&1 \
        | tee "$OUT/imports.txt" | tail -3
-     timeout 100 python -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_generation.py tests/test_graphs.py \
+     timeout 100 python -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_generation.py tests/test_graphs.py tests/test_refill.py \
        2>&1 | tee "$OUT/pytest_gpu_eval4.txt" | tail -4
      # smoke: the tiny model's own small grid (its defaults), results only in $OUT
      grid=(--models v2lite --out results/bench/eval_h200 --e2e-batches 32,128 --e2e-prompt 1024 --e2e-new-tokens 256
