@@ -107,7 +107,9 @@ class Job:
 
 
 def _exp(name: str, *args: str, outputs: tuple[str, ...], what: str) -> Job:
-    return Job(f"results/{name}", "cpu", (f"experiments/{name}.py", "--device", "cpu", *args), outputs, what,
+    # experiments write to the git-ignored runs/NAME unless told --out: the job names its results folder
+    return Job(f"results/{name}", "cpu", (f"experiments/{name}.py", "--device", "cpu", *args, "--out", f"results/{name}"),
+               outputs, what,
                code=("experiments/_common.py", *DECODE, *EMBEDDED, "snapquant/analysis", "snapquant/eval/fidelity.py",
                      "snapquant/kernels"))
 
