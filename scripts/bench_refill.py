@@ -83,8 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(sims[-1]), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"measured": rows, "simulated": sims, "lengths": lengths,
-                               "check_every": args.check_every, "threads": args.threads}, indent=1) + "\n")
+    from snapquant.atomic import atomic_write_text
+    from snapquant.environment import environment
+
+    atomic_write_text(out, json.dumps({"measured": rows, "simulated": sims, "lengths": lengths,
+                                       "args": vars(args), "check_every": args.check_every, "threads": args.threads,
+                                       "env": environment()}, indent=1, default=str) + "\n")
     return 0
 
 

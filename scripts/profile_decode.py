@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from snapquant.bench import ncu  # noqa: E402  (the repository root first: this checkout, not an installed copy)
+from snapquant.environment import git_commit  # noqa: E402
 
 SHAPES = ("64x128x8192", "32x64x8192", "128x16x4096")  # H >= 64 first: a budget cut loses the H = 16 row
 VARIANTS = ("snapmla", "flashmla", "bf16", "snapmla+gluon+fp8mma")
@@ -241,7 +242,7 @@ def write_summary(ncu_dir: Path, out: Path, timings: Path | None = None) -> list
     (out / "profile_h200.csv").write_text(ncu.summary_csv(rows))
     md = ["# Decode kernels under Nsight Compute (H200)", "",
           f"`python scripts/profile_decode.py run` ({time.strftime('%Y-%m-%d')}, commit "
-          f"{os.environ.get('SNAPQUANT_GIT_COMMIT', _git_commit())}): one warm call per variant, "
+          f"{(git_commit() or 'unknown')[:7]}): one warm call per variant, "
           "`--clock-control none --cache-control all`, sections " + ", ".join(SECTIONS) + ". "
           "Stall shares are fractions of all warp states (the issuing one included), from "
           "`smsp__average_warps_issue_stalled_*_per_issue_active` (or PC samples where those are missing).", ""]
@@ -263,14 +264,6 @@ def _timing_table(path: Path) -> str:
         lines.append(f"| {r['shape']} | {r['variant']} | {fmt(r.get('us'))} | {fmt(r.get('vs_flashmla'), '{:.2f}')} | "
                      f"{fmt(r.get('fp8_over_bf16'), '{:.2f}')} | {r.get('status')} | {r.get('resolved') or ''} |")
     return "\n".join(lines)
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def cmd_summarize(args: argparse.Namespace) -> int:

@@ -107,7 +107,9 @@ class Job:
 
 
 def _exp(name: str, *args: str, outputs: tuple[str, ...], what: str) -> Job:
-    return Job(f"results/{name}", "cpu", (f"experiments/{name}.py", "--device", "cpu", *args), outputs, what,
+    # experiments write to the git-ignored runs/NAME unless told --out: the job names its results folder
+    return Job(f"results/{name}", "cpu", (f"experiments/{name}.py", "--device", "cpu", *args, "--out", f"results/{name}"),
+               outputs, what,
                code=("experiments/_common.py", *DECODE, *EMBEDDED, "snapquant/analysis", "snapquant/eval/fidelity.py",
                      "snapquant/kernels"))
 
@@ -123,10 +125,17 @@ JOBS: tuple[Job, ...] = (
         ("formats_synthetic.csv", "formats_synthetic.meta.json"), "the same table as CSV, with its metadata",
         code=(*FORMATS, "snapquant/commands/formats.py")),
     Job("results/tasks", "cpu",
-        ("scripts/calibrate_tasks.py", "--n", "100", "--compare", "per_tensor_fp8", "--output-dir", "results/tasks",
-         "sq_kv_retrieval_1k", "sq_code_completion"),
+        # about 75 min on 2 CPU cores (the pass key at 1K-4K half of it); the files are rewritten after every
+        # task, and `--resume` added to the command finishes a stopped run without rescoring what it kept
+        ("scripts/calibrate_tasks.py", "--n", "100", "--compare", "per_tensor_fp8", "--loglikelihood", "decode",
+         "--threads", "1", "--output-dir", "results/tasks",
+         # sq_passkey's knobs spelled out: its YAML default (20 digits, 32 near-miss keys) is not the bare
+         # task's in calibrate_tasks (sq_utils' 5 digits, no distractor, the old default)
+         "sq_kv_retrieval_1k", "sq_code_completion", "sq_code_completion_mc",
+         "sq_passkey:passkey_digits=20,passkey_distractors=32"),
         ("calibration.md", "calibration.csv", "calibration.json"),
-        "the offline tasks at their calibrated difficulty defaults: bf16 accuracy with its interval, and the "
+        "the offline tasks at their calibrated difficulty defaults (retrieval, completion, multiple-choice "
+        "completion read through the cache, pass key at 1K-4K): bf16 accuracy with its interval, and the "
         "discordance with per-tensor FP8 that sets the experiments' sample sizes",
         code=(*DECODE, *EMBEDDED, *TASKS)),
     Job("results/tasks/knobs", "cpu",
@@ -196,6 +205,11 @@ JOBS: tuple[Job, ...] = (
         ("scripts/bench_e2e.py", "--threads", "1", "--out", "results/bench/e2e_cpu.json"),
         ("e2e_cpu.*",), "end-to-end decode step on CPU: stock transformers vs patched (reference backend)",
         code=(*DECODE, "snapquant/bench/e2e.py")),
+    Job("results/bench", "cpu",
+        ("scripts/bench_refill.py", "--n", "64", "--slots", "8", "--threads", "1", "--out", "results/bench/refill_cpu.json"),
+        ("refill_cpu.json",), "slot refill in the decode loop on CPU: decode steps, slot utilisation and wall time "
+        "with refill off / on / auto, and the gsm8k-sized projection",
+        code=(*DECODE, "snapquant/eval/refill.py", "snapquant/eval/generation.py")),
     Job("results/bench", "cpu",
         ("scripts/bench_decode.py", "--compile-stats", "--variants",
          "bf16,snapmla,snapmla+pairs,snapmla+gluon*,snapmla_kv_only,snapmla+fp8qk",

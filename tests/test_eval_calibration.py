@@ -3,6 +3,7 @@ inverts the MDE, and the script writes its table (tiny random model: the numbers
 columns and the arithmetic do)."""
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -101,3 +102,42 @@ def test_calibrate_rows_and_script_table(tiny, tmp_path, monkeypatch):
     assert (table["ci_low"] <= table["accuracy"]).all() and (table["accuracy"] <= table["ci_high"]).all()
     md = (out / "calibration.md").read_text()
     assert "95% CI (Clopper-Pearson)" in md and "`kv_digits=5,kv_distractors=" in md and "commit" in md
+
+
+def test_script_writes_each_setting_and_resume_keeps_finished_rows(tiny, tmp_path, monkeypatch):
+    import snapquant
+
+    model, tok = tiny
+    monkeypatch.setattr(snapquant, "load_embedded", lambda **k: (model, tok))
+    script, out = _script(), tmp_path / "cal"
+    args = ["--n", "1", "--max-new-tokens", "1", "--output-dir", str(out)]
+    scored, real = [], calibration.calibrate
+
+    def counting(model, tok, settings, *a, **k):
+        scored.extend(s.label() for s in settings)
+        return real(model, tok, settings, *a, **k)
+
+    monkeypatch.setattr(calibration, "calibrate", counting)
+    assert script.main([*args, "sq_kv_retrieval_1k:kv_digits=5"]) == 0
+    first = json.loads((out / "calibration.json").read_text())
+    assert "partial" not in first["run"] and first["rows"][0]["commit"] == first["run"]["commit"]
+
+    monkeypatch.setattr(script, "code_unchanged", lambda commit: True)
+    first["run"]["commit"] = first["rows"][0]["commit"] = "a" * 40  # as if scored at an earlier commit
+    (out / "calibration.json").write_text(json.dumps(first))
+    scored.clear()
+    assert script.main([*args, "--resume", "sq_kv_retrieval_1k:kv_digits=5", "sq_kv_retrieval_1k:kv_digits=6"]) == 0
+    second = json.loads((out / "calibration.json").read_text())
+    assert scored == [second["rows"][1]["knobs"]] and "kv_digits=6" in scored[0]
+    assert second["rows"][0] == first["rows"][0] and "aaaaaaa" in second["run"]["resumed"]
+    assert "partial" not in second["run"] and len(pd.read_csv(out / "calibration.csv")) == 2
+
+    scored.clear()  # other arguments (n) or other code: every setting scored again
+    assert script.main(["--n", "2", *args[2:], "--resume", "sq_kv_retrieval_1k:kv_digits=5"]) == 0
+    assert len(scored) == 1
+    monkeypatch.setattr(script, "code_unchanged", lambda commit: False)
+    scored.clear()
+    assert script.main(["--n", "2", *args[2:], "--resume", "sq_kv_retrieval_1k:kv_digits=5"]) == 0
+    assert len(scored) == 1
+    monkeypatch.undo()
+    assert not _script().code_unchanged("0" * 40)  # an unknown commit never passes

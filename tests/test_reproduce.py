@@ -164,3 +164,12 @@ def test_cli_stale_lists_every_committed_group(capsys):
     out = capsys.readouterr().out
     assert rc in (0, 1) and "result groups stale" in out
     assert all(f"{Path(f).parent.as_posix()}: " in out for f in committed)  # every folder has a verdict line
+
+
+def test_experiment_jobs_write_their_results_folder():
+    """The experiment scripts default to the git-ignored runs/NAME; a job that did not pass --out would
+    rerun and leave the committed results untouched."""
+    for job in JOBS:
+        if job.target.startswith("experiments/"):
+            argv = list(job.argv)
+            assert "--out" in argv and argv[argv.index("--out") + 1] == job.folder, job.command()
