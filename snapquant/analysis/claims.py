@@ -283,7 +283,8 @@ def _research_task_fp8_claims(root: Path) -> list[Claim]:
     out = []
     for task in dict.fromkeys(r["task"] for r in rows):
         said = []
-        for r in (r for r in rows if r["task"] == task):
+        mine = [r for r in rows if r["task"] == task]
+        for r in mine:
             n = int(r["n"])
             lo, hi = proportion_interval(round(r["score"] * n), n)
             said.append(f"{r['config']} {_g(r['score'])} [{_g(lo)}, {_g(hi)}]"
@@ -293,7 +294,7 @@ def _research_task_fp8_claims(root: Path) -> list[Claim]:
         if said:
             out.append(Claim("research model, tasks under FP8", (
                 f"{task} (BF16 score in [0.4, 0.9]), accuracy with Clopper-Pearson 95% intervals, n = "
-                f"{rows[0]['n']} documents: " + "; ".join(said) + "."), rel))
+                f"{mine[0]['n']} documents: " + "; ".join(said) + "."), rel))
     return out
 
 
