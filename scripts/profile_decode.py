@@ -52,11 +52,13 @@ EXPECT_WORKER_S = 25  # what one usually takes; a worker is not started with les
 
 
 # ------------------------------------------------------------------------------------------ alternatives
-def alternatives(base: dict[str, Any], shape_rows: int) -> list[tuple[str, dict[str, Any]]]:
+def alternatives(base: dict[str, Any], shape_rows: int, fp8_p: bool = False) -> list[tuple[str, dict[str, Any]]]:
     """Knob alternatives of one measured base row (name suffix, knobs), only past 16 query rows (the H >= 64
     kernels): half and double the resolved split count for the page loops (one wave of programs is the
-    default; a second wave or fewer, longer runs may hide the per-page chain better), and for the native FP8
-    kernel three and four TMA slots. Every knob here already exists (DecodeOptions); defaults are unchanged."""
+    default; a second wave or fewer, longer runs may hide the per-page chain better), for the native FP8
+    kernel three and four TMA slots, and where P is quantized to e4m3 (`fp8_p`) the reciprocal division
+    (`p_div="rcp"`: what the fma-corrected quotient costs in the softmax, hypothesis H4 of docs/performance.md).
+    Every knob here already exists (DecodeOptions); defaults are unchanged."""
     if shape_rows <= 16 or base.get("status") != "ok":
         return []
     knobs = dict(kv.split("=", 1) for kv in str(base.get("resolved") or "").split() if "=" in kv)
@@ -66,6 +68,8 @@ def alternatives(base: dict[str, Any], shape_rows: int) -> list[tuple[str, dict[
         out.append((f"splits{s}", {"num_splits": s}))
     if base["variant"] == "snapmla+gluon+fp8mma":
         out += [("s3", {"num_stages": 3}), ("s4", {"num_stages": 4})]
+    if fp8_p:
+        out.append(("rcp", {"p_div": "rcp"}))
     return out
 
 
@@ -104,7 +108,7 @@ def cmd_time(args: argparse.Namespace) -> int:
             v = BY_NAME[base["variant"]]
             if v.impl != "kernel":
                 continue
-            for suffix, knobs in alternatives(base, shape.heads * shape.q_tokens):
+            for suffix, knobs in alternatives(base, shape.heads * shape.q_tokens, v.pv == "fp8_scale_fused"):
                 if not budget.ok(10):
                     break
                 alt = replace(v, name=f"{v.name}+{suffix}", knobs=tuple(sorted({**v.knob_dict, **knobs}.items())),

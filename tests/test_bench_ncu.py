@@ -132,6 +132,8 @@ def test_the_script_summarises_exported_reports_and_picks_knob_alternatives(tmp_
     assert pd.alternatives(dict(base, variant="snapmla", resolved="num_splits=1"), 128) == [
         ("splits2", {"num_splits": 2})]
     assert pd.alternatives(base, 16) == []
+    assert pd.alternatives(dict(base, variant="snapmla", resolved="num_splits=1"), 128, fp8_p=True) == [
+        ("splits2", {"num_splits": 2}), ("rcp", {"p_div": "rcp"})]
     cmd = pd.ncu_command("ncu", tmp_path / "x.ncu-rep", ["python", "w.py"])
     assert cmd[:7] == ["ncu", "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all"]
     assert cmd[-2:] == ["python", "w.py"] and "SourceCounters" in cmd
