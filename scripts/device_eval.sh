@@ -8,10 +8,22 @@
 #   bash scripts/device_eval.sh 4      # < 560 s: lm-eval from .whl/ if present, GPU tests of the loop, then V2-Lite
 #                                      # shape, bf16 + snapmla: SnapquantLM.generate_until end to end (1K prompts,
 #                                      # 256 new tokens, batch 32 / 128) and decode-loop rows at 1K / 8K / 32K, batch 32
+#   bash scripts/device_eval.sh 5      # < 560 s: lm-eval from .whl/, then slot refill on/off end to end (V2-Lite,
+#                                      # snapmla, batch 32, scattered stops), HF generate bf16 at batch 32 (the stock
+#                                      # path's row beside the loop's), and the V3 shape (as many layers as fit), both
+#                                      # presets, decode-loop rows at batch 32 / 128 and 1K / 8K / 32K
 #   SMOKE=1 bash scripts/device_eval.sh 4   # the same steps on CPU (tiny model, no install), into $OUT only
 # Logs go to $OUT (default /tmp/device_eval) and the results folder; case 4 also packs them into
 # $OUT/device_eval4.tgz.
 set -o pipefail
+install_wheels() {  # lm-eval and datasets are not in the device image: install the wheels carried in .whl/ beside it
+  if [ -z "$SMOKE" ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      2>&1 | tail -3
+    # PYTHONPATH comes before site-packages: .whl/ holds only what the image lacks, so nothing is shadowed
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/device_eval}"
 mkdir -p "$OUT" results/bench
@@ -25,13 +37,7 @@ case "${1:-1}" in
        2>&1 | tee "$OUT/eval_part2.log" | grep -v "^USDT" | tail -30 ;;
   3) timeout 450 python scripts/bench_eval.py --models v3 --batches 32 --contexts 1024,8192 --budget-s 360 \
        2>&1 | tee "$OUT/eval_part3.log" | grep -v "^USDT" | tail -30 ;;
-  4) # lm-eval and datasets are not in the device image: install the wheels carried in .whl/ beside it
-     if [ -z "$SMOKE" ] && ls .whl/*.whl >/dev/null 2>&1; then
-       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-         2>&1 | tail -3
-       # PYTHONPATH comes before site-packages: .whl/ holds only what the image lacks, so nothing is shadowed
-       export PYTHONPATH="$PYTHONPATH:/tmp/site"
-     fi
+  4) install_wheels
      timeout 60 python -c "import lm_eval, lm_eval.evaluator, lm_eval.models.huggingface, datasets, fsspec, pyarrow, \
 huggingface_hub, transformers, torch; import snapquant.eval.lm; print('imports ok: lm_eval', lm_eval.__version__, \
 'datasets', datasets.__version__, 'fsspec', fsspec.__version__, 'pyarrow', pyarrow.__version__, 'hub', \
@@ -50,6 +56,22 @@ huggingface_hub.__version__, 'transformers', transformers.__version__, 'torch', 
      [ -z "$SMOKE" ] && cp results/bench/eval_h200.* "$OUT"/
      tar czf "$OUT/device_eval4.tgz" -C "$OUT" --exclude device_eval4.tgz . 2>/dev/null
      echo "case 4 done in ${SECONDS}s" ;;
+  5) install_wheels
+     smoke=(); [ -n "$SMOKE" ] && smoke=(--smoke)
+     dest=results/bench/eval_h200; [ -n "$SMOKE" ] && dest="$OUT/eval_smoke5"
+     timeout 150 python scripts/bench_eval.py "${smoke[@]}" --out "$dest" --models v2lite --presets snapmla \
+       --e2e-lmeval --e2e-batches 32 --e2e-prompt 1024 --e2e-new-tokens 256 --e2e-n-batches 3 --refill 100 --paths "" \
+       --budget-s 120 2>&1 | tee "$OUT/eval_part5a.log" | grep -v "^USDT" | tail -8
+     timeout 110 python scripts/bench_eval.py "${smoke[@]}" --out "$dest" --models v2lite --presets bf16 --paths hf \
+       --batches 32 --contexts 1024 --new-tokens 32 --check-tokens 0 --no-split --budget-s 90 \
+       2>&1 | tee "$OUT/eval_part5b.log" | grep -v "^USDT" | tail -4
+     left=$((530 - SECONDS))
+     timeout $((left > 60 ? left - 10 : 50)) python scripts/bench_eval.py "${smoke[@]}" --out "$dest" --models v3 \
+       --presets bf16,snapmla --paths loop --batches 32,128 --contexts 1024,8192,32768 --new-tokens 64 --check-tokens 16 \
+       --budget-s $((left > 120 ? left - 60 : 60)) 2>&1 | tee "$OUT/eval_part5c.log" | grep -v "^USDT" | tail -20
+     [ -z "$SMOKE" ] && cp results/bench/eval_h200.* "$OUT"/
+     tar czf "$OUT/device_eval5.tgz" -C "$OUT" --exclude device_eval5.tgz . 2>/dev/null
+     echo "case 5 done in ${SECONDS}s" ;;
 esac
 [ -z "$SMOKE" ] && cp results/bench/eval_h200.* "$OUT"/ 2>/dev/null
 exit 0
