@@ -16,14 +16,6 @@
 # Logs go to $OUT (default /tmp/device_eval) and the results folder; case 4 also packs them into
 # $OUT/device_eval4.tgz.
 set -o pipefail
-install_wheels() {  # lm-eval and datasets are not in the device image: install the wheels carried in .whl/ beside it
-  if [ -z "$SMOKE" ] && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      2>&1 | tail -3
-    # PYTHONPATH comes before site-packages: .whl/ holds only what the image lacks, so nothing is shadowed
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
-  fi
-}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/device_eval}"
 mkdir -p "$OUT" results/bench
@@ -37,7 +29,7 @@ case "${1:-1}" in
        2>&1 | tee "$OUT/eval_part2.log" | grep -v "^USDT" | tail -30 ;;
   3) timeout 450 python scripts/bench_eval.py --models v3 --batches 32 --contexts 1024,8192 --budget-s 360 \
        2>&1 | tee "$OUT/eval_part3.log" | grep -v "^USDT" | tail -30 ;;
-  4) install_wheels
+  4) source scripts/wheels_env.sh
      timeout 60 python -c "import lm_eval, lm_eval.evaluator, lm_eval.models.huggingface, datasets, fsspec, pyarrow, \
 huggingface_hub, transformers, torch; import snapquant.eval.lm; print('imports ok: lm_eval', lm_eval.__version__, \
 'datasets', datasets.__version__, 'fsspec', fsspec.__version__, 'pyarrow', pyarrow.__version__, 'hub', \
@@ -56,7 +48,7 @@ huggingface_hub.__version__, 'transformers', transformers.__version__, 'torch', 
      [ -z "$SMOKE" ] && cp results/bench/eval_h200.* "$OUT"/
      tar czf "$OUT/device_eval4.tgz" -C "$OUT" --exclude device_eval4.tgz . 2>/dev/null
      echo "case 4 done in ${SECONDS}s" ;;
-  5) install_wheels
+  5) source scripts/wheels_env.sh
      smoke=(); [ -n "$SMOKE" ] && smoke=(--smoke)
      dest=results/bench/eval_h200; [ -n "$SMOKE" ] && dest="$OUT/eval_smoke5"
      timeout 150 python scripts/bench_eval.py "${smoke[@]}" --out "$dest" --models v2lite --presets snapmla \

@@ -17,6 +17,7 @@ import snapquant
 from snapquant.cache import LatentCache
 from snapquant.errors import ConfigError
 from snapquant.eval.generation import DecodeLoop, DecodingPlan, StopRule, decoding_plan
+from snapquant.models.stepping import cache_kwarg
 from snapquant.models.tiny import tiny_model
 from tests.support.tokenizers import char_tokenizer
 
@@ -45,7 +46,7 @@ def _hf(model, tok, ids, am, stop, max_new, **kw):
     with torch.no_grad():
         return model.generate(input_ids=ids, attention_mask=am, max_length=P + max_new, pad_token_id=0,
                               stopping_criteria=stop_sequences_criteria(tok, stop, P, ids.shape[0]), use_cache=True,
-                              cache=LatentCache("snapmla", model), **kw)
+                              **{cache_kwarg(model): LatentCache("snapmla", model)}, **kw)
 
 
 def _loop(loop, model, ids, am, stop, max_new, **kw):
