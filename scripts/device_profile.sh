@@ -42,7 +42,8 @@ pack() {  # the reports per shape (each tarball kept under 15 MiB: the largest r
 trap pack EXIT
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$NCU_DIR/gpu.log"
-source scripts/anchor_env.sh 2>&1 | tee "$NCU_DIR/flashmla.log"
+# not in a pipeline: a sourced script's exports (PYTHONPATH to FlashMLA) would stay in the pipeline's subshell
+source scripts/anchor_env.sh > "$NCU_DIR/flashmla.log" 2>&1; cat "$NCU_DIR/flashmla.log"
 "${NCU:-ncu}" --version 2>&1 | tail -1 | tee -a "$NCU_DIR/gpu.log"
 timeout $((PROFILE_S + 30)) python3 scripts/profile_decode.py run --out "$RES" --ncu-dir "$NCU_DIR" \
   --ncu "${NCU:-ncu}" --budget-s "$PROFILE_S" 2>&1 | tee "$NCU_DIR/profile.log" | grep -E "^==| us |read bandwidth"

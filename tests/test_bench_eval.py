@@ -16,6 +16,7 @@ from snapquant.bench.eval_gen import (
     capacity,
     main,
     project_cell,
+    project_queue,
     split_intervals,
     v3_layers_that_fit,
 )
@@ -140,6 +141,18 @@ def test_e2e_lmeval_mode_times_generate_until_and_records_the_path(tmp_path):
     assert r["status"] == "ok" and r["gen_path"].startswith("hf x1 (generation='hf')")
 
 
+def test_refill_rows_project_the_cell_per_request_not_per_batch(tmp_path):
+    """With refill one generate call serves every request; projecting it as one batch of `batch` rows would
+    multiply its time by ceil(1319 / batch)."""
+    out = tmp_path / "eval"
+    assert main(["--smoke", "--e2e-lmeval", "--paths", "", "--presets", "snapmla", "--e2e-batches", "2",
+                 "--e2e-n-batches", "2", "--refill", "3", "--out", str(out)]) == 0
+    rows = {r["path"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    plain, refill = rows[f"{E2E_PATH}/stop3"], rows[f"{E2E_PATH}/stop3+refill"]
+    assert refill["batches"] == 1 and plain["batches"] == 2
+    assert refill["cell_1319_s"] == pytest.approx(refill["total_s"] * 1319 / 4)
+
+
 def test_synthetic_requests_encode_to_the_prompt_length_and_stop_words_decode():
     from snapquant.bench.eval_gen import e2e_requests, synthetic_tokenizer
 
@@ -156,6 +169,8 @@ def test_synthetic_requests_encode_to_the_prompt_length_and_stop_words_decode():
 def test_project_cell_and_capacity_arithmetic():
     # first batch 20 s, then ceil(1319 / 128) - 1 = 10 more at 8 s
     assert project_cell(20.0, 8.0, 128) == 100.0 and project_cell(5.0, 4.0, 2000) == 5.0
+    # slot refill: 96 requests served as one queue in 16 s -> 1319 requests at the same time per request
+    assert project_queue(16.0, 96) == pytest.approx(16.0 * 1319 / 96)
     rows = [{"model": "m", "preset": p, "batch": 32, "context": 32768, "path": "loop", "status": "ok",
              "tokens_per_s": t, "peak_gib": peak, "weights_gib": 30.0, "cache_gib": cache}
             for p, t, peak, cache in (("bf16", 1000.0, 70.0, 32.0), ("snapmla", 1300.0, 56.0, 18.0))]

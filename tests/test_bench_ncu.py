@@ -137,3 +137,18 @@ def test_the_script_summarises_exported_reports_and_picks_knob_alternatives(tmp_
     cmd = pd.ncu_command("ncu", tmp_path / "x.ncu-rep", ["python", "w.py"])
     assert cmd[:7] == ["ncu", "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all"]
     assert cmd[-2:] == ["python", "w.py"] and "SourceCounters" in cmd
+
+
+def test_a_real_ncu_2025_export_parses_with_short_rows_and_ns_durations():
+    """The H200's ncu writes a details row only up to its value (no rule columns) and raw durations in ns:
+    the summary must read 529.856 us, 13.71 % DRAM, 12.5 % occupancy and the GB/s the bytes give."""
+    data = Path(__file__).parent / "data"
+    (k,) = ncu.merge((data / "ncu_wide_fp8.details.csv").read_text(), (data / "ncu_wide_fp8.raw.csv").read_text())
+    row = ncu.summarize(k, "64x128x8192", "snapmla")
+    assert row["duration_us"] == pytest.approx(529.856)
+    assert (row["dram_pct"], row["sm_pct"], row["occ_theory_pct"], row["regs"]) == (13.71, 30.45, 12.5, 255)
+    assert row["dram_gbps"] == pytest.approx((347_216_384 + 2_437_120) / 529.856e-6 / 1e9)
+    assert row["mem_gbps"] == pytest.approx(659.902886822)
+    assert row["eligible_warps_sched"] == 0.44 and row["smem_bytes"] == 225_296
+    assert row["stalls"].startswith("short_scoreboard") and row["stall_source"] == "cycles/issue"
+    assert ncu.to_base(529_856.0, "ns") == pytest.approx((529.856e-6, "second"))

@@ -356,6 +356,12 @@ def project_cell(first_s: float, steady_batch_s: float, batch: int, prompts: int
     return first_s + max(math.ceil(prompts / batch) - 1, 0) * steady_batch_s
 
 
+def project_queue(total_s: float, requests: int, prompts: int = GSM8K_TEST) -> float:
+    """Seconds of one sweep cell's generation when slot refill serves `requests` requests as one queue in
+    `total_s` (the graph capture included once, so slightly pessimistic): the same time per request."""
+    return total_s * prompts / max(requests, 1)
+
+
 def run_e2e(model, tokenizer, preset: str, batch: int, n_batches: int, prompt_len: int, new_tokens: int,
             backend: str, generation: str = "auto", gen_steps: str = "auto",
             refill: bool | str = False) -> dict[str, Any]:
@@ -414,7 +420,11 @@ def run_e2e(model, tokenizer, preset: str, batch: int, n_batches: int, prompt_le
     steady_s = (t1 - steady[0]["start"]) if len(batches) > 1 else (t1 - t0)  # includes lm-eval's own work
     steady_batch_s = steady_s / len(steady)
     first_s = (batches[1]["start"] - t0) if len(batches) > 1 else (t1 - t0)
-    cell_s = project_cell(first_s, steady_batch_s, batch)
+    if len(batches) == 1 and len(reqs) > batch:
+        # slot refill: one queue served all requests (no batch boundaries), so the cell scales by requests
+        cell_s = project_queue(t1 - t0, len(reqs))
+    else:
+        cell_s = project_cell(first_s, steady_batch_s, batch)
     paths = "; ".join(f"{b['path']} x{b['count']} ({b['reason']})" for b in info["batches"])
     out: dict[str, Any] = {
         "tokens_per_s": sum(tokens) / (t1 - t0), "steady_tokens_per_s": sum(tokens[-len(steady):]) / steady_s,
@@ -531,7 +541,8 @@ def write_outputs(out: Path, rows: list[dict], checks: list[dict], env: dict) ->
                   "tokens/s = generated tokens (rows x new tokens per batch) / seconds, over all batches (the first "
                   "one captures the graph) and over the later ones (steady). 1319-prompt cell = the first batch + "
                   "ceil(1319 / batch) - 1 steady batches: gsm8k's test split at this prompt length, every answer "
-                  "running to the token limit (an upper bound; real prompts are shorter or longer).", "",
+                  "running to the token limit (an upper bound; real prompts are shorter or longer); a +refill row served "
+                  "all its requests as one queue, so its cell is its seconds x 1319 / requests.", "",
                   "| model | preset | batch | prompt | new | batches | tokens/s | steady tokens/s | ms/step | prefill s "
                   "| 1319-prompt cell s | cells/h | peak GiB | path | status |", "|" + "---|" * 15]
         for r in sorted(e2e, key=order):

@@ -72,6 +72,7 @@ SUMMARY_COLUMNS = (
     "warp_cycles_per_issue", "stall_source", "stalls", "hot_sass",
 )
 
+_TIME_ABBREV = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 _PREFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "K": 1e3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 
 
@@ -93,6 +94,9 @@ def to_base(value: float, unit: str) -> tuple[float, str]:
     """(value, unit) in base units: seconds, bytes, bytes/second, hertz; other units (%, register/thread,
     'cycle', 'warp', 'inst') unchanged. 'Kbyte/block' -> bytes/block."""
     u = (unit or "").strip()
+    if u in _TIME_ABBREV:  # the raw page prints durations as "ns" / "us" / "ms" whatever --print-units says
+        return value * _TIME_ABBREV[u], "second"
+    u = re.sub(r"/s$", "/second", u)  # "byte/s" (ncu 2025) = "byte/second"
     m = re.fullmatch(r"([numkKMGT]?)(second|byte|hz|cycle/second)(/second)?(/block)?", u, flags=re.IGNORECASE)
     if not m:
         return value, u
@@ -148,9 +152,13 @@ def parse_details(text: str) -> dict[str, KernelReport]:
     if missing:
         raise ValueError(f"not an ncu details CSV: missing columns {missing} in header {head[:16]}")
     out: dict[str, KernelReport] = {}
+    last = max(col[c] for c in need)
     for r in rows[1:]:
-        if len(r) < len(head) or r[col["ID"]] == "ID":
+        # ncu 2025+ ends a metric row after its value (the rule columns are left off), so a row may be
+        # shorter than the header: it needs only the columns up to the value
+        if len(r) <= last or r[col["ID"]] == "ID":
             continue
+        r = r + [""] * (len(head) - len(r))
         kid = r[col["ID"]]
         k = out.setdefault(kid, KernelReport(kid, r[col["Kernel Name"]], r[col["Block Size"]] if "Block Size" in col
                                              else "", r[col["Grid Size"]] if "Grid Size" in col else ""))
