@@ -93,6 +93,14 @@ def test_kernel_claims_give_each_ratio_against_flashmla_with_its_interval(tmp_pa
     (c,) = C.kernel_claims(tmp_path)
     assert "128x16x4096 0.78 [0.77, 0.79]" in c.text and ">= 25 timed runs" in c.text
     assert C.kernel_claims(tmp_path / "nowhere") == []
+    # the anchor run's table, when present, is the one cited
+    b = tmp_path / "results" / "bench"
+    b.mkdir()
+    pd.DataFrame([{"op": "decode", "shape": "128x16x4096", "variant": "snapmla", "vs_flashmla": 0.75,
+                   "vs_flashmla_lo": 0.74, "vs_flashmla_hi": 0.76, "runs": 25}]).to_csv(b / "decode_anchor_h200.csv",
+                                                                                      index=False)
+    (c,) = C.kernel_claims(tmp_path)
+    assert "128x16x4096 0.75 [0.74, 0.76]" in c.text and c.source == "results/bench/decode_anchor_h200.csv"
 
 
 def test_research_task_claims_carry_exact_intervals_and_the_mcnemar_test(tmp_path):

@@ -23,8 +23,9 @@
   to win). Requests the loop cannot reproduce (beam search, repetition penalty, ...) go to HF with one
   warning naming the reason. `gen_batch_size` overrides `batch_size` for generation only (the loop
   pays off at large batches); `gen_steps` ('auto', 'graph', 'static', 'eager') and `gen_check_every`
-  are the loop's knobs. `gen_refill` (True, False, 'auto'; default False until the captured-graph path is
-  checked on a GPU: `tests/test_refill.py -m gpu`) hands each group of requests
+  are the loop's knobs. `gen_refill` (True, False, 'auto'; default False: the captured-graph path passes its
+  GPU test, but on an H200 it gained only 3 % answer tokens/s where answers stop at scattered points,
+  docs/performance.md, while False gives lm-eval's batches HF's exact tokens) hands each group of requests
   with the same generation kwargs to the loop as one queue over `gen_batch_size` slots, refilling a slot
   whose request stopped with the next waiting one (`snapquant.eval.refill`; 'auto': when the batch-1
   prefill costs less than the idle slot-steps it removes); False keeps lm-eval's batches and HF's rule.
