@@ -182,3 +182,29 @@ def test_project_cell_and_capacity_arithmetic():
     assert cap["snapmla"]["max_batch_cache_vs_bf16"] == pytest.approx(128 / 72)
     assert cap["snapmla"]["tokens_per_s_vs_bf16"] == pytest.approx(1.3) and cap["bf16"]["tokens_per_s_vs_bf16"] == 1.0
     assert capacity(rows, None) == []
+
+
+def test_fill_cache_appends_in_chunks_and_a_longer_fill_extends_a_shorter_one(monkeypatch):
+    """The fill draws and appends FILL_CHUNK tokens at a time (bounded temporaries at 128 x 32K), and the
+    values of a request's first tokens do not depend on how long the fill is."""
+    import torch
+
+    from snapquant.bench import eval_gen
+    from snapquant.cache import LatentCache, LatentLayer
+    from snapquant.models.tiny import tiny_model
+
+    monkeypatch.setattr(eval_gen, "FILL_CHUNK", 8)
+    model = tiny_model("deepseek_v3", moe=True)
+    sizes = []
+    real = LatentLayer.append
+    monkeypatch.setattr(LatentLayer, "append", lambda self, lat, rope, *a, **k: (sizes.append(lat.shape[1]),
+                                                                                 real(self, lat, rope, *a, **k))[1])
+    long = eval_gen.fill_cache(LatentCache("bf16", model), model, 2, 20)
+    n_layers = len(long.latent_layers)
+    assert n_layers == model.config.num_hidden_layers and sizes == [8, 8, 4] * n_layers
+    short = eval_gen.fill_cache(LatentCache("bf16", model), model, 2, 8)
+    assert long.get_seq_length() == 20 and short.get_seq_length() == 8
+    for a, b in zip(long.latent_layers, short.latent_layers, strict=True):
+        (la, ra), (lb, rb) = a.dense(torch.float32), b.dense(torch.float32)
+        assert la.shape[-2] == 20 and torch.equal(la[..., :8, :], lb) and torch.equal(ra[..., :8, :], rb)
+        assert not torch.equal(la[..., 8:16, :], la[..., :8, :])  # each chunk its own draw

@@ -120,18 +120,29 @@ def build_model(shape: str, layers: int | None, dtype: torch.dtype, device: str,
     return model.eval()
 
 
+FILL_CHUNK = 2048  # tokens per append when filling a cache: bounds the fill's temporaries, not the cache
+
+
 def fill_cache(cache, model, batch: int, length: int, seed: int = 1):
-    """`length` random latent tokens per request in every MLA layer (drawn on the model's device)."""
+    """`length` random latent tokens per request in every MLA layer (drawn on the model's device), appended
+    FILL_CHUNK tokens at a time: one draw of the whole [batch, length, r] in fp32 plus the quantizer's
+    temporaries is 8 GiB or more at batch 128 and 32K, enough to run a cell that fits out of memory. Each
+    chunk is drawn from its own generator (seed, layer, chunk), so a longer fill extends a shorter one.
+    Per-tensor presets take their scale from the first append (the first chunk here)."""
     from ..models.registry import find_mla_modules
 
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    g = torch.Generator(device=dev).manual_seed(seed)
-    for _, module, adapter in find_mla_modules(model):
+    for li, (_, module, adapter) in enumerate(find_mla_modules(model)):
         r, d = adapter.dims(module)
-        latent = torch.randn(batch, length, r, generator=g, device=dev).to(dtype)
-        rope = torch.randn(batch, length, d, generator=g, device=dev).to(dtype)
-        cache.layer(module.layer_idx, r, d).append(latent, rope)
+        layer = cache.layer(module.layer_idx, r, d)
+        for c, start in enumerate(range(0, length, FILL_CHUNK)):
+            n = min(FILL_CHUNK, length - start)
+            g = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + li * 10_007 + c)
+            latent = torch.randn(batch, n, r, generator=g, device=dev).to(dtype)
+            rope = torch.randn(batch, n, d, generator=g, device=dev).to(dtype)
+            layer.append(latent, rope)
+            del latent, rope
     return cache
 
 
