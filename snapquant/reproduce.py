@@ -233,6 +233,27 @@ JOBS: tuple[Job, ...] = (
         "DeepSeek-V2-Lite shape, random weights); `--presets bf16` and `--models v3` merge into the same table",
         code=(*DECODE, *KERNELS, "snapquant/graphs.py", "snapquant/bench/eval_gen.py", "snapquant/eval/generation.py",
               "snapquant/models")),
+    # Against FlashMLA (what users run instead): both need `flash_mla` importable (scripts/anchor_env.sh installs
+    # it from a wheel in .anchors/); scripts/device_anchor.sh runs the two in one device call.
+    Job("results/bench", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/bench", "--tag", "anchor_h200", "--no-append", "--budget-s",
+         "170", "--shapes", "128x16x4096,32x16x16384,8x16x32768,32x64x8192,4x64x8192,128x128x4096,64x128x8192,"
+         "1x128x32768", "--variants", "bf16,snapmla,snapmla+gluon+fp8mma"),
+        ("decode_anchor_h200.*", "bench_anchor_h200.*"), "the decode kernels beside FlashMLA's BF16 kernel, same "
+        "process and values, at the headline shapes", manual=True, code=BENCH),
+    Job("results/bench", "gpu",
+        ("scripts/bench_e2e.py", "--device", "cuda", "--layers", "8", "--batch", "32", "--contexts", "32768",
+         "--steps", "5", "--presets", "bf16@flashmla,snapmla", "--backend", "triton", "--graphs", "--no-stock",
+         "--kv-budget-gib", "16", "--out", "results/bench/e2e_anchor_h200.json"),
+        ("e2e_anchor_h200.*",), "end-to-end decode step: snapmla against the bf16 model on FlashMLA, at batch 32 "
+        "and at equal KV-cache memory", manual=True,
+        code=(*DECODE, *KERNELS, "snapquant/graphs.py", "snapquant/bench/e2e.py", "snapquant/attention/flashmla.py")),
+    Job("results/kernels", "gpu",
+        ("scripts/profile_decode.py", "run", "--out", "results/kernels", "--ncu-dir", "/tmp/profile_decode",
+         "--budget-s", "330"),
+        ("profile_h200.*", "profile_timings_h200.csv"), "Nsight Compute profiles of the decode kernels (ncu "
+        "--clock-control none) and CUDA-graph timings of knob alternatives (scripts/device_profile.sh)",
+        manual=True, code=(*BENCH, "scripts/device_profile.sh")),
     Job("results/kernels", "gpu",
         ("scripts/check_kernels_gpu.py", "--no-bench", "--out", "results/kernels"),
         ("kernels_check.*", "check_h200.log"), "every kernel checked against the reference at DeepSeek shapes",
