@@ -182,6 +182,13 @@ def test_project_cell_and_capacity_arithmetic():
     assert cap["snapmla"]["max_batch_cache_vs_bf16"] == pytest.approx(128 / 72)
     assert cap["snapmla"]["tokens_per_s_vs_bf16"] == pytest.approx(1.3) and cap["bf16"]["tokens_per_s_vs_bf16"] == 1.0
     assert capacity(rows, None) == []
+    # with per-step samples, the decode ratio gets its bootstrap interval and n; bf16's own row none
+    rows[0]["step_ms_samples"] = [13.0, 13.2, 12.8, 13.1, 12.9, 13.0]
+    rows[1]["step_ms_samples"] = [10.0, 10.1, 9.9, 10.0, 10.2, 9.8]
+    cap = {c["preset"]: c for c in capacity(rows, 110.0)}
+    lo, hi = cap["snapmla"]["tokens_per_s_vs_bf16_lo"], cap["snapmla"]["tokens_per_s_vs_bf16_hi"]
+    assert lo <= 1.3 <= hi and lo < hi and hi - lo < 0.1 and cap["snapmla"]["steps_n"] == 6
+    assert cap["bf16"]["tokens_per_s_vs_bf16_lo"] is None
 
 
 def test_fill_cache_appends_in_chunks_and_a_longer_fill_extends_a_shorter_one(monkeypatch):

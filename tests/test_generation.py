@@ -210,3 +210,16 @@ def test_cuda_graph_loop_replays_the_static_step_and_agrees_with_hf():
     n = min(want.shape[1], a.sequences.shape[1]) - P
     first = (a.sequences[:, P] == want[:, P]).float().mean()
     assert first == 1.0 and (a.sequences[:, P:P + n] == want[:, P:P + n]).float().mean() >= 0.5
+
+
+def test_time_steps_records_one_time_per_decode_step_within_the_decode_time(setup):
+    """`time_steps=True` gives each decode step's seconds (for ratio intervals in benchmarks) without
+    changing the tokens; the steps' times add up to at most the decode's wall time."""
+    model, tok, ids, am = setup
+    timed = DecodeLoop(model, tok, steps="static", check_every=4, time_steps=True)
+    plain = DecodeLoop(model, tok, steps="static", check_every=4)
+    a = _loop(timed, model, ids, am, [], 9, do_sample=False)
+    b = _loop(plain, model, ids, am, [], 9, do_sample=False)
+    assert torch.equal(a.sequences, b.sequences) and b.step_seconds == []
+    assert len(a.step_seconds) == a.steps and all(s > 0 for s in a.step_seconds)
+    assert sum(a.step_seconds) <= a.seconds["decode"]

@@ -17,7 +17,9 @@ EOS disabled (every row runs to the end, both paths do the same steps):
 
 Per cell: tokens/s = batch x (new tokens - 1) / decode seconds (decode = after the first token: HF's per-step
 times from a streamer callback, the loop's from its own timer; capture excluded, reported apart), the
-median step time, peak memory, and for loop cells an eager step split (`eager_step_split`): the same
+median step time, peak memory, for loop cells every step's time (`step_ms_samples`, CUDA events between
+replays, JSON only: the capacity table's decode ratio to bf16 gets a 95 % bootstrap interval and n from
+them) and an eager step split (`eager_step_split`): the same
 fixed-shape step run uncaptured, timed whole and at every attention / routed-experts module boundary
 (CUDA events or perf_counter from forward hooks), with `split_sum_over_step` checking that the parts add
 up to the unhooked step. It is the eager step's split, not the graph step's. Before timing, per model
@@ -61,6 +63,7 @@ import torch
 
 from ..atomic import atomic_write_json, atomic_write_text
 from ..models.stepping import cache_kwarg
+from .results import ratio_interval
 
 COLUMNS = ("model", "layers", "preset", "batch", "context", "path", "new_tokens", "tokens_per_s", "step_ms",
            "eager_step_ms", "eager_attention_ms", "eager_experts_ms", "eager_rest_ms", "split_sum_over_step",
@@ -187,11 +190,12 @@ def run_cell(model, preset: str, batch: int, context: int, path: str, new_tokens
     t0 = time.perf_counter()
     if loop:
         plan = decoding_plan(model, {"do_sample": False})
-        res = DecodeLoop(model, None, steps=steps, check_every=16).generate(
+        res = DecodeLoop(model, None, steps=steps, check_every=16, time_steps=True).generate(
             ids, am, max_length=context + 1 + new_tokens, plan=plan, cache=cache, keep_logits=keep_logits)
         _sync(dev)
         out.update(tokens=res.sequences[:, context + 1:], logits=res.logits, prefill_s=res.seconds["prefill"],
-                   step_s=res.seconds["decode"] / max(res.steps, 1), decode_s=res.seconds["decode"])
+                   step_s=res.seconds["decode"] / max(res.steps, 1), decode_s=res.seconds["decode"],
+                   step_ms_samples=[x * 1e3 for x in res.step_seconds])
         out["capture_s"] = res.seconds.get("capture", 0.0)
     else:
         clock = _StepClock()
@@ -221,11 +225,9 @@ class _Clock:
         self.cuda = cuda
 
     def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        from ..eval.generation import _mark
+
+        return _mark(self.cuda)
 
     def ms(self, a: Any, b: Any) -> float:
         return float(a.elapsed_time(b)) if self.cuda else (b - a) * 1e3
@@ -503,7 +505,9 @@ def capacity(rows: list[dict], memory_gib: float | None) -> list[dict]:
     ok = [r for r in rows if r.get("path") == "loop" and r.get("status") == "ok" and r.get("peak_gib")
           and r.get("weights_gib") and r.get("cache_gib")]
     out = []
+    samples: dict[tuple, list[float]] = {}
     for r in sorted(ok, key=lambda r: (r["model"], int(r["context"]), int(r["batch"]), r["preset"])):
+        samples[(r["model"], int(r["context"]), int(r["batch"]), r["preset"])] = r.get("step_ms_samples") or []
         B, peak, w, cache = int(r["batch"]), float(r["peak_gib"]), float(r["weights_gib"]), float(r["cache_gib"])
         per_peak, per_cache = (peak - w) / B, cache / B
         fixed = peak - w - cache
@@ -518,7 +522,18 @@ def capacity(rows: list[dict], memory_gib: float | None) -> list[dict]:
         for k in ("max_batch_peak", "max_batch_cache", "tokens_per_s"):
             ok_ = base is not None and base.get(k) and c.get(k) is not None
             c[f"{k}_vs_bf16"] = float(c[k]) / float(base[k]) if ok_ else None
+        # the decode speed ratio's interval: bf16's step times over this preset's (same batch), bootstrapped
+        mine, theirs = (samples.get((c["model"], c["context"], c["batch"], p), []) for p in (c["preset"], "bf16"))
+        ci = ratio_interval(theirs, mine) if base is not None and c["preset"] != "bf16" else None
+        c["tokens_per_s_vs_bf16_lo"], c["tokens_per_s_vs_bf16_hi"] = ci if ci else (None, None)
+        c["steps_n"] = len(mine)
     return out
+
+
+def _ci(c: dict) -> str:
+    """' [lo, hi] (n = steps)' of a capacity row's decode ratio, or '' when the rows had no step samples."""
+    lo, hi = c.get("tokens_per_s_vs_bf16_lo"), c.get("tokens_per_s_vs_bf16_hi")
+    return "" if lo is None or hi is None else f" [{lo:.2f}, {hi:.2f}] (n = {c.get('steps_n')})"
 
 
 def write_outputs(out: Path, rows: list[dict], checks: list[dict], env: dict) -> None:
@@ -588,7 +603,7 @@ def write_outputs(out: Path, rows: list[dict], checks: list[dict], env: dict) ->
                   "| GiB/request (cache) | max batch (cache) | vs bf16 |", "|" + "---|" * 12]
         for c in cap:
             lines.append(f"| {c['model']} | {c['context']} | {c['batch']} | {c['preset']} | {f(c['tokens_per_s'], '.0f')} | "
-                         f"{f(c['tokens_per_s_vs_bf16'], '.2f')} | {f(c['per_request_gib_peak'], '.3f')} | "
+                         f"{f(c['tokens_per_s_vs_bf16'], '.2f')}{_ci(c)} | {f(c['per_request_gib_peak'], '.3f')} | "
                          f"{c['max_batch_peak']} | {f(c['max_batch_peak_vs_bf16'], '.2f')} | "
                          f"{f(c['per_request_gib_cache'], '.3f')} | {c['max_batch_cache']} | "
                          f"{f(c['max_batch_cache_vs_bf16'], '.2f')} |")
@@ -723,7 +738,8 @@ def main(argv: list[str] | None = None) -> int:
     def emit(row: dict) -> None:
         nonlocal rows
         rows = _merge(rows, [row])
-        print(f"[{time.perf_counter() - start:6.0f}s] {json.dumps(row)}", flush=True)
+        shown = {k: v for k, v in row.items() if not k.endswith("_samples")}  # the samples go to the JSON only
+        print(f"[{time.perf_counter() - start:6.0f}s] {json.dumps(shown)}", flush=True)
         write_outputs(out, rows, checks, env)
 
     for shape in models:
@@ -820,6 +836,8 @@ def _measure(model, preset: str, B: int, L: int, path: str, args, steps: str, cu
         row = {"tokens_per_s": res["tokens_per_s"], "step_ms": res["step_s"] * 1e3, "prefill_s": res["prefill_s"],
                "capture_s": res["capture_s"], "peak_gib": res["peak_gib"], "cache_gib": res["cache_gib"],
                "status": "ok"}
+        if res.get("step_ms_samples"):  # each decode step (JSON only): the intervals of the ratios to bf16
+            row["step_ms_samples"] = res["step_ms_samples"]
         del res
         if path == "loop" and not args.no_split:
             try:

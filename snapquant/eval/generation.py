@@ -35,6 +35,7 @@ whole queue (each request then stops on its own; docs/performance.md, "lm-eval g
 from __future__ import annotations
 
 import inspect
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -176,6 +177,22 @@ class StopRule:
 
 
 # ---------------------------------------------------------------------------------------------- the loop
+def _mark(cuda: bool) -> Any:
+    """A timestamp in stream order: a recorded CUDA event (no host sync) or `time.perf_counter()`."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _intervals(marks: list) -> list[float]:
+    """Seconds between consecutive marks (call after the stream is synchronized)."""
+    if marks and not isinstance(marks[0], float):
+        return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
+    return [b - a for a, b in itertools.pairwise(marks)]
+
+
 @dataclass
 class GenerationResult:
     """`sequences [B, P + T]`: the prompt, then what HF generate returns after it (pad after an EOS)."""
@@ -185,6 +202,7 @@ class GenerationResult:
     steps: int  # decode steps run (T - 1 plus the overshoot past HF's stop)
     seconds: dict[str, float] = field(default_factory=dict)
     logits: list[torch.Tensor] = field(default_factory=list)  # fp32 [B, V] of the first `keep_logits` selections
+    step_seconds: list[float] = field(default_factory=list)  # each decode step's time (loops with time_steps=True)
 
 
 class DecodeLoop:
@@ -196,11 +214,13 @@ class DecodeLoop:
     checks of the stopping rules (each check may let the device run up to `2 * check_every - 1` steps
     past HF's stop, all discarded). `experts`: the MoE experts implementation for the fixed-shape steps
     ('auto': `snapquant.models.experts.plan_decode_experts`; None keeps the model's; eager steps always
-    keep the model's, as HF generate on CPU does).
+    keep the model's, as HF generate on CPU does). `time_steps`: time every decode step (a CUDA event after
+    each on the stream, no host sync; `perf_counter` on CPU) into `GenerationResult.step_seconds`, for
+    benchmarks that compare step times with an interval.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, steps: str = "auto", check_every: int = 16,
-                 experts: str | None = "auto") -> None:
+                 experts: str | None = "auto", time_steps: bool = False) -> None:
         state = patch_state(model)
         if state is None:
             raise ConfigError("model: the decode loop needs a model patched with snapquant.patch(model, preset)")
@@ -214,7 +234,7 @@ class DecodeLoop:
             steps = "graph" if self.device.type == "cuda" else "eager"
         if steps == "graph" and self.device.type != "cuda":
             raise ConfigError(f"steps='graph' needs the model on CUDA (it is on {self.device}); use 'static' or 'eager'")
-        self.steps, self.check_every = steps, check_every
+        self.steps, self.check_every, self.time_steps = steps, check_every, bool(time_steps)
         self.experts = experts if steps != "eager" else None
         self._cache_kw = cache_kwarg(model)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -341,18 +361,23 @@ class DecodeLoop:
             self._sync()
             times["prefill"] = time.perf_counter() - t0 - times.get("capture", 0.0)
             t1 = time.perf_counter()
-            stop_at, steps = self._decode(tok, take, graph, cache, am, pos[:, -1:], gen, rule, max_new, times)
+            marks: list = []
+            stop_at, steps = self._decode(tok, take, graph, cache, am, pos[:, -1:], gen, rule, max_new, times, marks)
             self._sync()
             times["decode"] = time.perf_counter() - t1
+            step_seconds = _intervals(marks)
         if own:
             self._keep(B, cache, graph)
         seq = torch.cat([input_ids, gen[:, :stop_at]], dim=1)
-        return GenerationResult(seq, stop_at, steps, times, kept)
+        return GenerationResult(seq, stop_at, steps, times, kept, step_seconds)
 
     def _decode(self, tok, take, graph, cache, am, last_pos, gen, rule: StopRule, max_new: int,
-                times: dict) -> tuple[int, int]:
-        """Decode steps 1 .. max_new - 1; the host checks chunk c while the device runs chunk c + 1."""
+                times: dict, marks: list) -> tuple[int, int]:
+        """Decode steps 1 .. max_new - 1; the host checks chunk c while the device runs chunk c + 1. With
+        `time_steps`, `marks` gets a timestamp before the first step and after each (see `_intervals`)."""
         cuda = self.device.type == "cuda"
+        mark = (lambda: marks.append(_mark(cuda))) if self.time_steps else (lambda: None)
+        mark()
         pending = None  # (host buffer, event) of the last chunk copied, not yet checked
         checked = 0  # generated tokens handed to the host so far
         t = 1
@@ -381,6 +406,7 @@ class DecodeLoop:
                 logits = self.model(input_ids=tok.view(-1, 1), attention_mask=am, position_ids=last_pos,
                                     use_cache=True, **extra, **{self._cache_kw: cache}).logits
             tok = take(logits, t)
+            mark()
             t += 1
         return (stop_at if stop_at is not None else max_new), t - 1
 
