@@ -225,9 +225,9 @@ class _Clock:
         self.cuda = cuda
 
     def mark(self) -> Any:
-        from ..eval.generation import _mark
+        from ..eval.generation import stream_timestamp
 
-        return _mark(self.cuda)
+        return stream_timestamp(self.cuda)
 
     def ms(self, a: Any, b: Any) -> float:
         return float(a.elapsed_time(b)) if self.cuda else (b - a) * 1e3

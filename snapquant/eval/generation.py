@@ -177,7 +177,7 @@ class StopRule:
 
 
 # ---------------------------------------------------------------------------------------------- the loop
-def _mark(cuda: bool) -> Any:
+def stream_timestamp(cuda: bool) -> Any:
     """A timestamp in stream order: a recorded CUDA event (no host sync) or `time.perf_counter()`."""
     if not cuda:
         return time.perf_counter()
@@ -376,7 +376,7 @@ class DecodeLoop:
         """Decode steps 1 .. max_new - 1; the host checks chunk c while the device runs chunk c + 1. With
         `time_steps`, `marks` gets a timestamp before the first step and after each (see `_intervals`)."""
         cuda = self.device.type == "cuda"
-        mark = (lambda: marks.append(_mark(cuda))) if self.time_steps else (lambda: None)
+        mark = (lambda: marks.append(stream_timestamp(cuda))) if self.time_steps else (lambda: None)
         mark()
         pending = None  # (host buffer, event) of the last chunk copied, not yet checked
         checked = 0  # generated tokens handed to the host so far
