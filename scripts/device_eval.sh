@@ -12,6 +12,10 @@
 #                                      # snapmla, batch 32, scattered stops), HF generate bf16 at batch 32 (the stock
 #                                      # path's row beside the loop's), and the V3 shape (as many layers as fit), both
 #                                      # presets, decode-loop rows at batch 32 / 128 and 1K / 8K / 32K
+#   bash scripts/device_eval.sh 6      # < 560 s: where the time goes: V2-Lite, bf16 + snapmla, decode-loop rows at
+#                                      # batch 32 / 128 and 1K / 32K with --kernels (profiler tables of the captured
+#                                      # step and of one 1K prefill) and per-step samples (ratio intervals), then the
+#                                      # V3 shape's snapmla batch-128 32K cell again (the cache fill is chunked now)
 #   SMOKE=1 bash scripts/device_eval.sh 4   # the same steps on CPU (tiny model, no install), into $OUT only
 # Logs go to $OUT (default /tmp/device_eval) and the results folder; case 4 also packs them into
 # $OUT/device_eval4.tgz.
@@ -64,6 +68,18 @@ huggingface_hub.__version__, 'transformers', transformers.__version__, 'torch', 
      [ -z "$SMOKE" ] && cp results/bench/eval_h200.* "$OUT"/
      tar czf "$OUT/device_eval5.tgz" -C "$OUT" --exclude device_eval5.tgz . 2>/dev/null
      echo "case 5 done in ${SECONDS}s" ;;
+  6) smoke=(); [ -n "$SMOKE" ] && smoke=(--smoke)
+     dest=results/bench/eval_h200; [ -n "$SMOKE" ] && dest="$OUT/eval_smoke6"
+     timeout 400 python scripts/bench_eval.py "${smoke[@]}" --out "$dest" --models v2lite --presets bf16,snapmla \
+       --paths loop --batches 32,128 --contexts 1024,32768 --new-tokens 64 --check-tokens 0 --no-split --kernels \
+       --budget-s 340 2>&1 | tee "$OUT/eval_part6a.log" | grep -v "^USDT" | tail -12
+     left=$((530 - SECONDS))
+     [ "$left" -gt 90 ] && timeout $((left - 10)) python scripts/bench_eval.py "${smoke[@]}" --out "$dest" --models v3 \
+       --presets bf16,snapmla --paths loop --batches 128 --contexts 32768 --new-tokens 64 --check-tokens 0 \
+       --no-split --budget-s $((left - 40)) 2>&1 | tee "$OUT/eval_part6b.log" | grep -v "^USDT" | tail -6
+     [ -z "$SMOKE" ] && cp results/bench/eval_h200.* "$OUT"/
+     tar czf "$OUT/device_eval6.tgz" -C "$OUT" --exclude device_eval6.tgz . 2>/dev/null
+     echo "case 6 done in ${SECONDS}s" ;;
 esac
 [ -z "$SMOKE" ] && cp results/bench/eval_h200.* "$OUT"/ 2>/dev/null
 exit 0

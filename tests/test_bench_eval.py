@@ -215,3 +215,23 @@ def test_fill_cache_appends_in_chunks_and_a_longer_fill_extends_a_shorter_one(mo
         (la, ra), (lb, rb) = a.dense(torch.float32), b.dense(torch.float32)
         assert la.shape[-2] == 20 and torch.equal(la[..., :8, :], lb) and torch.equal(ra[..., :8, :], rb)
         assert not torch.equal(la[..., 8:16, :], la[..., :8, :])  # each chunk its own draw
+
+
+def test_kernels_option_profiles_the_step_and_a_prefill(tmp_path):
+    """--kernels adds, per loop cell, where the step's and one prefill's time goes (aten ops on CPU, CUDA
+    kernels on a GPU): the heaviest names with ms per call, which add up to no more than the busy total."""
+    out = tmp_path / "eval"
+    assert main(["--smoke", "--presets", "snapmla", "--paths", "loop", "--check-tokens", "0", "--no-split",
+                 "--kernels", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert rows and all(r["status"] == "ok" for r in rows)
+    for r in rows:
+        k = r["kernels"]
+        for part in ("step", "prefill"):
+            t = k[part]
+            assert t["busy_ms"] > 0 and t["kernels"] and t["clock"] == "cpu aten self time"
+            assert sum(x["ms"] for x in t["kernels"]) <= t["busy_ms"] * (1 + 1e-9)
+            assert all(x["name"].startswith("aten::") for x in t["kernels"])
+    md = out.with_suffix(".md").read_text()
+    assert "Where the device time goes" in md and "`aten::" in md
+    assert "kernels" not in out.with_suffix(".csv").read_text().splitlines()[0]

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import io
 import itertools
 import json
@@ -324,6 +325,88 @@ def eager_step_split(model, preset: str, batch: int, context: int, steps: int = 
     return {"eager_step_ms": step, "eager_attention_ms": att, "eager_experts_ms": exp, "eager_rest_ms": rest,
             "eager_hooked_ms": med("hooked"), "split_sum_over_step": (att + exp + rest) / step if step > 0 else None,
             "split_clock": "cuda events" if clock.cuda else "cpu perf_counter"}
+
+
+def kernel_table(run, calls: int, cuda: bool, top: int = 12) -> dict[str, Any]:
+    """Where the device time of `run()` goes, per call: `run` is called `calls` times under torch.profiler
+    (CUDA kernels on a GPU, including those a CUDA graph replays; aten ops' self time on CPU), then the
+    `top` names by total time with their ms and count per call, and `busy_ms` (all of them per call).
+    Device time only: compare `busy_ms` with the wall time of the same call to see idle gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            run()
+        if cuda:
+            torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if cuda and ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if not cuda and (ev.device_type != torch.autograd.DeviceType.CPU or not ev.name.startswith("aten::")):
+            continue
+        us = ev.device_time if cuda else ev.self_cpu_time_total
+        t = totals.setdefault(ev.name, [0.0, 0])
+        t[0] += us
+        t[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    busy = sum(v[0] for v in totals.values()) / 1e3 / calls
+    return {"busy_ms": busy, "clock": "cuda kernels" if cuda else "cpu aten self time",
+            "kernels": [{"name": _short_kernel(n), "ms": v[0] / 1e3 / calls, "count": v[1] / calls,
+                         "share": v[0] / 1e3 / calls / busy if busy else None} for n, v in ranked[:top]]}
+
+
+def _short_kernel(name: str, width: int = 90) -> str:
+    """A kernel name without its template and parameter lists (CUTLASS names run to kilobytes)."""
+    out, depth = [], 0
+    for ch in name:
+        depth += ch in "<("
+        if depth == 0:
+            out.append(ch)
+        depth -= ch in ">)" and depth > 0
+    s = "".join(out).strip() or name
+    return s if len(s) <= width else s[: width - 3] + "..."
+
+
+def step_and_prefill_kernels(model, preset: str, batch: int, context: int, prompt: int = 1024,
+                             replays: int = 10) -> dict[str, Any]:
+    """`kernel_table` of the decode step as the loop runs it (captured on CUDA, the static step on CPU) after
+    `context` cached tokens, and of one eager prefill of `prompt` tokens per request (what a lm-eval batch
+    pays before its first token)."""
+    from ..cache import LatentCache
+    from ..graphs import DecodeGraph
+    from ..models.experts import decode_experts
+
+    dev = next(model.parameters()).device
+    cuda = dev.type == "cuda"
+    cache = fill_cache(LatentCache(preset, model, max_cache_len=context + replays + 8), model, batch, context)
+    ids = torch.full((batch, 1), 5, dtype=torch.long, device=dev)
+    out: dict[str, Any] = {}
+    with decode_experts(model), torch.no_grad():
+        graph = DecodeGraph(model, cache, capture=cuda)
+        for _ in range(2):
+            graph.step(ids)
+            graph.rewind(1)
+
+        def step(graph=graph):
+            graph.step(ids)
+            graph.rewind(1)
+
+        out["step"] = kernel_table(step, replays, cuda)
+    del step, graph, cache
+    g = torch.Generator().manual_seed(3)
+    prompt_ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=g).to(dev)
+
+    def prefill():
+        with torch.no_grad():
+            model(input_ids=prompt_ids, use_cache=True, **{cache_kwarg(model): LatentCache(preset, model)},
+                  **({"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters
+                     else {}))
+
+    prefill()  # warm-up
+    out["prefill"] = kernel_table(prefill, 1, cuda)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- e2e
@@ -607,6 +690,22 @@ def write_outputs(out: Path, rows: list[dict], checks: list[dict], env: dict) ->
                          f"{c['max_batch_peak']} | {f(c['max_batch_peak_vs_bf16'], '.2f')} | "
                          f"{f(c['per_request_gib_cache'], '.3f')} | {c['max_batch_cache']} | "
                          f"{f(c['max_batch_cache_vs_bf16'], '.2f')} |")
+    profiled = [r for r in decode if isinstance(r.get("kernels"), dict) and "step" in r["kernels"]]
+    if profiled:
+        lines += ["", "Where the device time goes (torch.profiler over 10 replays of the captured step, and over one "
+                  "eager prefill of the e2e prompt length at the same batch): busy = the kernels' summed time per "
+                  "call (step ms - busy = idle gaps), then the heaviest kernels with ms per call:", "",
+                  "| model | preset | batch | context | step ms | step busy ms | step kernels | prefill busy ms | "
+                  "prefill kernels |", "|" + "---|" * 9]
+        for r in sorted(profiled, key=order):
+            k = r["kernels"]
+
+            def top(t, n=5):
+                return "; ".join(f"`{x['name']}` {x['ms']:.2f}" for x in t["kernels"][:n])
+
+            lines.append(f"| {r['model']} | {r['preset']} | {r['batch']} | {r['context']} | "
+                         f"{f(r.get('step_ms'), '.2f')} | {f(k['step']['busy_ms'], '.2f')} | {top(k['step'])} | "
+                         f"{f(k['prefill']['busy_ms'], '.1f')} | {top(k['prefill'])} |")
     if checks:
         lines += ["", "Loop vs HF generate from the same cache (max |logit diff| / max |logit| of the first two "
                   "selections; greedy agreement over the new tokens, per row):", "",
@@ -649,6 +748,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-frac", type=float, default=0.85, help="skip cells whose weights + cache exceed this "
                                                                  "fraction of GPU memory")
     p.add_argument("--no-split", action="store_true", help="skip the eager step split")
+    p.add_argument("--kernels", action="store_true",
+                   help="loop cells: torch.profiler kernel table of the captured step and of one prefill of "
+                        "--e2e-prompt tokens per request (JSON + a Markdown section)")
     p.add_argument("--e2e-lmeval", action="store_true",
                    help="first, per preset: synthetic gsm8k-like requests through SnapquantLM.generate_until")
     p.add_argument("--e2e-batches", default="32,128", help="batch sizes of the --e2e-lmeval cells")
@@ -738,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     def emit(row: dict) -> None:
         nonlocal rows
         rows = _merge(rows, [row])
-        shown = {k: v for k, v in row.items() if not k.endswith("_samples")}  # the samples go to the JSON only
+        shown = {k: v for k, v in row.items() if not k.endswith("_samples") and k != "kernels"}  # JSON only
         print(f"[{time.perf_counter() - start:6.0f}s] {json.dumps(shown)}", flush=True)
         write_outputs(out, rows, checks, env)
 
@@ -839,6 +941,12 @@ def _measure(model, preset: str, B: int, L: int, path: str, args, steps: str, cu
         if res.get("step_ms_samples"):  # each decode step (JSON only): the intervals of the ratios to bf16
             row["step_ms_samples"] = res["step_ms_samples"]
         del res
+        if path == "loop" and args.kernels:
+            try:
+                row["kernels"] = step_and_prefill_kernels(model, preset, B, L, prompt=args.e2e_prompt)
+            except Exception as e:  # the throughput above stands without it
+                row["kernels"] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+                traceback.print_exc()
         if path == "loop" and not args.no_split:
             try:
                 row.update(eager_step_split(model, preset, B, L))
