@@ -111,3 +111,28 @@ def test_script_is_the_command_line_of_the_module():
     out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--contexts" in out.stdout and "--budget-gib" in out.stdout
+
+
+def test_plot_draws_one_linear_panel_per_scenario_and_no_empty_capacity_panel(tmp_path, monkeypatch):
+    """Bars from 0 on a linear axis (heights compare as ratios), a panel per scenario (batch; equal KV memory
+    at each variant's own batch), and the largest-context panel only when a fit exists."""
+    import matplotlib.pyplot as plt
+
+    from snapquant.bench import e2e
+
+    rows = [{"scenario": sc, "context": 32768, "variant": v, "mode": "graph", "batch": b, "tokens_per_s": t}
+            for sc, v, b, t in (("batch", "bf16@flashmla", 32, 6985.0), ("batch", "snapmla", 32, 7759.0),
+                                ("kv_budget", "bf16@flashmla", 56, 8472.0), ("kv_budget", "snapmla", 101, 12216.0))]
+    env = {"batch": 32, "layers": 8, "device": "cpu", "budget_gib": 64.0, "kv_budget_gib": 16.0}
+    figs = []
+    real = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figs.append(fig), real(fig))[1])
+    e2e.plot(tmp_path / "p.png", rows, env)
+    axes = figs[0].axes
+    assert len(axes) == 2 and all(ax.get_yscale() == "linear" and ax.get_ylim()[0] == 0 for ax in axes)
+    assert "equal KV-cache memory (16.0 GiB)" in axes[1].get_title()
+    assert sorted(round(b.get_height()) for b in axes[1].patches) == [8472, 12216]
+    assert (tmp_path / "p.png").is_file() and (tmp_path / "p.pdf").is_file()
+    rows[0]["max_context_in_budget"] = 90000
+    e2e.plot(tmp_path / "q.png", rows, env)
+    assert len(figs[1].axes) == 3 and figs[1].axes[2].get_ylabel() == "largest context (K tokens)"

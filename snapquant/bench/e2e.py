@@ -278,36 +278,49 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def plot(path: Path, rows: list[dict], env: dict) -> None:
+    """Decode tokens/s per context and variant (the faster of eager / graph, linear axis from 0, so bar heights
+    compare as ratios) for each scenario present ('batch'; 'kv_budget' at each variant's own batch), and the
+    largest context in --budget-gib when peaks at two or more contexts gave a fit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    contexts = sorted({r["context"] for r in rows})
-    best = {}  # (context, variant) -> the faster of eager / graph
-    for r in rows:
-        k = (r["context"], r["variant"])
-        if k not in best or r["tokens_per_s"] > best[k]["tokens_per_s"]:
-            best[k] = r
+    scenarios = list(dict.fromkeys(r.get("scenario", "batch") for r in rows))
+    caps_known = any(r.get("max_context_in_budget") for r in rows)
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, len(scenarios) + caps_known, figsize=(5.5 * (len(scenarios) + caps_known), 4),
+                             squeeze=False)
     w = 0.8 / len(variants)
-    for i, v in enumerate(variants):
-        ys = [best.get((c, v), {}).get("tokens_per_s", 0) for c in contexts]
-        xs = [j + i * w for j in range(len(contexts))]
-        bars = ax.bar(xs, ys, w, label=v)
-        for b, c in zip(bars, contexts, strict=True):
-            mode = best.get((c, v), {}).get("mode", "")
-            ax.annotate(mode, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(contexts))], [f"L={c // 1024}K" for c in contexts])
-    ax.set_ylabel("decode tokens/s (batch / step time)")
-    ax.set_yscale("log")
-    ax.set_title(f"batch {env['batch']}, {env['layers']} layers, {env['device']}")
-    ax.legend(fontsize=8)
-    caps = [(v, max((r.get("max_context_in_budget") or 0) for r in rows if r["variant"] == v)) for v in variants]
-    ax2.bar([v for v, _ in caps], [c / 1024 for _, c in caps], color=[f"C{i}" for i in range(len(caps))])
-    ax2.set_ylabel("largest context (K tokens)")
-    ax2.set_title(f"fits {env['budget_gib']} GiB at batch {env['batch']} (linear fit of peaks)")
+    for ax, sc in zip(axes[0], scenarios, strict=False):
+        mine = [r for r in rows if r.get("scenario", "batch") == sc]
+        contexts = sorted({r["context"] for r in mine})
+        best = {}  # (context, variant) -> the faster of eager / graph
+        for r in mine:
+            k = (r["context"], r["variant"])
+            if k not in best or r["tokens_per_s"] > best[k]["tokens_per_s"]:
+                best[k] = r
+        for i, v in enumerate(variants):
+            ys = [best.get((c, v), {}).get("tokens_per_s", 0) for c in contexts]
+            xs = [j + i * w for j in range(len(contexts))]
+            bars = ax.bar(xs, ys, w, label=v, color=f"C{i}")
+            for b, c in zip(bars, contexts, strict=True):
+                r = best.get((c, v), {})
+                ax.annotate(f"{r.get('mode', '')}, batch {r.get('batch', '')}",
+                            (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(contexts))], [f"L={c // 1024}K" for c in contexts])
+        ax.set_ylabel("decode tokens/s (batch / step time)")
+        ax.set_ylim(0, None)
+        what = (f"batch {env['batch']}" if sc == "batch" else
+                f"equal KV-cache memory ({env.get('kv_budget_gib')} GiB)")
+        ax.set_title(f"{what}, {env['layers']} layers, {env['device']}", fontsize=10)
+        ax.legend(fontsize=8, loc="lower right")
+    if caps_known:
+        ax2 = axes[0][-1]
+        caps = [(v, max((r.get("max_context_in_budget") or 0) for r in rows if r["variant"] == v)) for v in variants]
+        ax2.bar([v for v, _ in caps], [c / 1024 for _, c in caps], color=[f"C{i}" for i in range(len(caps))])
+        ax2.set_ylabel("largest context (K tokens)")
+        ax2.set_title(f"fits {env['budget_gib']} GiB at batch {env['batch']} (linear fit of peaks)", fontsize=10)
     fig.tight_layout()
     for suffix in (".png", ".pdf"):
         atomic_save_figure(fig, path.with_suffix(suffix), dpi=150)
@@ -378,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
         "layers": args.layers, "batch": args.batch, "steps": args.steps, "backend": args.backend,
         "kernel_options": kernel_options or {},
-        "graphs": args.graphs, "budget_gib": args.budget_gib,
+        "graphs": args.graphs, "budget_gib": args.budget_gib, "kv_budget_gib": args.kv_budget_gib,
         "model": "DeepSeek-V2-Lite attention dims (H=16, r=512, d=64, dn=128, dv=128), dense MLP, random weights",
         "seeds": {"weights": 0, "cache": 1}, "contexts": contexts, "presets": presets,
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
@@ -495,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         write_csv(out_path.with_suffix(".csv"), rows)
 
     if cuda:
-        plot(out_path.with_suffix(".png"), [r for r in rows if r.get("scenario", "batch") == "batch"], env)
+        plot(out_path.with_suffix(".png"), rows, env)
     for c in comparisons:
         ci = f" [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]" if c["ci95"] else ""
         print(f"{c['scenario']} L={c['context']} {c['mode']}: {c['variant']} (batch {c['batch']}) "

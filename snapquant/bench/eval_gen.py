@@ -64,6 +64,7 @@ import torch
 
 from ..atomic import atomic_write_json, atomic_write_text
 from ..models.stepping import cache_kwarg
+from .ncu import short_name
 from .results import ratio_interval
 
 COLUMNS = ("model", "layers", "preset", "batch", "context", "path", "new_tokens", "tokens_per_s", "step_ms",
@@ -223,12 +224,12 @@ class _Clock:
     gap while the stream waits for the host to launch the next kernel), or `time.perf_counter` on CPU."""
 
     def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
+        from ..eval.generation import stream_timestamp  # bound once: mark() runs inside forward hooks
+
+        self.cuda, self._stamp = cuda, stream_timestamp
 
     def mark(self) -> Any:
-        from ..eval.generation import stream_timestamp
-
-        return stream_timestamp(self.cuda)
+        return self._stamp(self.cuda)
 
     def ms(self, a: Any, b: Any) -> float:
         return float(a.elapsed_time(b)) if self.cuda else (b - a) * 1e3
@@ -353,20 +354,8 @@ def kernel_table(run, calls: int, cuda: bool, top: int = 12) -> dict[str, Any]:
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
     busy = sum(v[0] for v in totals.values()) / 1e3 / calls
     return {"busy_ms": busy, "clock": "cuda kernels" if cuda else "cpu aten self time",
-            "kernels": [{"name": _short_kernel(n), "ms": v[0] / 1e3 / calls, "count": v[1] / calls,
+            "kernels": [{"name": short_name(n, 90), "ms": v[0] / 1e3 / calls, "count": v[1] / calls,
                          "share": v[0] / 1e3 / calls / busy if busy else None} for n, v in ranked[:top]]}
-
-
-def _short_kernel(name: str, width: int = 90) -> str:
-    """A kernel name without its template and parameter lists (CUTLASS names run to kilobytes)."""
-    out, depth = [], 0
-    for ch in name:
-        depth += ch in "<("
-        if depth == 0:
-            out.append(ch)
-        depth -= ch in ">)" and depth > 0
-    s = "".join(out).strip() or name
-    return s if len(s) <= width else s[: width - 3] + "..."
 
 
 def step_and_prefill_kernels(model, preset: str, batch: int, context: int, prompt: int = 1024,
