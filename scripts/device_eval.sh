@@ -16,6 +16,7 @@
 #                                      # batch 32 / 128 and 1K / 32K with --kernels (profiler tables of the captured
 #                                      # step and of one 1K prefill) and per-step samples (ratio intervals), then the
 #                                      # V3 shape's snapmla batch-128 32K cell again (the cache fill is chunked now)
+#   CASE_S=470 bash scripts/device_eval.sh 6  # a case's later parts stop earlier (default 530 s)
 #   SMOKE=1 bash scripts/device_eval.sh 4   # the same steps on CPU (tiny model, no install), into $OUT only
 # Logs go to $OUT (default /tmp/device_eval) and the results folder; case 4 also packs them into
 # $OUT/device_eval4.tgz.
@@ -45,7 +46,7 @@ huggingface_hub.__version__, 'transformers', transformers.__version__, 'torch', 
      grid=(--models v2lite --out results/bench/eval_h200 --e2e-batches 32,128 --e2e-prompt 1024 --e2e-new-tokens 256
            --batches 32 --contexts 1024,8192,32768 --new-tokens 64 --check-tokens 16)
      [ -n "$SMOKE" ] && grid=(--smoke --out "$OUT/eval_smoke")
-     left=$((530 - SECONDS))  # the whole case ends before 560 s: the last cell may overrun its estimate
+     left=$((${CASE_S:-530} - SECONDS))  # the whole case ends before 560 s: the last cell may overrun its estimate
      timeout $((left > 60 ? left - 10 : 50)) python scripts/bench_eval.py "${grid[@]}" --presets bf16,snapmla \
        --e2e-lmeval --e2e-n-batches 2 --paths loop --budget-s $((left > 120 ? left - 60 : 60)) \
        2>&1 | tee "$OUT/eval_part4.log" | grep -v "^USDT" | tail -30
@@ -61,7 +62,7 @@ huggingface_hub.__version__, 'transformers', transformers.__version__, 'torch', 
      timeout 110 python scripts/bench_eval.py "${smoke[@]}" --out "$dest" --models v2lite --presets bf16 --paths hf \
        --batches 32 --contexts 1024 --new-tokens 32 --check-tokens 0 --no-split --budget-s 90 \
        2>&1 | tee "$OUT/eval_part5b.log" | grep -v "^USDT" | tail -4
-     left=$((530 - SECONDS))
+     left=$((${CASE_S:-530} - SECONDS))
      timeout $((left > 60 ? left - 10 : 50)) python scripts/bench_eval.py "${smoke[@]}" --out "$dest" --models v3 \
        --presets bf16,snapmla --paths loop --batches 32,128 --contexts 1024,8192,32768 --new-tokens 64 --check-tokens 16 \
        --budget-s $((left > 120 ? left - 60 : 60)) 2>&1 | tee "$OUT/eval_part5c.log" | grep -v "^USDT" | tail -20
@@ -73,7 +74,7 @@ huggingface_hub.__version__, 'transformers', transformers.__version__, 'torch', 
      timeout 400 python scripts/bench_eval.py "${smoke[@]}" --out "$dest" --models v2lite --presets bf16,snapmla \
        --paths loop --batches 32,128 --contexts 1024,32768 --new-tokens 64 --check-tokens 0 --no-split --kernels \
        --budget-s 340 2>&1 | tee "$OUT/eval_part6a.log" | grep -v "^USDT" | tail -12
-     left=$((530 - SECONDS))
+     left=$((${CASE_S:-530} - SECONDS))
      [ "$left" -gt 90 ] && timeout $((left - 10)) python scripts/bench_eval.py "${smoke[@]}" --out "$dest" --models v3 \
        --presets bf16,snapmla --paths loop --batches 128 --contexts 32768 --new-tokens 64 --check-tokens 0 \
        --no-split --budget-s $((left - 40)) 2>&1 | tee "$OUT/eval_part6b.log" | grep -v "^USDT" | tail -6
