@@ -16,6 +16,9 @@
 #                                      # batch 32 / 128 and 1K / 32K with --kernels (profiler tables of the captured
 #                                      # step and of one 1K prefill) and per-step samples (ratio intervals), then the
 #                                      # V3 shape's snapmla batch-128 32K cell again (the cache fill is chunked now)
+#   bash scripts/device_eval.sh 7      # < 400 s: GPU tests of the experts, loop and graphs, then V2-Lite bf16 + snapmla
+#                                      # end to end (1K prompts, 256 new tokens, batch 128 / 32) and the 32K batch-32
+#                                      # decode-loop rows; into eval_h200 on an H200, eval_h100 on an H100
 #   CASE_S=470 bash scripts/device_eval.sh 6  # a case's later parts stop earlier (default 530 s)
 #   SMOKE=1 bash scripts/device_eval.sh 4   # the same steps on CPU (tiny model, no install), into $OUT only
 # Logs go to $OUT (default /tmp/device_eval) and the results folder; case 4 also packs them into
@@ -81,6 +84,22 @@ huggingface_hub.__version__, 'transformers', transformers.__version__, 'torch', 
      [ -z "$SMOKE" ] && cp results/bench/eval_h200.* "$OUT"/
      tar czf "$OUT/device_eval6.tgz" -C "$OUT" --exclude device_eval6.tgz . 2>/dev/null
      echo "case 6 done in ${SECONDS}s" ;;
+  7) source scripts/wheels_env.sh
+     # rows go to the file of the GPU they ran on (an H100 lease must not merge into the H200 table)
+     dest=results/bench/eval_h200
+     nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 || dest=results/bench/eval_h100
+     smoke=(); [ -n "$SMOKE" ] && { smoke=(--smoke); dest="$OUT/eval_smoke7"; }
+     timeout 120 python -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_experts.py tests/test_generation.py \
+       tests/test_graphs.py 2>&1 | tee "$OUT/pytest_gpu_eval7.txt" | tail -4
+     timeout 220 python scripts/bench_eval.py "${smoke[@]}" --out "$dest" --models v2lite --presets bf16,snapmla \
+       --e2e-lmeval --e2e-batches 128,32 --e2e-prompt 1024 --e2e-new-tokens 256 --e2e-n-batches 2 --paths "" \
+       --budget-s 200 2>&1 | tee "$OUT/eval_part7a.log" | grep -v "^USDT" | tail -8
+     left=$((${CASE_S:-530} - SECONDS))
+     [ "$left" -gt 60 ] && timeout $((left - 10)) python scripts/bench_eval.py "${smoke[@]}" --out "$dest" \
+       --models v2lite --presets bf16,snapmla --paths loop --batches 32 --contexts 32768 --new-tokens 64 \
+       --check-tokens 0 --no-split --budget-s $((left - 30)) 2>&1 | tee "$OUT/eval_part7b.log" | grep -v "^USDT" | tail -6
+     [ -z "$SMOKE" ] && cp "$dest".* "$OUT"/
+     echo "case 7 done in ${SECONDS}s" ;;
 esac
 [ -z "$SMOKE" ] && cp results/bench/eval_h200.* "$OUT"/ 2>/dev/null
 exit 0

@@ -114,3 +114,31 @@ def test_unaligned_widths_fall_back_to_dense_with_the_cost_in_the_warning(caplog
     assert "all 4 experts for every token" in caplog.text and "2.0x the routed expert FLOPs" in caplog.text
     assert X.grouped_mm_reason(torch.float32, "cpu", 64, 32) is None
     assert X.plan_decode_experts(tiny_model("deepseek_v3")).implementation is None  # dense MLP only
+
+
+@pytest.mark.parametrize("limit", [X.ONE_HOT_LIMIT, 0])  # the one-hot count, and the sort past the limit
+def test_group_by_expert_is_the_stable_sort_and_its_inverse(monkeypatch, limit):
+    monkeypatch.setattr(X, "ONE_HOT_LIMIT", limit)
+    g = torch.Generator().manual_seed(limit % 97 + 3)
+    for E, T, k in [(8, 5, 2), (64, 37, 6), (16, 1, 4)]:
+        flat = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).reshape(-1)
+        order, pos, counts = X.group_by_expert(flat, E)
+        assert torch.equal(order, torch.sort(flat, stable=True).indices)
+        assert torch.equal(order[pos], torch.arange(T * k))
+        assert torch.equal(counts, torch.bincount(flat, minlength=E).to(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_are_bitwise_transformers_grouped_mm(moe, dtype):
+    """Same grouping, products and slot sum as transformers' grouped_mm: equal bits, not just within the bound."""
+    model, mod, x, idx, w = moe
+    mod.to(dtype)
+    try:
+        ours = _run(model, mod, X.GROUPED, x.to(dtype), idx, w)
+        stock = _run(model, mod, "grouped_mm", x.to(dtype), idx, w)
+        swapped = _run(model, mod, X.GROUPED, x.to(dtype), idx.flip(-1), w)
+    finally:
+        mod.float()
+    assert ours.dtype == stock.dtype == dtype
+    assert torch.equal(ours, stock)
+    assert not torch.equal(ours, swapped)
