@@ -275,6 +275,31 @@ JOBS: tuple[Job, ...] = (
          "--variants", "bf16,snapmla,snapmla+gluon+fp8mma"),
         ("decode_h200.*", "bench_h200.*"), "the decode benchmark at the headline shapes (defaults and the opt-in "
         "native FP8 kernel)", code=BENCH),
+    # The one device call of 2026-12-05 got an H100 (Hopper like the H200, less bandwidth): its runs are kept
+    # apart from the H200 tables (`bash scripts/device_check.sh` and `device_eval.sh 6` on that machine).
+    Job("results/h100", "gpu", ("scripts/check_kernels_gpu.py", "--no-bench", "--out", "results/h100"),
+        ("check_h100.log", "mma_numerics.*"), "every kernel against the reference, and the native FP8 MMA numerics "
+        "fit, on an H100", stdout="check_h100.log", manual=True,
+        code=(*DECODE, *KERNELS, *EMBEDDED, "snapquant/graphs.py")),
+    Job("results/h100", "gpu", ("-m", "pytest", "-m", "gpu", "-rfEs", "-q"),
+        ("pytest_gpu_h100.txt",), "the GPU test suite on an H100", stdout="pytest_gpu_h100.txt", manual=True,
+        code=("snapquant", "tests")),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "anchor_h100", "--no-append", "--budget-s",
+         "170", "--shapes", "128x16x4096,32x16x16384,8x16x32768,32x64x8192,4x64x8192,128x128x4096,64x128x8192,"
+         "1x128x32768", "--variants", "bf16,snapmla,snapmla+gluon+fp8mma"),
+        ("decode_anchor_h100.*",), "the decode kernels beside FlashMLA's BF16 kernel on an H100", manual=True,
+        code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/bench_eval.py", "--out", "results/h100/eval_h100", "--models", "v2lite", "--presets", "bf16,snapmla",
+         "--paths", "loop", "--batches", "32,128", "--contexts", "1024,32768", "--new-tokens", "64",
+         "--check-tokens", "0", "--no-split", "--kernels"),
+        ("eval_h100.*",), "decode-loop rows with kernel tables of the captured step and of one prefill, on an H100",
+        manual=True, code=(*DECODE, *KERNELS, "snapquant/graphs.py", "snapquant/bench/eval_gen.py",
+                           "snapquant/eval/generation.py", "snapquant/models")),
+    Job("results/h100", "gpu", ("scripts/probe_step_parts.py", "--out", "results/h100/probe_step_h100.json"),
+        ("probe_step_h100.json",), "expert grouped GEMMs (two B layouts) and prefill SDPA backends timed in "
+        "isolation, on an H100", manual=True),
     Job("results/research_model", "gpu", ("scripts/train_research_model.py", "all", "--out", "results/research_model"),
         ("README.md", "*.json", "*.jsonl", "*.csv", "*.npz", "*.png", "*.pdf", "device_call*.log"),
         "the research-scale model at DeepSeek-V2-Lite attention dims: data, training, card, activation study, "
