@@ -116,16 +116,17 @@ def test_unaligned_widths_fall_back_to_dense_with_the_cost_in_the_warning(caplog
     assert X.plan_decode_experts(tiny_model("deepseek_v3")).implementation is None  # dense MLP only
 
 
-@pytest.mark.parametrize("limit", [X.ONE_HOT_LIMIT, 0])  # the one-hot count, and the sort past the limit
+@pytest.mark.parametrize("limit", [X.COMPARE_LIMIT, 0])  # the key comparison, and the sort past the limit
 def test_group_by_expert_is_the_stable_sort_and_its_inverse(monkeypatch, limit):
-    monkeypatch.setattr(X, "ONE_HOT_LIMIT", limit)
+    monkeypatch.setattr(X, "COMPARE_LIMIT", limit)
     g = torch.Generator().manual_seed(limit % 97 + 3)
     for E, T, k in [(8, 5, 2), (64, 37, 6), (16, 1, 4)]:
         flat = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).reshape(-1)
-        order, pos, counts = X.group_by_expert(flat, E)
+        order, pos, offs = X.group_by_expert(flat, E)
         assert torch.equal(order, torch.sort(flat, stable=True).indices)
         assert torch.equal(order[pos], torch.arange(T * k))
-        assert torch.equal(counts, torch.bincount(flat, minlength=E).to(torch.int32))
+        assert offs.dtype == torch.int32
+        assert torch.equal(offs, torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

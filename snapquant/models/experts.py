@@ -60,30 +60,33 @@ def _weights(module: torch.nn.Module, name: str) -> torch.Tensor:
     return w if getattr(module, "is_transposed", False) else w.transpose(-2, -1)
 
 
-# Pairs x experts up to which the grouping is found by a one-hot cumulative count rather than a sort: a decode
-# step's few hundred pairs (a radix sort there costs ~27 us per layer on an H100, the count a few us); a
-# prefill's ~10^6 pairs sort (the one-hot count would be [pairs, experts] int32).
-ONE_HOT_LIMIT = 1 << 22
+# Pairs up to which the grouping is found by comparing every pair's (expert, index) key with every other's (an
+# [S, S] bool matrix, 1 MB at S = 1024) rather than by a sort: a decode step's few hundred pairs, where a radix
+# sort costs ~27 us per MoE layer on an H100 (0.7 ms of a V2-Lite step) and the comparison a few small kernels.
+# A prefill's ~10^6 pairs sort.
+COMPARE_LIMIT = 2048
 
 
 def group_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token, slot) pair -> expert ids `flat [S]` -> `(order, pos, counts)`: `order` lists the pairs grouped by
+    """(token, slot) pair -> expert ids `flat [S]` -> `(order, pos, offs)`: `order` lists the pairs grouped by
     expert, pair order kept within an expert (what a stable sort by expert gives); `pos` is its inverse (pair
-    p sits at row pos[p] of the grouped rows); `counts [E]` int32. Fixed shapes, no host sync."""
+    p sits at row pos[p] of the grouped rows); `offs [E]` int32 the end of each expert's rows (grouped_mm's
+    offsets). Fixed shapes, no host sync."""
     S = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32))  # exact in int32; bincount would sync
     arange = torch.arange(S, device=flat.device)
-    if S * num_experts <= ONE_HOT_LIMIT:
-        hits = flat[:, None] == torch.arange(num_experts, device=flat.device)
-        rank = hits.to(torch.int32).cumsum(0, dtype=torch.int32).gather(1, flat[:, None]).squeeze(1) - 1
-        start = torch.cumsum(counts, 0, dtype=torch.int32) - counts
-        pos = (start.index_select(0, flat) + rank).long()
+    experts = torch.arange(num_experts, device=flat.device)
+    if S <= COMPARE_LIMIT:
+        key = flat * S + arange  # distinct; ordered by expert, then by pair index
+        pos = (key[None, :] < key[:, None]).sum(1)  # the rank of each key: its row in the grouped order
         order = torch.empty_like(pos).scatter_(0, pos, arange)
+        offs = (flat[None, :] <= experts[:, None]).sum(1, dtype=torch.int32)  # pairs of experts <= e
     else:
         order = torch.sort(flat, stable=True).indices
         pos = torch.empty_like(order).scatter_(0, order, arange)
-    return order, pos, counts
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))  # exact in int32; bincount would sync
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    return order, pos, offs
 
 
 def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -95,9 +98,8 @@ def grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     (transformers promotes first and moves fp32 rows: twice the bytes, ~0.1 s of a batch-128 1K prefill)."""
     _check_layout(self)
     T, k = top_k_index.shape
-    order, pos, counts = group_by_expert(top_k_index.reshape(-1), self.num_experts)
+    order, pos, offs = group_by_expert(top_k_index.reshape(-1), self.num_experts)
     x = hidden_states.index_select(0, order // k)
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
     w_up = _weights(self, "gate_up_proj")
     h = torch.nn.functional.grouped_mm(x.to(w_up.dtype), w_up, offs=offs)
     h = self._apply_gate(h)
