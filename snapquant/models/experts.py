@@ -76,7 +76,7 @@ def group_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     arange = torch.arange(S, device=flat.device)
     experts = torch.arange(num_experts, device=flat.device)
     if S <= COMPARE_LIMIT:
-        key = flat * S + arange  # distinct; ordered by expert, then by pair index
+        key = arange.add(flat, alpha=S)  # flat * S + index: distinct; ordered by expert, then by pair index
         pos = (key[None, :] < key[:, None]).sum(1)  # the rank of each key: its row in the grouped order
         order = torch.empty_like(pos).scatter_(0, pos, arange)
         offs = (flat[None, :] <= experts[:, None]).sum(1, dtype=torch.int32)  # pairs of experts <= e
