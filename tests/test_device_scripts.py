@@ -34,3 +34,26 @@ def test_sourcing_the_wheel_env_exports_to_the_caller(tmp_path):
                           f"PYTHONPATH=/x; touch .whl/a-1-py3-none-any.whl; source {root}/scripts/wheels_env.sh; "
                           "echo $PYTHONPATH"], capture_output=True, text=True)
     assert out.stdout.strip().endswith(":/tmp/site"), out
+
+
+def test_eval_case_7_smoke_runs_every_part_into_out_only(tmp_path):
+    """`SMOKE=1 device_eval.sh 7`: the end-to-end and the 32K loop rows on the tiny model, written under $OUT;
+    the committed H200 / H100 tables stay untouched."""
+    import json
+    import os
+
+    root = Path(__file__).resolve().parents[1]
+    tables = sorted(root.glob("results/bench/eval_h200.*")) + sorted(root.glob("results/h100/eval_h100.*"))
+    before = {p: p.stat().st_mtime_ns for p in tables}
+    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "CASE_S": "240", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(["bash", "scripts/device_eval.sh", "7"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert "case 7 done" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    # (a smoke run starts its table afresh, so the second part's file holds its rows; the first part's are in its log)
+    logged = [json.loads(ln.split("] ", 1)[1]) for ln in (tmp_path / "eval_part7a.log").read_text().splitlines()
+              if ln.startswith("[") and "] {" in ln]
+    rows = logged + json.loads((tmp_path / "eval_smoke7.json").read_text())["rows"]
+    assert {(r["path"], r["preset"], r["batch"]) for r in rows if r.get("status") == "ok"} == {
+        ("lmeval", "bf16", 128), ("lmeval", "snapmla", 128), ("lmeval", "bf16", 32), ("lmeval", "snapmla", 32),
+        ("loop", "bf16", 32), ("loop", "snapmla", 32)}
+    assert {p: p.stat().st_mtime_ns for p in tables} == before
