@@ -9,7 +9,7 @@ Two questions the end-to-end generation benchmark (`scripts/bench_eval.py`) cann
 2. Prefill attention: which SDPA backend runs a DeepSeek prefill (q/k head dim 192, v 128) with HF's 4D
    boolean mask (left padding) and with `is_causal`, and at what TFLOP/s.
 
-Usage (CUDA):  python scripts/probe_step_parts.py --out results/bench/probe_step_h200.json
+Usage (CUDA):  python scripts/probe_step_parts.py --out results/h100/probe_step_h100.json   (name the GPU)
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,8 +37,6 @@ def time_ms(fn, reps: int = 30) -> float:
     for _ in range(3):
         fn()
     if DEV == "cpu":
-        import time
-
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
@@ -130,7 +129,7 @@ def sdpa_rows(batch: int, seq: int, heads: int = 16, pad: int = 64) -> list[dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="results/bench/probe_step_h200.json")
+    ap.add_argument("--out", required=True, help="the JSON to write (name the GPU it runs on)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
     args = ap.parse_args()
