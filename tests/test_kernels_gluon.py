@@ -469,6 +469,62 @@ def test_register_operand_kernel_plans_and_refusals():
         _meta_plan(PRESETS["snapmla"], 16, r=256, d=32, tile="gluon", num_stages=2)
 
 
+@needs_gluon
+@pytest.mark.parametrize("widen,cvt_share", [("int", 0.0), ("int_qk", 0.5), ("int_pv2", 0.75), ("int_qk_pv2", 0.25)])
+def test_integer_widening_replaces_the_conversions_it_names(widen, cvt_share):
+    """widen=...: the same MMAs (the same wgmma mix as the cvt kernel) with the named share of the page's
+    e4m3 -> fp16 conversions done by integer operations: the kernel's cvt.rn.f16x2.e4m3x2 count falls to
+    cvt_share of the default's page widening (QK and PV each widen the page; PV in four boxes). The conversions
+    outside it (the query's e4m3 rounding, the zeroed tail) are those of widen="int", which has no cvt in its
+    page products: the integer path's count is the same in every mode's tail, so the difference is the page's."""
+    base = sm90_stats("snapmla", **NARROW, tile="gluon", num_stages=2)
+    rest = sm90_stats("snapmla", **NARROW, tile="gluon", num_stages=2, widen="int")["cvt_e4m3"]
+    st = sm90_stats("snapmla", **NARROW, tile="gluon", num_stages=2, widen=widen)
+    assert st["kernel"] == "decode_gluon_narrow"
+    assert st["wgmma_kinds"] == base["wgmma_kinds"]
+    page = base["cvt_e4m3"] - rest
+    assert page >= 2 * 64 * 512 / 128 / 2  # QK + PV: 64 x 512 codes each, 128 threads, 2 per cvt (>=: unrolled)
+    assert st["cvt_e4m3"] - rest == round(page * cvt_share)
+    assert st["smem"] == base["smem"]
+    _unserialized(st)
+
+
+@needs_gluon
+def test_integer_widening_is_refused_where_gluon_narrow_does_not_run():
+    """widen is gluon.narrow's knob: asked of another kernel it is an error naming the knob and the kernel."""
+    assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", widen="int").launches[0].name == "decode_gluon_narrow"
+    assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", widen="cvt").launches[0].name == "decode_gluon_narrow"
+    for knobs, kernel in [(dict(tile="gluon", num_stages=1), "gluon.narrow_tile"), (dict(tile="pairs"), "triton.pairs")]:
+        with pytest.raises(ConfigError, match=f"widen='int' is a knob of gluon.narrow.*{kernel}"):
+            _meta_plan(PRESETS["snapmla"], 16, widen="int", **knobs)
+    with pytest.raises(ConfigError, match="widen='int' is a knob of gluon.narrow.*gluon.wide"):
+        _meta_plan(PRESETS["snapmla"], 64, tile="gluon", widen="int")
+    with pytest.raises(ConfigError, match="widen='integer' is not valid.*allowed values: cvt, int"):
+        _meta_plan(PRESETS["snapmla"], 16, tile="gluon", widen="integer")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("widen", ["int", "int_qk", "int_pv", "int_pv2", "int_qk_pv2"])
+def test_integer_widening_gives_the_cvt_kernels_bits(widen, B=6, H=16, L=700, r=512, d=64):
+    """The integer widening computes the codes' values times 2^-8 and undoes it on the fp32 accumulators by
+    a power of two: the output and LSE are the cvt kernel's bit for bit, on mixed lengths with NaN codes
+    written past the longest request (zeroed before the products in both)."""
+    torch.manual_seed(11)
+    cfg = PRESETS["snapmla"]
+    lengths = torch.tensor([max(1, L - 97 * i) for i in range(B)], dtype=torch.int32)
+    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
+    cache.append(3 * torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
+    cache.lengths.copy_(lengths.cuda())
+    cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:].view(torch.uint8).fill_(0x7F)
+    q = torch.randn(B, 1, H, r + d, device="cuda").to(torch.bfloat16)
+    base = mla_decode(q, cache, 0.07, cfg, tile="gluon", num_stages=2, widen="cvt")
+    got = mla_decode(q, cache, 0.07, cfg, tile="gluon", num_stages=2, widen=widen)
+    assert torch.isfinite(got[0]).all()
+    assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
+
+
 # ------------------------------------------------------------------ one Triton version's exact counts
 # The wgmma instructions each case compiles to, per Triton version: an exact record (a change means the
 # kernel or the compiler changed what a page issues) that the properties above only bound. Other

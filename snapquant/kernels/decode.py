@@ -32,7 +32,7 @@ from ._launch import for_device
 from .dispatch import KernelChoice, Target, choose_kernel
 from .layouts import LAYOUT_ID, PAGE_SIZE, layout_of, unsupported_reason
 from .operands import KernelOperands
-from .options import P_DIVS, DecodeOptions, as_options
+from .options import DEFAULT_WIDEN, P_DIVS, WIDENS, DecodeOptions, as_options
 from .paged import PagedMLACache
 from .triton.combine import mla_decode_combine, mla_decode_combine_balanced
 from .triton.common import OP_BF16, OP_F32, OP_FP8, OP_FP16
@@ -344,6 +344,9 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
     kernel = getattr(importlib.import_module(f"{__package__}.{module}"), fn)
     if choice.kernel in ("gluon.narrow", "gluon.narrow_tile"):
         consts.update(STAGES=choice.num_stages)
+        if choice.kernel == "gluon.narrow":
+            qk_int, pv_int = WIDENS[opts.widen or DEFAULT_WIDEN]
+            consts.update(QK_INT=qk_int, PV_INT=pv_int)
         if choice.kernel == "gluon.narrow_tile":
             consts.update(QK_FP8=opts.fp8_mma == "qk")
         grid = (B, 1, splits)

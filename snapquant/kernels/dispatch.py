@@ -160,8 +160,14 @@ def choose_kernel(ops: KernelOperands, config: KVQuantConfig, rows: int, target:
                 reason += (f" (the default kernel here is Gluon; for the Triton one pass "
                            f"tile={default_tile(ops.layout, config, opts.fp8_mma)!r})")
             raise ConfigError(reason)
-        return _gluon_choice(ops, rows, target, opts)
-    return _triton_choice(ops, rows, target, opts, tile)
+        choice = _gluon_choice(ops, rows, target, opts)
+    else:
+        choice = _triton_choice(ops, rows, target, opts, tile)
+    if opts.widen not in (None, "cvt") and choice.kernel != "gluon.narrow":
+        raise ConfigError(f"widen={opts.widen!r} is a knob of gluon.narrow (<= {GLUON_ROWS} query rows on Hopper, "
+                          f"exact fp16 MMAs, kv_lora_rank 512, two or more ring slots); the kernel here is "
+                          f"{choice.kernel}")
+    return choice
 
 
 def default_tile(layout: str, config: KVQuantConfig, fp8_mma: bool | str = False) -> str:

@@ -15,6 +15,11 @@ query rows, GPU); a field set by the caller is a request, and one the chosen ker
                 rounded quotient) | "exact" (div_rn, the same bits) | "rcp" (within ~1 ulp)
     block_m     query rows per program: the Triton tiles (a power of two >= 16), or the native FP8 Gluon
                 kernels (32: narrow8, 64: wide8)
+    widen       how the exact fp16 MMAs' A operands are widened from e4m3 in registers (`gluon.narrow`):
+                "cvt" (cvt.rn.f16x2.e4m3x2 on Hopper's conversion unit) | "int" (integer operations, values
+                times 2^-8 undone on the fp32 accumulators: the same bits, except NaN codes) | "int_qk" /
+                "int_pv" (one product each way) | "int_pv2" / "int_qk_pv2" (two of PV's four 128-channel
+                boxes by integers: both units busy); None: the kernel's default
     num_warps, num_stages, maxnreg   launch parameters (num_stages: ring slots of the Gluon kernels)
 """
 
@@ -31,6 +36,10 @@ TILES = ("rows", "tokens", "pairs", "gluon")
 SCHEDULES = ("uniform", "balanced")
 P_DIVS = ("exact", "rcp", "fma")
 FP8_MMA = (False, "qk", "pv", True)
+# widen -> (QK widened by integer ops, PV boxes (of 4) widened by integer ops)
+WIDENS = {"cvt": (False, 0), "int": (True, 4), "int_qk": (True, 0), "int_pv": (False, 4), "int_pv2": (False, 2),
+          "int_qk_pv2": (True, 2)}
+DEFAULT_WIDEN = "cvt"
 _FP8_MMA_ALIASES = {"none": False, "both": True}
 
 
@@ -47,6 +56,7 @@ class DecodeOptions:
     num_warps: int | None = None
     num_stages: int | None = None
     maxnreg: int | None = None
+    widen: str | None = None
 
     def __post_init__(self) -> None:
         if self.tile is not None and self.tile not in TILES:
@@ -55,6 +65,8 @@ class DecodeOptions:
             raise unknown_choice("schedule", self.schedule, SCHEDULES)
         if self.p_div not in P_DIVS:
             raise unknown_choice("p_div", self.p_div, P_DIVS)
+        if self.widen is not None and self.widen not in WIDENS:
+            raise unknown_choice("widen", self.widen, tuple(WIDENS))
         mma = _FP8_MMA_ALIASES.get(self.fp8_mma, self.fp8_mma) if isinstance(self.fp8_mma, str) else self.fp8_mma
         if not (isinstance(mma, bool) or mma in ("qk", "pv")):
             raise unknown_choice("fp8_mma", self.fp8_mma, [str(v) for v in FP8_MMA])

@@ -51,6 +51,24 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 BOX = GLUON_BOX  # fp8 codes per TMA box row: 128 bytes, the widest swizzle
 
+# e4m3 -> fp16 by integer operations, for kernels whose conversions queue on Hopper's slow conversion unit
+# (F2FP): four codes (one 32-bit register) -> two f16x2 registers holding the codes' values times 2^-8.
+# An e4m3 byte s.eeee.mmm placed at bits 7..14 of a 16-bit half reads as the fp16 s'=0, e'=0.s.eeee (wrong
+# sign position); adding the sign bit once more first, (b + (b & 0x80)) << 7, carries it to bit 15 and clears
+# bit 14, leaving s.0eeee.mmm0000000: exponent bias 15 instead of 7 and the same mantissa, i.e. value * 2^-8
+# exactly, e4m3 subnormals included (they land on fp16 subnormals, >= 2^-17). Nothing crosses a half
+# (b + 0x80 <= 0x17F, and 0x17F << 7 < 2^16). The NaN codes (s.1111.111) become +-1.875 (value 480 * 2^-8)
+# where cvt gives NaN; the quantizer never writes them (it saturates at 448) and the kernels zero the codes
+# past a request's length. Per register, twice: prmt (bytes 0, 1 -> the halves' low bytes), and, add, shl;
+# ptxas runs the add and shl as IMADs, on the FMA pipe (`tests/test_widen_int.py` runs these instructions
+# through a small emulator over every code).
+E4M3_TO_F16_INT_PTX = (
+    "{ .reg .b32 z, h, m, u; mov.b32 z, 0; "
+    "prmt.b32 h, $2, z, 0x4140; and.b32 m, h, 0x00800080; add.u32 u, h, m; shl.b32 $0, u, 7; "
+    "prmt.b32 h, $2, z, 0x4342; and.b32 m, h, 0x00800080; add.u32 u, h, m; shl.b32 $1, u, 7; }")
+WIDEN_INT_SCALE = 256.0  # what undoes the 2^-8: exact in fp32, applied to the accumulators, not the codes
+E4M3_TO_F16_CVT_PTX = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
+
 
 def _rows_view(t: torch.Tensor, row_stride: int) -> tuple[list[int], list[int]]:
     """Shape and strides of `t` seen as one 2-D table of rows (every row start a multiple of
@@ -83,6 +101,10 @@ if HAVE_GLUON:
     PI_REL_FLOOR = gl.constexpr(constants.PI_REL_FLOOR)
     PI_ABS_FLOOR = gl.constexpr(constants.PI_ABS_FLOOR)
 
+    E4M3_TO_F16_CVT_PTX_C = gl.constexpr(E4M3_TO_F16_CVT_PTX)
+    E4M3_TO_F16_INT_PTX_C = gl.constexpr(E4M3_TO_F16_INT_PTX)
+    WIDEN_INT_SCALE_C = gl.constexpr(WIDEN_INT_SCALE)
+
     _qk_channel = gluon.jit(qk_channel)
     _pv_channel = gluon.jit(pv_channel)
 
@@ -103,9 +125,23 @@ if HAVE_GLUON:
     def e4m3_to_f16(c8):
         """e4m3 codes -> exact fp16 values, four codes (one 32-bit register) per asm instance: two
         cvt.rn.f16x2.e4m3x2 on the register's halves (the generic cast shuffles bytes first)."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [c8.to(gl.int8, bitcast=True)], dtype=gl.float16, is_pure=True, pack=4)
+        return gl.inline_asm_elementwise(E4M3_TO_F16_CVT_PTX_C, "=r,=r,r", [c8.to(gl.int8, bitcast=True)],
+                                         dtype=gl.float16, is_pure=True, pack=4)
+
+    @gluon.jit
+    def e4m3_to_f16_int(c8):
+        """e4m3 codes -> exact fp16 values times 2^-8 by integer operations (E4M3_TO_F16_INT_PTX): no
+        conversion-unit instruction; the caller multiplies what it accumulates by WIDEN_INT_SCALE."""
+        return gl.inline_asm_elementwise(E4M3_TO_F16_INT_PTX_C, "=r,=r,r", [c8.to(gl.int8, bitcast=True)],
+                                         dtype=gl.float16, is_pure=True, pack=4)
+
+    @gluon.jit
+    def widen_e4m3(c8, INT: gl.constexpr):
+        """`e4m3_to_f16_int` when INT (values times 2^-8), else `e4m3_to_f16` (exact values)."""
+        if INT:
+            return e4m3_to_f16_int(c8)
+        else:
+            return e4m3_to_f16(c8)
 
     @gluon.jit
     def query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S: gl.constexpr,

@@ -44,8 +44,9 @@ if HAVE_GLUON:
 
     from .common import (
         NEW_REINTERPRET,
+        WIDEN_INT_SCALE_C,
         cta_barrier,
-        e4m3_to_f16,
+        widen_e4m3,
         issue_page,
         page_p_smem,
         query_operands,
@@ -82,9 +83,11 @@ if HAVE_GLUON:
         H, NSPLIT,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr,
-        num_warps: gl.constexpr,
+        num_warps: gl.constexpr, QK_INT: gl.constexpr = False, PV_INT: gl.constexpr = 0,
     ):
         gl.static_assert(num_warps == 4)
+        gl.static_assert(PV_INT >= 0)
+        gl.static_assert(PV_INT <= 4)
         gl.static_assert(R == 512)  # four boxes, four PV accumulators (the host checks)
         gl.static_assert(PAGE == 64)
         BN: gl.constexpr = 16  # query rows (wgmma N)
@@ -162,15 +165,18 @@ if HAVE_GLUON:
                                is_async=True)
             # one box's A operand live at a time: each MMA is waited for before the box after next
             # is loaded (an async wgmma holds its register operands until it completes)
-            qk = warpgroup_mma(e4m3_to_f16(_box_view(lat_smem, box0, QK_VIEW, [PAGE, BOXW]).load(a_l)),
+            qk = warpgroup_mma(widen_e4m3(_box_view(lat_smem, box0, QK_VIEW, [PAGE, BOXW]).load(a_l), QK_INT),
                                q_smem.slice(0, BOXW, dim=1).permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
             for k in gl.static_range(1, NBOX):
-                a16 = e4m3_to_f16(_box_view(lat_smem, box0 + k, QK_VIEW, [PAGE, BOXW]).load(a_l))
+                a16 = widen_e4m3(_box_view(lat_smem, box0 + k, QK_VIEW, [PAGE, BOXW]).load(a_l), QK_INT)
                 qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
                 qk = warpgroup_mma(a16, q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)), qk, is_async=True)
             qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
-            qk = qk + rd
+            if QK_INT:  # the integer widening gave the codes' values times 2^-8: one exact fma undoes it
+                qk = qk * WIDEN_INT_SCALE_C + rd
+            else:
+                qk = qk + rd
 
             rescale, m_i, l_i, pi_i, pi_max = page_p_smem(gl.convert_layout(qk, sm_l), s_cur, coef, base + offs_t,
                                                            limit, m_i, l_i, pi_i, pi_max, zero_sm, p_smem, P_DIV)
@@ -178,15 +184,16 @@ if HAVE_GLUON:
             # O^T [R, BN] += C^T P^T, box by box (rows in the PV view's order)
             beta = gl.expand_dims(gl.convert_layout(rescale, row_l), 0)
             pt = p_smem.permute((1, 0))
-            acc0 = warpgroup_mma(e4m3_to_f16(_box_view(lat_smem, box0, PV_VIEW, [BOXW, PAGE]).load(a_l)), pt,
-                                 acc0 * beta, is_async=True)
-            a16 = e4m3_to_f16(_box_view(lat_smem, box0 + 1, PV_VIEW, [BOXW, PAGE]).load(a_l))
+            # boxes below PV_INT widen by integer operations (their accumulators hold O^T times 2^-8)
+            acc0 = warpgroup_mma(widen_e4m3(_box_view(lat_smem, box0, PV_VIEW, [BOXW, PAGE]).load(a_l), PV_INT > 0),
+                                 pt, acc0 * beta, is_async=True)
+            a16 = widen_e4m3(_box_view(lat_smem, box0 + 1, PV_VIEW, [BOXW, PAGE]).load(a_l), PV_INT > 1)
             acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
             acc1 = warpgroup_mma(a16, pt, acc1 * beta, is_async=True)
-            a16 = e4m3_to_f16(_box_view(lat_smem, box0 + 2, PV_VIEW, [BOXW, PAGE]).load(a_l))
+            a16 = widen_e4m3(_box_view(lat_smem, box0 + 2, PV_VIEW, [BOXW, PAGE]).load(a_l), PV_INT > 2)
             acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1,))
             acc2 = warpgroup_mma(a16, pt, acc2 * beta, is_async=True)
-            a16 = e4m3_to_f16(_box_view(lat_smem, box0 + 3, PV_VIEW, [BOXW, PAGE]).load(a_l))
+            a16 = widen_e4m3(_box_view(lat_smem, box0 + 3, PV_VIEW, [BOXW, PAGE]).load(a_l), PV_INT > 3)
             acc2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc2,))
             acc3 = warpgroup_mma(a16, pt, acc3 * beta, is_async=True)
             acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
@@ -196,6 +203,14 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
+        if PV_INT > 0:  # exact: a power of two on fp32 sums of the 2^-8-scaled products
+            acc0 = acc0 * WIDEN_INT_SCALE_C
+        if PV_INT > 1:
+            acc1 = acc1 * WIDEN_INT_SCALE_C
+        if PV_INT > 2:
+            acc2 = acc2 * WIDEN_INT_SCALE_C
+        if PV_INT > 3:
+            acc3 = acc3 * WIDEN_INT_SCALE_C
         m_o = gl.convert_layout(m_i, row_l)
         l_o = gl.convert_layout(l_i, row_l)
         pi_o = gl.convert_layout(pi_i, row_l)
