@@ -497,9 +497,9 @@ def test_integer_widening_is_refused_where_gluon_narrow_does_not_run():
     for knobs, kernel in [(dict(tile="gluon", num_stages=1), "gluon.narrow_tile"), (dict(tile="pairs"), "triton.pairs")]:
         with pytest.raises(ConfigError, match=f"widen='int' is a knob of gluon.narrow.*{kernel}"):
             _meta_plan(PRESETS["snapmla"], 16, widen="int", **knobs)
-    with pytest.raises(ConfigError, match="widen='int' is a knob of gluon.narrow.*gluon.wide"):
+    with pytest.raises(ConfigError, match=r"widen='int' is a knob of gluon.narrow.*gluon.wide"):
         _meta_plan(PRESETS["snapmla"], 64, tile="gluon", widen="int")
-    with pytest.raises(ConfigError, match="widen='integer' is not valid.*allowed values: cvt, int"):
+    with pytest.raises(ConfigError, match=r"widen='integer' is not valid.*allowed values: cvt, int"):
         _meta_plan(PRESETS["snapmla"], 16, tile="gluon", widen="integer")
 
 

@@ -46,7 +46,6 @@ if HAVE_GLUON:
         NEW_REINTERPRET,
         WIDEN_INT_SCALE_C,
         cta_barrier,
-        widen_e4m3,
         issue_page,
         page_p_smem,
         query_operands,
@@ -54,6 +53,7 @@ if HAVE_GLUON:
         split_run,
         start_ring,
         store_result,
+        widen_e4m3,
     )
 
     QK_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=box_view_bases("qk")))
