@@ -3,7 +3,7 @@
 # call (carry .anchors for the FlashMLA rows):
 #   1. the GPU tests of the Gluon kernels: every widen mode gives the cvt kernel's bits, every kernel the
 #      reference's numbers;
-#   2. the decode benchmark at the three H = 16 headline shapes: our BF16, the FP8 default and the five widen
+#   2. the decode benchmark at the three H = 16 headline shapes and at 32x16x32768 (one V2-Lite layer of the 32K, batch-32 decode step): our BF16, the FP8 default and the five widen
 #      modes (each checked against the FP8 default with tolerance 0: the same bits), FlashMLA beside them.
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_widen.sh
 # Results: results/bench/decode_widen_h200.* on an H200, results/h100/decode_widen_h100.* elsewhere (a
@@ -19,7 +19,7 @@ source scripts/anchor_env.sh > "$OUT/flashmla.txt" 2>&1; cat "$OUT/flashmla.txt"
 timeout "${TEST_S:-150}" python3 -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_kernels_gluon.py \
   -k "integer or narrow or matches_the_reference" 2>&1 | tee "$OUT/pytest_widen.txt" | tail -3
 timeout "${BENCH_S:-300}" python3 scripts/bench_decode.py --out "$RES" --tag "$tag" --no-append \
-  --budget-s "$(( ${BENCH_S:-300} - 40 ))" --shapes 128x16x4096,32x16x16384,8x16x32768 \
+  --budget-s "$(( ${BENCH_S:-300} - 40 ))" --shapes 128x16x4096,32x16x16384,8x16x32768,32x16x32768 \
   --variants "bf16,snapmla,snapmla+int,snapmla+int_qk,snapmla+int_pv,snapmla+int_pv2,snapmla+int_qk_pv2" 2>&1 \
   | tee "$OUT/bench_widen.log" | grep -E "read bandwidth| us |SKIPPED|FAIL|Error" | head -40
 cp "$RES"/*"$tag"* "$OUT"/ 2>/dev/null
