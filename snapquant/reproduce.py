@@ -300,6 +300,13 @@ JOBS: tuple[Job, ...] = (
     Job("results/h100", "gpu", ("scripts/probe_step_parts.py", "--out", "results/h100/probe_step_h100.json"),
         ("probe_step_h100.json",), "expert grouped GEMMs (two B layouts) and prefill SDPA backends timed in "
         "isolation, on an H100", manual=True),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "widen_h100", "--no-append", "--budget-s", "260",
+         "--shapes", "128x16x4096,32x16x16384,8x16x32768,32x16x32768", "--variants",
+         "bf16,snapmla,snapmla+int,snapmla+int_qk,snapmla+int_pv,snapmla+int_pv2,snapmla+int_qk_pv2"),
+        ("decode_widen_h100.*", "bench_widen_h100.json"), "gluon.narrow's e4m3 widening by cvt against integer "
+        "operations (five widen modes, same bits) beside FlashMLA at H = 16, on an H100 (`bash "
+        "scripts/device_widen.sh`)", manual=True, code=BENCH),
     Job("results/research_model", "gpu", ("scripts/train_research_model.py", "all", "--out", "results/research_model"),
         ("README.md", "*.json", "*.jsonl", "*.csv", "*.npz", "*.png", "*.pdf", "device_call*.log"),
         "the research-scale model at DeepSeek-V2-Lite attention dims: data, training, card, activation study, "
