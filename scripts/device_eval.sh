@@ -18,7 +18,7 @@
 #                                      # V3 shape's snapmla batch-128 32K cell again (the cache fill is chunked now)
 #   bash scripts/device_eval.sh 7      # < 400 s: GPU tests of the experts, loop and graphs, then V2-Lite bf16 + snapmla
 #                                      # end to end (1K prompts, 256 new tokens, batch 128 / 32) and the 32K batch-32
-#                                      # decode-loop rows; into results/bench/eval_h200 on an H200, results/h100/eval_h100 otherwise
+#                                      # decode-loop rows; into results/bench/eval_h200 on an H200, results/h100/eval_e2e_h100 otherwise
 #   CASE_S=470 bash scripts/device_eval.sh 6  # a case's later parts stop earlier (default 530 s)
 #   SMOKE=1 bash scripts/device_eval.sh 4   # the same steps on CPU (tiny model, no install), into $OUT only
 # Logs go to $OUT (default /tmp/device_eval) and the results folder; case 4 also packs them into
@@ -87,7 +87,7 @@ huggingface_hub.__version__, 'transformers', transformers.__version__, 'torch', 
   7) source scripts/wheels_env.sh
      # rows go to the file of the GPU they ran on (an H100 lease must not merge into the H200 table)
      dest=results/bench/eval_h200
-     nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 || dest=results/h100/eval_h100
+     nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 || dest=results/h100/eval_e2e_h100
      smoke=(); [ -n "$SMOKE" ] && { smoke=(--smoke); dest="$OUT/eval_smoke7"; }
      timeout 120 python -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_experts.py tests/test_generation.py \
        tests/test_graphs.py 2>&1 | tee "$OUT/pytest_gpu_eval7.txt" | tail -4

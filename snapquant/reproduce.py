@@ -297,6 +297,15 @@ JOBS: tuple[Job, ...] = (
         ("eval_h100.*",), "decode-loop rows with kernel tables of the captured step and of one prefill, on an H100",
         manual=True, code=(*DECODE, *KERNELS, "snapquant/graphs.py", "snapquant/bench/eval_gen.py",
                            "snapquant/eval/generation.py", "snapquant/models")),
+    Job("results/h100", "gpu",
+        ("scripts/bench_eval.py", "--out", "results/h100/eval_e2e_h100", "--models", "v2lite", "--presets", "bf16,snapmla",
+         "--paths", "loop", "--batches", "32", "--contexts", "32768", "--new-tokens", "64", "--check-tokens", "0",
+         "--no-split"),
+        ("eval_e2e_h100.*",), "end to end through lm-eval's generate_until (batch 128 / 32, 1K prompts, 256 new "
+        "tokens) and the 32K batch-32 loop rows, on an H100 (`bash scripts/device_eval.sh 7`, which runs the "
+        "--e2e-lmeval cells first)", manual=True,
+        code=(*DECODE, *KERNELS, "snapquant/graphs.py", "snapquant/bench/eval_gen.py", "snapquant/eval",
+              "snapquant/models")),
     Job("results/h100", "gpu", ("scripts/probe_step_parts.py", "--out", "results/h100/probe_step_h100.json"),
         ("probe_step_h100.json",), "expert grouped GEMMs (two B layouts) and prefill SDPA backends timed in "
         "isolation, on an H100", manual=True),

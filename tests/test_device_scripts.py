@@ -43,7 +43,7 @@ def test_eval_case_7_smoke_runs_every_part_into_out_only(tmp_path):
     import os
 
     root = Path(__file__).resolve().parents[1]
-    tables = sorted(root.glob("results/bench/eval_h200.*")) + sorted(root.glob("results/h100/eval_h100.*"))
+    tables = sorted(root.glob("results/bench/eval_h200.*")) + sorted(root.glob("results/h100/eval_h100.*")) + sorted(root.glob("results/h100/eval_e2e_h100.*"))
     before = {p: p.stat().st_mtime_ns for p in tables}
     env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "CASE_S": "240", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(["bash", "scripts/device_eval.sh", "7"], cwd=root, env=env, capture_output=True,
