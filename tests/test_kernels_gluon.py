@@ -525,54 +525,6 @@ def test_integer_widening_gives_the_cvt_kernels_bits(widen, B=6, H=16, L=700, r=
     assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
 
 
-@needs_gluon
-def test_two_warpgroup_narrow_kernel_compiles_for_two_programs_per_sm():
-    """num_warps=8 at <= 16 rows: gluon.narrow's page loop on two warpgroups (QK split by rows: m64n8 wgmma,
-    PV by channels: m64n16), 128 registers and gluon.narrow's shared memory, so two programs share an SM."""
-    base = sm90_stats("snapmla", **NARROW, tile="gluon", num_stages=2)
-    st = sm90_stats("snapmla", **NARROW, tile="gluon", num_stages=2, num_warps=8)
-    assert st["kernel"] == "decode_gluon_narrow_wg2" and st["mma_sync"] == 0
-    kinds, unit = st["wgmma_kinds"], "bf16.bf16 m64n8k16"
-    # per page and warpgroup: RoPE d / 16, QK r / 16 (n8: its 8 rows), PV r / 16 / 2 (its 64 of 128 channels)
-    assert {k: v / kinds[unit] for k, v in kinds.items()} == {unit: 1, "f16.f16 m64n8k16": 512 / 64 * 4 / 4,
-                                                             "f16.f16 m64n16k16": 512 / 64 * 2 / 4}
-    assert st["smem"] == base["smem"] <= SMEM_LIMIT // 2 - 1024
-    if st.get("regs") is not None:
-        assert st["regs"] <= 128 and st["spill_bytes"] <= 128, (st["regs"], st["spill_bytes"])
-
-
-@needs_gluon
-def test_two_warpgroup_narrow_kernel_plans_and_refusals():
-    plan = _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_warps=8)
-    assert plan.launches[0].name == "decode_gluon_narrow_wg2" and plan.launches[0].kwargs["maxnreg"] == 128
-    with pytest.raises(ConfigError, match="num_warps=4, got num_warps=8"):
-        _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_warps=8, num_stages=1)  # the in-place slot kernel
-    with pytest.raises(ConfigError, match="num_warps=4, got num_warps=8"):
-        _meta_plan(PRESETS["snapmla"], 16, r=256, d=32, tile="gluon", num_warps=8)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="needs a Hopper GPU")
-@pytest.mark.parametrize("B,H,S,L,splits", [(6, 16, 1, 700, None), (3, 8, 2, 130, 1), (5, 16, 1, 64, 3)])
-def test_two_warpgroup_narrow_kernel_gives_gluon_narrows_bits(B, H, S, L, splits, r=512, d=64):
-    """Splitting QK's N and PV's M between warpgroups leaves every output element's arithmetic as it was:
-    gluon.narrow's output and LSE bit for bit (mixed lengths, NaN codes past the longest request)."""
-    torch.manual_seed(B * 10 + L)
-    cfg = PRESETS["snapmla"]
-    lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
-    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
-    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
-    cache.lengths.copy_(lengths.cuda())
-    if L % 64:
-        cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:].view(torch.uint8).fill_(0x7F)
-    q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
-    base = mla_decode(q, cache, 0.07, cfg, num_splits=splits, tile="gluon", num_stages=2)
-    got = mla_decode(q, cache, 0.07, cfg, num_splits=splits, tile="gluon", num_stages=2, num_warps=8)
-    assert torch.isfinite(got[0]).all()
-    assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
-
-
 # ------------------------------------------------------------------ one Triton version's exact counts
 # The wgmma instructions each case compiles to, per Triton version: an exact record (a change means the
 # kernel or the compiler changed what a page issues) that the properties above only bound. Other

@@ -228,9 +228,6 @@ VARIANTS: tuple[Variant, ...] = (
        tile="gluon", widen="int_pv2", note="two of PV's four boxes by integer ops, the rest by cvt"),
     _v("snapmla+int_qk_pv2", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=0.0, where="rows16",
        tile="gluon", widen="int_qk_pv2", note="QK and two PV boxes by integer ops, two PV boxes by cvt"),
-    _v("snapmla+wg2", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=0.0, where="rows16", tile="gluon",
-       num_warps=8, note="gluon.narrow on two warpgroups (rows split for QK, channels for PV), 128 registers, two "
-       "programs per SM: twice the warps (gluon.narrow_wg2, the same bits)"),
     _v("bf16+w16", "bf16", "bf16", priority=2, check="bf16", where="headline", num_warps=16, tile="rows"),
     _v("snapmla+w16", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_warps=16, tile="pairs",
        note="16 warps: 128 registers per thread, twice the warps to hide latency at one program per SM"),

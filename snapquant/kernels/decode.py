@@ -312,7 +312,6 @@ def _small_launch(target: Target) -> dict[str, int]:
 _GLUON_KERNELS = {  # dispatch name -> (module under snapquant.kernels, function, launch name)
     "gluon.narrow": ("gluon.narrow", "_snapmla_decode_gluon_regs", "decode_gluon_narrow"),
     "gluon.narrow_tile": ("gluon.narrow_tile", "_snapmla_decode_gluon", "decode_gluon_narrow_tile"),
-    "gluon.narrow_wg2": ("gluon.experimental.narrow_wg2", "_snapmla_decode_gluon_wg2", "decode_gluon_narrow_wg2"),
     "gluon.wide": ("gluon.wide", "_mla_decode_gluon_wide", "decode_gluon_wide"),
     "gluon.narrow8": ("gluon.experimental.narrow8", "_mla_decode_gluon_narrow8", "decode_gluon_narrow8"),
     "gluon.wide8": ("gluon.experimental.wide8", "_mla_decode_gluon_wide8", "decode_gluon_wide8"),
@@ -343,11 +342,8 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
                   P_DIV=P_DIVS.index(opts.p_div), LSE_NATURAL=splits == 1)
     module, fn, name = _GLUON_KERNELS[choice.kernel]
     kernel = getattr(importlib.import_module(f"{__package__}.{module}"), fn)
-    launch = {}
-    if choice.kernel in ("gluon.narrow", "gluon.narrow_tile", "gluon.narrow_wg2"):
+    if choice.kernel in ("gluon.narrow", "gluon.narrow_tile"):
         consts.update(STAGES=choice.num_stages)
-        if choice.kernel == "gluon.narrow_wg2":
-            launch = {"maxnreg": 128}  # 8 warps x 128 registers: two programs per SM, as gluon.narrow
         if choice.kernel == "gluon.narrow":
             qk_int, pv_int = WIDENS[opts.widen or DEFAULT_WIDEN]
             consts.update(QK_INT=qk_int, PV_INT=pv_int)
@@ -360,7 +356,7 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
             consts.update(FP8=fp8)
         else:
             consts.update(STAGES=choice.num_stages)
-    return KernelLaunch(name, kernel, grid, args, dict(**consts, num_warps=choice.num_warps, **launch))
+    return KernelLaunch(name, kernel, grid, args, dict(**consts, num_warps=choice.num_warps))
 
 
 # ------------------------------------------------------------------------------------------- checks

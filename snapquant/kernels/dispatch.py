@@ -61,10 +61,6 @@ KERNELS: dict[str, KernelSpec] = {
         "gluon", "gluon/narrow_tile.py", "default",
         "<= 16 query rows; snapmla layout, fp8 query and P, exact MMAs; kv_lora_rank 128 or 256 (or num_stages=1); "
         "with fp8_mma='qk' (experimental) native FP8 QK; Hopper"),
-    "gluon.narrow_wg2": KernelSpec(
-        "gluon", "gluon/experimental/narrow_wg2.py", "experimental",
-        "<= 16 query rows on two warpgroups (num_warps=8, 128 registers, two programs per SM); snapmla layout, fp8 "
-        "query and P, exact MMAs; kv_lora_rank 512; Hopper; gluon.narrow's bits"),
     "gluon.wide": KernelSpec(
         "gluon", "gluon/wide.py", "default",
         "> 16 query rows (64-row tiles); snapmla layout with fp8 query and P, or the bf16 layout; exact MMAs; Hopper"),
@@ -204,10 +200,6 @@ def gluon_reason(ops: KernelOperands, config: KVQuantConfig, rows: int, target: 
     if options.maxnreg is not None:
         return f"tile='gluon' takes no maxnreg (a launch knob of the Triton tiles), got maxnreg={options.maxnreg}"
     warps = 8 if wide and native8_rows != 32 else 4
-    narrow_regs = not wide and narrow_kernel(narrow_stages(num_stages, fp8_mma, ops.kv_lora_rank), fp8_mma) \
-        == "gluon.narrow"
-    if narrow_regs and num_warps == 8 and ops.kv_lora_rank == 512:
-        warps = 8  # gluon.narrow_wg2: the register-operand page loop on two warpgroups
     if num_warps not in (None, warps):
         return f"tile='gluon' at {rows} query rows runs num_warps={warps}, got num_warps={num_warps}"
     if wide and fp8_mma is True and num_stages not in (None, 2, 3, 4):
@@ -290,8 +282,6 @@ def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOp
         stages = narrow_stages(opts.num_stages, opts.fp8_mma, r)
         kernel, block_m, warps = narrow_kernel(stages, opts.fp8_mma), GLUON_ROWS, 4
         resident, max_run = narrow_resident(stages, opts.fp8_mma), NARROW_MAX_RUN
-        if kernel == "gluon.narrow" and opts.num_warps == 8:
-            kernel, warps = "gluon.narrow_wg2", 8
     elif opts.fp8_mma is True:
         block_m = opts.block_m or 32
         kernel = "gluon.narrow8" if block_m == 32 else "gluon.wide8"
