@@ -6,7 +6,7 @@
 #   2. the decode benchmark at the three H = 16 headline shapes and at 32x16x32768 (one V2-Lite layer of the 32K, batch-32 decode step): our BF16, the FP8 default and the five widen
 #      modes (each checked against the FP8 default with tolerance 0: the same bits), FlashMLA beside them.
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_widen.sh
-# TAG (widen), VARIANTS and TESTS narrow a call. Results: results/bench/decode_<TAG>_h200.* on an H200, results/h100/decode_widen_h100.* elsewhere (a
+# TAG (widen), VARIANTS and TESTS narrow a call. Results: results/bench/decode_<TAG>_h200.* on an H200, results/h100/decode_<TAG>_h100.* elsewhere (a
 # non-H200 machine's rows never go into the H200 tables); logs in $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
