@@ -51,8 +51,9 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 BOX = GLUON_BOX  # fp8 codes per TMA box row: 128 bytes, the widest swizzle
 
-# e4m3 -> fp16 by integer operations, for kernels whose conversions queue on Hopper's slow conversion unit
-# (F2FP): four codes (one 32-bit register) -> two f16x2 registers holding the codes' values times 2^-8.
+# e4m3 -> fp16 by integer operations instead of Hopper's conversion unit (F2FP): four codes (one 32-bit
+# register) -> two f16x2 registers holding the codes' values times 2^-8. `gluon.narrow`'s `widen` knob; on an
+# H100 no mode was faster than cvt (docs/performance.md, "Against FlashMLA"), so cvt stays the default.
 # An e4m3 byte s.eeee.mmm placed at bits 7..14 of a 16-bit half reads as the fp16 s'=0, e'=0.s.eeee (wrong
 # sign position); adding the sign bit once more first, (b + (b & 0x80)) << 7, carries it to bit 15 and clears
 # bit 14, leaving s.0eeee.mmm0000000: exponent bias 15 instead of 7 and the same mantissa, i.e. value * 2^-8
