@@ -90,6 +90,33 @@ def _combine_row(dev: str, T: int, k: int, H: int, combine_slots, combine_slots_
     return row
 
 
+VARIANTS = (("stock", False, False), ("combine", True, False), ("combine_gate", True, True))  # fused kernels on
+
+
+def gate_rows(dev: str, shapes: list[tuple[int, int]]) -> list[dict]:
+    """The fused gate against transformers' default gate: bits and time, bf16, at decode and prefill sizes."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    from snapquant.kernels.triton.expert_gate import silu_mul
+
+    class _Experts(torch.nn.Module):
+        act_fn = torch.nn.SiLU()
+
+    mod = _Experts()
+    rows = []
+    for R, N in shapes:
+        g = torch.Generator(device=dev).manual_seed(R)
+        gu = (torch.randn(R, 2 * N, device=dev, generator=g) * 4).to(torch.bfloat16)
+        row = {"R": R, "N": N, "bits_equal": bool(torch.equal(silu_mul(gu), _default_apply_gate(mod, gu)))}
+        row["stock_ms"] = time_ms(lambda gu=gu: _default_apply_gate(mod, gu), dev)
+        row["fused_ms"] = time_ms(lambda gu=gu: silu_mul(gu), dev)
+        row["fused_gbs"] = R * N * 6 / row["fused_ms"] / 1e6
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del gu
+    return rows
+
+
 def prefill_rows(dev: str, shape: str, layers: int | None, batch: int, prompt: int, presets: list[str],
                  profile: bool) -> list[dict]:
     import snapquant
@@ -114,13 +141,14 @@ def prefill_rows(dev: str, shape: str, layers: int | None, batch: int, prompt: i
 
         row: dict = {"preset": preset, "batch": batch, "prompt": prompt, "model": shape}
         logits = {}
-        for fused in (False, True):
-            experts.FUSED_COMBINE = fused
-            logits[fused] = prefill().float()
-            row[f"prefill_ms_fused_{fused}"] = time_ms(prefill, dev, reps=3)
-        experts.FUSED_COMBINE = True
-        row["logits_equal_fused_vs_stock"] = bool(torch.equal(logits[False], logits[True]))
-        row["logits_max_abs_diff"] = float((logits[False] - logits[True]).abs().max())
+        for name, combine, gate in VARIANTS:
+            experts.FUSED_COMBINE, experts.FUSED_GATE = combine, gate
+            logits[name] = prefill().float()
+            row[f"prefill_ms_{name}"] = time_ms(prefill, dev, reps=3)
+        experts.FUSED_COMBINE = experts.FUSED_GATE = True
+        for name, _, _ in VARIANTS[1:]:
+            row[f"logits_equal_{name}_vs_stock"] = bool(torch.equal(logits["stock"], logits[name]))
+            row[f"logits_max_abs_diff_{name}"] = float((logits["stock"] - logits[name]).abs().max())
         if profile:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -169,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(5, 6, 64), (37, 6, 256)] if a.smoke else [(1, 6, 2048), (32, 6, 2048), (128, 6, 2048),
                                                           (4096, 6, 2048), (131072, 6, 2048)]
     out["combine"] = combine_rows(dev, shapes)
+    out["gate"] = gate_rows(dev, [(5, 64), (300, 256)] if a.smoke else [(768, 1408), (786432, 1408)])
     atomic_write_json(Path(a.out), out)
     if a.smoke:
         out["prefill"] = prefill_rows(dev, "tiny", None, 2, 16, a.presets.split(","), not a.no_profile)

@@ -1,4 +1,6 @@
-"""The fused MoE combine (`kernels.triton.expert_combine`) against its torch reference and transformers' expression.
+"""The fused MoE kernels against their torch references and transformers' expressions.
+
+Combine (`kernels.triton.expert_combine`).
 
 Exactness argument: each term is one fp32 product of a 16- or 32-bit expert output and an fp32 weight (one
 rounding, as the promoted `*` of the torch expression), and the k terms are added in a fixed order with one
@@ -8,6 +10,15 @@ interpreter here and compiled on a GPU; any other order, a fused multiply-add or
 bits (checked below: the two orders disagree in fp32 on random inputs, so the equality tests can fail).
 On a GPU the "lanes4" order is the order of torch's own reduction, which the GPU test checks against the
 expression transformers' grouped_mm experts run.
+
+Gate (`kernels.triton.expert_gate`): silu(gate) rounded to the dtype, times up, rounded. On the interpreter
+exp is numpy's float32 exp, within 1 ulp of exp but not necessarily torch's CPU one, so the CPU test bounds
+the fp32 result against float64 arithmetic: exp's error (<= 1 ulp), the 1 + e and the division roundings
+(1 ulp each; the relative error of 1 + e is at most that of e) and the product's rounding give at most
+5 u relative (u = 2^-24), tested at 8 u; a wrong column, operand or sign is off by O(1). In 16-bit dtypes
+the intermediate rounding is the dtype's, and the test checks the result against the float64 value
+rounded the same way, within one ulp of the dtype where the fp32 value sits at a rounding boundary. On the
+GPU the bits must equal transformers' gate.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import pytest
 import torch
 
 from snapquant.kernels.triton.expert_combine import combine_slots, combine_slots_reference
+from snapquant.kernels.triton.expert_gate import gate_reference, silu_mul
 from snapquant.models import experts as X
 from snapquant.models.tiny import tiny_model
 
@@ -79,6 +91,36 @@ def test_the_experts_use_the_kernel_only_on_cuda():
     assert not X.fused_combine_applies(y, w)  # CPU: the torch expression, transformers' own bits
 
 
+@pytest.mark.parametrize(("R", "N"), [(37, 300), (5, 64), (1, 1408)])
+def test_gate_kernel_fp32_within_the_rounding_bound(R, N):
+    g = torch.Generator().manual_seed(R * 7 + N)
+    gu = torch.randn(R, 2 * N, generator=g) * 6
+    ours = silu_mul(gu).double()
+    x, up = gu.double().chunk(2, dim=-1)
+    exact = x / (1 + torch.exp(-x)) * up
+    assert ours.shape == (R, N)
+    assert bool(((ours - exact).abs() <= 8 * 2.0 ** -24 * exact.abs() + 1e-30).all())
+    assert not torch.equal(silu_mul(gu.flip(-1)), silu_mul(gu))  # the halves' roles matter
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gate_kernel_16bit_rounds_like_torch(dtype):
+    g = torch.Generator().manual_seed(17)
+    gu = (torch.randn(64, 2 * 256, generator=g) * 6).to(dtype)
+    ours = silu_mul(gu)
+    ref = gate_reference(gu)
+    assert ours.dtype == dtype
+    # both round fp32 values that agree to a few ulp: equal except where one sits at a rounding boundary
+    assert (ours != ref).float().mean() < 0.01
+    ulp = torch.finfo(dtype).eps * ref.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert bool(((ours.float() - ref.float()).abs() <= 2 * ulp).all())
+
+
+def test_gate_bad_input():
+    with pytest.raises(ValueError, match=r"\[R, 2N\]"):
+        silu_mul(torch.zeros(3, 5))
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 32, 128, 4096, 65536])
@@ -95,6 +137,23 @@ def test_gpu_lanes4_gives_the_bits_of_the_torch_expression(T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("R", [6, 768, 100000])
+def test_gpu_gate_gives_the_bits_of_transformers_gate(R):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from transformers.integrations.moe import _default_apply_gate
+
+    class _Experts(torch.nn.Module):
+        act_fn = torch.nn.SiLU()
+
+    g = torch.Generator(device="cuda").manual_seed(R)
+    gu = (torch.randn(R, 2 * 1408, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    assert torch.equal(silu_mul(gu), _default_apply_gate(_Experts(), gu))
+    gu32 = torch.randn(R, 2 * 1408, device="cuda", generator=g) * 4
+    assert torch.equal(silu_mul(gu32), _default_apply_gate(_Experts(), gu32))
+
+
+@pytest.mark.gpu
 def test_gpu_grouped_experts_with_the_fused_combine_are_bitwise_transformers():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -106,6 +165,7 @@ def test_gpu_grouped_experts_with_the_fused_combine_are_bitwise_transformers():
     idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:k] for _ in range(T)])
     w = torch.rand(T, k, device="cuda", generator=g)
     assert X.fused_combine_applies(torch.empty(1, 1, device="cuda", dtype=torch.bfloat16), w)
+    assert X.fused_gate_applies(mod, torch.empty(1, 2, device="cuda", dtype=torch.bfloat16))
     with torch.no_grad():
         with X.decode_experts(model, X.GROUPED):
             ours = mod(x, idx, w)
