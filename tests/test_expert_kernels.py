@@ -28,6 +28,7 @@ import torch
 
 from snapquant.kernels.triton.expert_combine import combine_slots, combine_slots_reference
 from snapquant.kernels.triton.expert_gate import gate_reference, silu_mul
+from snapquant.kernels.triton.expert_groups import group_pairs
 from snapquant.models import experts as X
 from snapquant.models.tiny import tiny_model
 
@@ -121,7 +122,33 @@ def test_gate_bad_input():
         silu_mul(torch.zeros(3, 5))
 
 
+@pytest.mark.parametrize(("E", "T", "k"), [(8, 5, 2), (64, 37, 6), (16, 1, 4), (256, 7, 8), (300, 3, 2), (4, 70, 4)])
+def test_group_pairs_equals_the_torch_grouping(E, T, k):
+    """Integer ranks and counts: equal outputs, for distinct top-k ids per token and for arbitrary ids."""
+    g = torch.Generator().manual_seed(E * 1000 + T)
+    topk = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).reshape(-1)
+    anyids = torch.randint(0, E, (T * k,), generator=g)
+    for flat in (topk, anyids):
+        ours = group_pairs(flat, E)
+        ref = X.group_by_expert(flat, E)  # CPU: the torch operations
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ours, ref, strict=True))
+        assert torch.equal(ours[0], torch.sort(flat, stable=True).indices)
+
+
 # ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 32, 128, 341])
+def test_gpu_group_pairs_equals_the_torch_grouping(T, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    E, k = 64, 6
+    g = torch.Generator(device="cuda").manual_seed(T)
+    flat = torch.stack([torch.randperm(E, device="cuda", generator=g)[:k] for _ in range(T)]).reshape(-1)
+    ours = X.group_by_expert(flat, E)
+    monkeypatch.setattr(X, "FUSED_GROUPS", False)
+    ref = X.group_by_expert(flat, E)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ours, ref, strict=True))
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 32, 128, 4096, 65536])
 def test_gpu_lanes4_gives_the_bits_of_the_torch_expression(T):

@@ -65,6 +65,9 @@ def _weights(module: torch.nn.Module, name: str) -> torch.Tensor:
 # sort costs ~27 us per MoE layer on an H100 (0.7 ms of a V2-Lite step) and the comparison a few small kernels.
 # A prefill's ~10^6 pairs sort.
 COMPARE_LIMIT = 2048
+# On CUDA the comparison runs as one Triton launch (`kernels.triton.expert_groups`) instead of ~8 small
+# kernels per MoE layer and step: integer ranks and counts, the same outputs.
+FUSED_GROUPS = True
 
 
 def group_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,6 +76,10 @@ def group_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     p sits at row pos[p] of the grouped rows); `offs [E]` int32 the end of each expert's rows (grouped_mm's
     offsets). Fixed shapes, no host sync."""
     S = flat.numel()
+    if S <= COMPARE_LIMIT and FUSED_GROUPS and flat.is_cuda:
+        from ..kernels.triton.expert_groups import group_pairs
+
+        return group_pairs(flat, num_experts)  # the same ranks and counts in one launch
     arange = torch.arange(S, device=flat.device)
     if S <= COMPARE_LIMIT:
         experts = torch.arange(num_experts, device=flat.device)
