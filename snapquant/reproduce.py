@@ -309,6 +309,10 @@ JOBS: tuple[Job, ...] = (
     Job("results/h100", "gpu", ("scripts/probe_step_parts.py", "--out", "results/h100/probe_step_h100.json"),
         ("probe_step_h100.json",), "expert grouped GEMMs (two B layouts) and prefill SDPA backends timed in "
         "isolation, on an H100", manual=True),
+    Job("results/h100", "gpu", ("scripts/probe_prefill.py", "--out", "results/h100/probe_prefill_h100.json"),
+        ("probe_prefill_h100.json",), "a batch-128 1K-token prefill of the V2-Lite shape operator by operator, with "
+        "the fused MoE combine off and on (same logits bits), and the combine's bits and time at real sizes, on an "
+        "H100", manual=True, code=("snapquant/kernels/triton", "snapquant/models/experts.py")),
     Job("results/h100", "gpu",
         ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "widen_h100", "--no-append", "--budget-s", "260",
          "--shapes", "128x16x4096,32x16x16384,8x16x32768,32x16x32768", "--variants",
