@@ -20,6 +20,9 @@ from snapquant.bench.eval_gen import (
     split_intervals,
     v3_layers_that_fit,
 )
+from snapquant.bench.eval_gen import (
+    _ci as eval_gen_ci,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -189,6 +192,9 @@ def test_project_cell_and_capacity_arithmetic():
     lo, hi = cap["snapmla"]["tokens_per_s_vs_bf16_lo"], cap["snapmla"]["tokens_per_s_vs_bf16_hi"]
     assert lo <= 1.3 <= hi and lo < hi and hi - lo < 0.1 and cap["snapmla"]["steps_n"] == 6
     assert cap["bf16"]["tokens_per_s_vs_bf16_lo"] is None
+    med = cap["snapmla"]["median_step_ratio_vs_bf16"]
+    assert med == pytest.approx(13.0 / 10.0) and lo <= med <= hi  # the point the interval is for, inside it
+    assert eval_gen_ci(cap["snapmla"]) == f"{med:.3f} [{lo:.3f}, {hi:.3f}] (n = 6)"
 
 
 def test_fill_cache_appends_in_chunks_and_a_longer_fill_extends_a_shorter_one(monkeypatch):

@@ -598,14 +598,21 @@ def capacity(rows: list[dict], memory_gib: float | None) -> list[dict]:
         mine, theirs = (samples.get((c["model"], c["context"], c["batch"], p), []) for p in (c["preset"], "bf16"))
         ci = ratio_interval(theirs, mine) if base is not None and c["preset"] != "bf16" else None
         c["tokens_per_s_vs_bf16_lo"], c["tokens_per_s_vs_bf16_hi"] = ci if ci else (None, None)
+        # the statistic that interval is for: bf16's median step over this preset's (tokens_per_s_vs_bf16 is the
+        # ratio of the rows' mean rates, which can sit just outside a tight interval of the medians)
+        c["median_step_ratio_vs_bf16"] = statistics.median(theirs) / statistics.median(mine) if ci else None
         c["steps_n"] = len(mine)
     return out
 
 
 def _ci(c: dict) -> str:
-    """' [lo, hi] (n = steps)' of a capacity row's decode ratio, or '' when the rows had no step samples."""
-    lo, hi = c.get("tokens_per_s_vs_bf16_lo"), c.get("tokens_per_s_vs_bf16_hi")
-    return "" if lo is None or hi is None else f" [{lo:.2f}, {hi:.2f}] (n = {c.get('steps_n')})"
+    """A capacity row's decode ratio to bf16: with step samples the ratio of median steps, its interval and n
+    ('1.175 [1.172, 1.177] (n = 63)'), else the ratio of mean tokens/s alone."""
+    lo, hi, med = c.get("tokens_per_s_vs_bf16_lo"), c.get("tokens_per_s_vs_bf16_hi"), c.get("median_step_ratio_vs_bf16")
+    if lo is None or hi is None or med is None:
+        v = c.get("tokens_per_s_vs_bf16")
+        return "" if v is None else f"{v:.2f}"
+    return f"{med:.3f} [{lo:.3f}, {hi:.3f}] (n = {c.get('steps_n')})"
 
 
 def write_outputs(out: Path, rows: list[dict], checks: list[dict], env: dict) -> None:
@@ -675,7 +682,7 @@ def write_outputs(out: Path, rows: list[dict], checks: list[dict], env: dict) ->
                   "| GiB/request (cache) | max batch (cache) | vs bf16 |", "|" + "---|" * 12]
         for c in cap:
             lines.append(f"| {c['model']} | {c['context']} | {c['batch']} | {c['preset']} | {f(c['tokens_per_s'], '.0f')} | "
-                         f"{f(c['tokens_per_s_vs_bf16'], '.2f')}{_ci(c)} | {f(c['per_request_gib_peak'], '.3f')} | "
+                         f"{_ci(c) or f(c['tokens_per_s_vs_bf16'], '.2f')} | {f(c['per_request_gib_peak'], '.3f')} | "
                          f"{c['max_batch_peak']} | {f(c['max_batch_peak_vs_bf16'], '.2f')} | "
                          f"{f(c['per_request_gib_cache'], '.3f')} | {c['max_batch_cache']} | "
                          f"{f(c['max_batch_cache_vs_bf16'], '.2f')} |")
