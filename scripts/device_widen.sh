@@ -17,10 +17,10 @@ nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 || 
 mkdir -p "$RES"
 source scripts/anchor_env.sh > "$OUT/flashmla.txt" 2>&1; cat "$OUT/flashmla.txt"
 timeout "${TEST_S:-150}" python3 -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_kernels_gluon.py \
-  -k "integer or narrow or matches_the_reference" 2>&1 | tee "$OUT/pytest_widen.txt" | tail -3
+  -k "${TESTS:-integer or narrow or matches_the_reference}" 2>&1 | tee "$OUT/pytest_widen.txt" | tail -3
 timeout "${BENCH_S:-300}" python3 scripts/bench_decode.py --out "$RES" --tag "$tag" --no-append \
   --budget-s "$(( ${BENCH_S:-300} - 40 ))" --shapes 128x16x4096,32x16x16384,8x16x32768,32x16x32768 \
-  --variants "bf16,snapmla,snapmla+int,snapmla+int_qk,snapmla+int_pv,snapmla+int_pv2,snapmla+int_qk_pv2" 2>&1 \
+  --variants "${VARIANTS:-bf16,snapmla,snapmla+int,snapmla+int_qk,snapmla+int_pv,snapmla+int_pv2,snapmla+int_qk_pv2}" 2>&1 \
   | tee "$OUT/bench_widen.log" | grep -E "read bandwidth| us |SKIPPED|FAIL|Error" | head -40
 cp "$RES"/*"$tag"* "$OUT"/ 2>/dev/null
 exit 0

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call for the end of a working session, picked by the GPU it lands on (carry .whl and .anchors):
+#   H200: the lm-eval end-to-end targets (`device_eval.sh 7`) and the H = 16 decode rows beside FlashMLA
+#         (`device_widen.sh` with TAG=anchor16, our BF16 and the FP8 default only);
+#   other GPUs: `pytest -m gpu` (the whole GPU suite), into results/h100/pytest_gpu_h100.txt.
+#   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_session.sh
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-/tmp/device_session}"
+mkdir -p "$OUT"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+echo "gpu: $gpu"
+if echo "$gpu" | grep -q H200; then
+  OUT="$OUT/eval" bash scripts/device_eval.sh 7 2>&1 | tail -12
+  OUT="$OUT/decode" TAG=anchor16 VARIANTS=bf16,snapmla TESTS=narrow TEST_S=60 BENCH_S=200 bash scripts/device_widen.sh 2>&1 | tail -12
+else
+  mkdir -p results/h100
+  { echo "# python -m pytest -m gpu -rfEs -q at commit ${SNAPQUANT_GIT_COMMIT:-?} on $gpu"
+    timeout 400 python -m pytest -m gpu -rfEs -q -p no:cacheprovider 2>&1 | grep -v "^USDT"; } \
+    | tee results/h100/pytest_gpu_h100.txt | tail -8
+  cp results/h100/pytest_gpu_h100.txt "$OUT"/
+fi
