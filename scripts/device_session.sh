@@ -15,8 +15,10 @@ if echo "$gpu" | grep -q H200; then
   OUT="$OUT/decode" TAG=anchor16 VARIANTS=bf16,snapmla TESTS=narrow TEST_S=60 BENCH_S=200 bash scripts/device_widen.sh 2>&1 | tail -12
 else
   mkdir -p results/h100
+  source scripts/wheels_env.sh > "$OUT/wheels.txt" 2>&1  # lm-eval for the generation and refill tests
   { echo "# python -m pytest -m gpu -rfEs -q at commit ${SNAPQUANT_GIT_COMMIT:-?} on $gpu"
-    timeout 400 python -m pytest -m gpu -rfEs -q -p no:cacheprovider 2>&1 | grep -v "^USDT"; } \
+    timeout 400 python -m pytest -m gpu -rfEs -q -p no:cacheprovider 2>&1 | grep -v "^USDT"
+    echo "exit status: $?"; } \
     | tee results/h100/pytest_gpu_h100.txt | tail -8
   cp results/h100/pytest_gpu_h100.txt "$OUT"/
 fi
