@@ -309,6 +309,13 @@ JOBS: tuple[Job, ...] = (
     Job("results/h100", "gpu", ("scripts/probe_step_parts.py", "--out", "results/h100/probe_step_h100.json"),
         ("probe_step_h100.json",), "expert grouped GEMMs (two B layouts) and prefill SDPA backends timed in "
         "isolation, on an H100", manual=True),
+    Job("results/h100", "gpu",
+        ("scripts/bench_eval.py", "--out", "results/h100/eval_e2e_b32first_h100", "--models", "v2lite", "--presets",
+         "snapmla,bf16", "--e2e-lmeval", "--e2e-batches", "32,128", "--e2e-prompt", "1024", "--e2e-new-tokens", "256",
+         "--e2e-n-batches", "2", "--paths", "", "--budget-s", "260"),
+        ("eval_e2e_b32first_h100.*",), "end to end through lm-eval with batch 32 first, so that the batch-128 cells "
+        "run with every kernel compiled (lm-eval from .whl/: `source scripts/wheels_env.sh`), on an H100",
+        manual=True, code=("snapquant/bench/eval_gen.py", "snapquant/eval", "snapquant/models", "snapquant/kernels")),
     Job("results/h100", "gpu", ("scripts/probe_prefill.py", "--out", "results/h100/probe_prefill_h100.json"),
         ("probe_prefill_h100.json",), "a batch-128 1K-token prefill of the V2-Lite shape operator by operator, with "
         "the fused MoE combine off and on (same logits bits), and the combine's bits and time at real sizes, on an "
