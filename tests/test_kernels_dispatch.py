@@ -80,7 +80,9 @@ def test_options_from_dict_aliases_and_merging():
     ("snapmla", 64, 1, 512, {"schedule": "balanced"}, "triton.pairs"),
     ("snapmla", 16, 1, 512, {"fp8_mma": "qk"}, "triton.rows"),  # the Gluon narrow kernels' default is exact
     ("snapmla", 64, 1, 512, {"fp8_mma": "pv"}, "triton.rows"),
-    ("bf16", 16, 1, 512, {}, "triton.rows"),  # no narrow bf16 Gluon kernel
+    ("bf16", 16, 1, 512, {}, "triton.rows"),  # the narrow bf16 Gluon kernel is opt-in
+    ("bf16", 16, 1, 512, {"tile": "gluon"}, "gluon.narrow_bf16"),
+    ("bf16", 8, 2, 256, {"tile": "gluon", "num_stages": 1}, "gluon.narrow_bf16"),
     ("snapmla_kv_only", 64, 1, 512, {}, "triton.rows"),
     ("ds_v32", 64, 1, 512, {}, "triton.rows"),
     ("snapmla", 64, 1, 512, {"tile": "tokens"}, "triton.tokens"),

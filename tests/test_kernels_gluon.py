@@ -122,12 +122,14 @@ def test_gluon_format_reason_names_the_field():
     rope = torch.empty(4, 64, 64, dtype=torch.int16, device="meta")
     ok = gluon_format_reason("snapmla", True, True, 16, 512, 64, lat, (64 * 512, 512), rope, (64 * 64, 64))
     assert ok is None
-    # past 16 rows: the 64-row kernel, snapmla (fp8 query and P) or bf16 (16-bit query and P) only
+    # at any row count: snapmla (fp8 query and P) or bf16 (16-bit query and P) only
     assert gluon_format_reason("snapmla", True, True, 32, 512, 64, lat, (64 * 512, 512), rope, (64 * 64, 64)) is None
-    assert "bf16 layout" in gluon_format_reason("snapmla", False, True, 32, 512, 64, lat, (64 * 512, 512), rope,
-                                                     (64 * 64, 64))
-    assert "at <= 16 query rows" in gluon_format_reason("bf16", False, False, 16, 512, 64, lat, (64 * 512, 512),
-                                                             rope, (64 * 64, 64))
+    lat16 = torch.empty(4, 64, 512, dtype=torch.int16, device="meta")
+    for rows in (16, 64):
+        assert gluon_format_reason("bf16", False, False, rows, 512, 64, lat16, (64 * 512, 512), rope,
+                                   (64 * 64, 64)) is None
+        assert "bf16 layout" in gluon_format_reason("snapmla", False, True, rows, 512, 64, lat, (64 * 512, 512), rope,
+                                                         (64 * 64, 64))
     assert "up to 512" in gluon_format_reason("snapmla", True, True, 64, 1024, 64, lat, (64 * 512, 512), rope,
                                                    (64 * 64, 64))
     assert "snapmla" in gluon_format_reason("ds_v32", True, True, 16, 512, 64, lat, (64 * 512, 512), rope,
@@ -290,8 +292,47 @@ def test_wide_gluon_tile_plans_and_refusals():
         _meta_plan(PRESETS["bf16"], 64, tile="gluon", num_stages=3)
     with pytest.raises(ConfigError, match="bf16 layout"):
         _meta_plan(PRESETS["snapmla_kv_only"], 64, tile="gluon")
-    with pytest.raises(ConfigError, match="at <= 16"):  # no narrow bf16 kernel
-        _meta_plan(PRESETS["bf16"], 16, tile="gluon")
+
+
+
+# ------------------------------------------------ the <= 16-row bf16 kernel (gluon/narrow_bf16.py, opt-in)
+@needs_gluon
+@pytest.mark.parametrize("stages", [2, 1])
+def test_narrow_bf16_gluon_kernel_compiles_to_bf16_wgmma_from_the_slot(stages):
+    """tile="gluon" on the bf16 layout at <= 16 rows: per page QK r / 16, RoPE d / 16 and PV r / 16 bf16
+    m64n16k16 wgmma, all operands from shared memory (no conversion), asynchronous; two slots take more than
+    half an SM's shared memory (one program per SM), one slot at most half (two)."""
+    st = sm90_stats("bf16", **NARROW, tile="gluon", num_stages=stages)
+    assert st["kernel"] == "decode_gluon_narrow_bf16"
+    per_page = 2 * 512 // 16 + 64 // 16
+    assert set(st["wgmma_kinds"]) == {ROPE16} and st["wgmma"] % per_page == 0, st["wgmma_kinds"]
+    assert st["mma_sync"] == 0 and st["cvt_e4m3"] == 0 and st["async_loads"] > 0
+    if stages == 2:
+        assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT
+    else:
+        assert 0 < st["smem"] <= SMEM_LIMIT // 2 - 1024
+    _unserialized(st)
+
+
+def test_narrow_bf16_gluon_plans_and_refusals():
+    plan = _meta_plan(PRESETS["bf16"], 16, tile="gluon")
+    assert plan.launches[0].name == "decode_gluon_narrow_bf16" and plan.knobs["kernel"] == "gluon.narrow_bf16"
+    assert plan.launches[0].kwargs["STAGES"] == plan.knobs["num_stages"] == 2 and plan.launches[0].grid[1] == 1
+    assert plan.knobs["block_m"] == 16 and plan.knobs["num_warps"] == 4
+    one = _meta_plan(PRESETS["bf16"], 16, tile="gluon", num_stages=1)
+    assert one.launches[0].kwargs["STAGES"] == 1
+    # one wave of program slots on 132 SMs: 8 requests x 16 splits with two slots (one program per SM), x 33
+    # with one slot (two per SM)
+    long = dict(B=8, H=16, L=8192, arch=None, tile="gluon")
+    assert meta_plan("bf16", **long).knobs["num_splits"] == 16
+    assert meta_plan("bf16", **long, num_stages=1).knobs["num_splits"] == 33
+    assert _meta_plan(PRESETS["bf16"], 16).knobs["kernel"] == "triton.rows"  # opt-in: not the default
+    with pytest.raises(ConfigError, match="num_stages 1 or 2"):
+        _meta_plan(PRESETS["bf16"], 16, tile="gluon", num_stages=3)
+    with pytest.raises(ConfigError, match="fp8_mma"):
+        _meta_plan(PRESETS["bf16"], 16, tile="gluon", fp8_mma="qk")
+    with pytest.raises(ConfigError, match="num_warps=4"):
+        _meta_plan(PRESETS["bf16"], 16, tile="gluon", num_warps=8)
 
 
 @pytest.mark.gpu
@@ -340,6 +381,39 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, block_
     for o, lz in ((ref, ref_lse), (base.cpu(), base_lse.cpu())):
         assert ((out.cpu() - o).norm() / o.norm()).item() < tol
         assert (lse.cpu() - lz).abs().max().item() < lse_tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("stages", [2, 1])
+@pytest.mark.parametrize("B,H,S,L,splits,r", [(6, 16, 1, 700, None, 512), (3, 8, 2, 130, 1, 512),
+                                              (5, 16, 1, 64, 3, 512), (4, 16, 1, 300, None, 256)])
+def test_narrow_bf16_gluon_kernel_matches_the_reference(stages, B, H, S, L, splits, r, d=64):
+    """gluon.narrow_bf16 against `mla_decode_reference` and the Triton rows tile on requests of mixed lengths
+    (partial pages, empty splits), with NaN in a last page's stale tail: P = 0 must meet it as a zero."""
+    torch.manual_seed(B * 1000 + H + L + stages)
+    cfg = PRESETS["bf16"]
+    lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
+    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
+    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
+    cache.lengths.copy_(lengths.cuda())
+    if L % 64:
+        cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:].fill_(float("nan"))
+    q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
+    tau = 1 / math.sqrt(192)
+    kw = dict(num_splits=splits, tile="gluon", num_stages=stages)
+    assert mla_decode_plan(q, cache, tau, cfg, **kw).launches[0].name == "decode_gluon_narrow_bf16"
+    out, lse = mla_decode(q, cache, tau, cfg, **kw)
+    base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="rows")
+    kv = cache.to_quantized_kv(int(cache.lengths.max())).to("cpu")
+    ref, ref_lse = mla_decode_reference(q.cpu(), kv, cache.lengths.cpu(), tau, cfg)
+    assert torch.isfinite(out).all()
+    # P = bf16(e): an ulp of e from another fp32 summation order can round P to the neighbouring bf16
+    # (2^-8 relative) on a few tokens; the output moves by ~1e-4 relative, a wrong page or slot by ~1
+    for o, lz in ((ref, ref_lse), (base.cpu(), base_lse.cpu())):
+        assert ((out.cpu() - o).norm() / o.norm()).item() < 1e-3
+        assert (lse.cpu() - lz).abs().max().item() < 1e-3
 
 
 # ------------------------------------------- the register-operand kernels' box views (gluon/box_views.py)
@@ -535,6 +609,7 @@ SNAPSHOT_CASES = {
     "narrow_tile fp8 qk": ("snapmla", NARROW, {"tile": "gluon", "fp8_mma": "qk", "num_stages": 1}),
     "wide": ("snapmla", WIDE, {"tile": "gluon"}),
     "wide bf16": ("bf16", WIDE, {"tile": "gluon"}),
+    "narrow bf16": ("bf16", NARROW, {"tile": "gluon", "num_stages": 2}),
     "narrow8": ("snapmla", WIDE, {"tile": "gluon", "fp8_mma": True}),
     "wide8": ("snapmla", WIDE, {"tile": "gluon", "fp8_mma": True, "block_m": 64}),
 }
@@ -545,6 +620,7 @@ WGMMA_SNAPSHOTS = {
         "narrow_tile fp8 qk": {ROPE16: 4, "e4m3.e4m3 m64n16k32": 16, "f16.f16 m64n16k16": 32},
         "wide": {ROPE32: 4, "f16.f16 m64n256k16": 4, "f16.f16 m64n32k16": 32},
         "wide bf16": {"bf16.bf16 m64n256k16": 4, ROPE32: 36},
+        "narrow bf16": {ROPE16: 68},
         "narrow8": {ROPE32: 4, "e4m3.e4m3 m64n32k32": 32},
         "wide8": {ROPE32: 4, "e4m3.e4m3 m64n32k32": 16, "e4m3.e4m3 m64n64k32": 8},
     },

@@ -200,8 +200,11 @@ VARIANTS: tuple[Variant, ...] = (
             "2 programs/SM (gluon.narrow); more rows: 64-row tiles, two warpgroups (gluon.wide)"),
     _v("snapmla+gluon+s1", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
        num_stages=1, note="<= 16 rows: one slot widened in place into an fp16 tile (gluon.narrow_tile), 2 programs/SM"),
-    _v("bf16+gluon", "bf16", "bf16", priority=1, check="bf16", where="rows_gt16", tile="gluon",
-       note="the 64-row Gluon kernel on the bf16 layout: TMA slots read by wgmma directly"),
+    _v("bf16+gluon", "bf16", "bf16", priority=1, check="bf16", tile="gluon",
+       note="the Gluon kernels on the bf16 layout, wgmma reading the TMA slots directly: <= 16 rows swap AB, two "
+            "72 KB slots, one program per SM (gluon.narrow_bf16, opt-in); more rows 64-row tiles (gluon.wide)"),
+    _v("bf16+gluon+s1", "bf16", "bf16", priority=1, check="bf16", where="rows16", tile="gluon", num_stages=1,
+       note="gluon.narrow_bf16 with one slot: two programs per SM, each waiting on its page while the other computes"),
     _v("snapmla+gluon+fp8mma", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows_gt16",
        tile="gluon", fp8_mma=True,
        note="native e4m3 QK and PV past 16 rows: 32-row programs, two per SM (gluon.narrow8), V^T from the TMA slot "

@@ -312,6 +312,7 @@ def _small_launch(target: Target) -> dict[str, int]:
 _GLUON_KERNELS = {  # dispatch name -> (module under snapquant.kernels, function, launch name)
     "gluon.narrow": ("gluon.narrow", "_snapmla_decode_gluon_regs", "decode_gluon_narrow"),
     "gluon.narrow_tile": ("gluon.narrow_tile", "_snapmla_decode_gluon", "decode_gluon_narrow_tile"),
+    "gluon.narrow_bf16": ("gluon.narrow_bf16", "_bf16_decode_gluon_narrow", "decode_gluon_narrow_bf16"),
     "gluon.wide": ("gluon.wide", "_mla_decode_gluon_wide", "decode_gluon_wide"),
     "gluon.narrow8": ("gluon.experimental.narrow8", "_mla_decode_gluon_narrow8", "decode_gluon_narrow8"),
     "gluon.wide8": ("gluon.experimental.wide8", "_mla_decode_gluon_wide8", "decode_gluon_wide8"),
@@ -342,7 +343,7 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
                   P_DIV=P_DIVS.index(opts.p_div), LSE_NATURAL=splits == 1)
     module, fn, name = _GLUON_KERNELS[choice.kernel]
     kernel = getattr(importlib.import_module(f"{__package__}.{module}"), fn)
-    if choice.kernel in ("gluon.narrow", "gluon.narrow_tile"):
+    if choice.kernel in ("gluon.narrow", "gluon.narrow_tile", "gluon.narrow_bf16"):
         consts.update(STAGES=choice.num_stages)
         if choice.kernel == "gluon.narrow":
             qk_int, pv_int = WIDENS[opts.widen or DEFAULT_WIDEN]

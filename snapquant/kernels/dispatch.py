@@ -10,6 +10,7 @@ schedule, never on launch knobs:
 
     Hopper GPU, uniform schedule, Gluon eligible:
         <= 16 rows, snapmla with fp8 query and P, exact MMAs   gluon.narrow (r = 512) / gluon.narrow_tile
+        <= 16 rows, bf16 layout                                triton.rows (gluon.narrow_bf16 is opt-in: tile="gluon")
         > 16 rows, exact MMAs (snapmla fp8 q and P, or bf16)   gluon.wide
         > 16 rows, fp8_mma=True (snapmla, r = 512)             gluon.narrow8 (block_m 32) / gluon.wide8 (64)
     otherwise (other GPUs, the interpreter, other modes, the balanced schedule):
@@ -61,6 +62,10 @@ KERNELS: dict[str, KernelSpec] = {
         "gluon", "gluon/narrow_tile.py", "default",
         "<= 16 query rows; snapmla layout, fp8 query and P, exact MMAs; kv_lora_rank 128 or 256 (or num_stages=1); "
         "with fp8_mma='qk' (experimental) native FP8 QK; Hopper"),
+    "gluon.narrow_bf16": KernelSpec(
+        "gluon", "gluon/narrow_bf16.py", "opt-in",
+        "<= 16 query rows; the bf16 layout (bf16 query and P); tile='gluon'; 2 ring slots (one program per SM) "
+        "or num_stages=1 (two); Hopper"),
     "gluon.wide": KernelSpec(
         "gluon", "gluon/wide.py", "default",
         "> 16 query rows (64-row tiles); snapmla layout with fp8 query and P, or the bf16 layout; exact MMAs; Hopper"),
@@ -207,16 +212,24 @@ def gluon_reason(ops: KernelOperands, config: KVQuantConfig, rows: int, target: 
                 f"got num_stages={num_stages}")
     if wide and fp8_mma is not True and num_stages not in (None, 2):
         return f"tile='gluon' at > {GLUON_ROWS} query rows runs num_stages=2 (two TMA slots), got num_stages={num_stages}"
+    bf16_narrow = not wide and ops.layout == "bf16"
+    if bf16_narrow and num_stages not in (None, 1, 2):
+        return (f"tile='gluon' on the bf16 layout at <= {GLUON_ROWS} query rows (gluon.narrow_bf16) runs num_stages 1 "
+                f"or 2 (72 KB page slots), got num_stages={num_stages}")
+    if bf16_narrow and ops.kv_lora_rank not in (128, 256, 512):
+        return (f"tile='gluon' on the bf16 layout at <= {GLUON_ROWS} query rows (gluon.narrow_bf16) needs kv_lora_rank "
+                f"128, 256 or 512 (one [r, 16] accumulator), got {ops.kv_lora_rank}")
     if wide:  # native FP8 MMAs past 16 rows (gluon.narrow8 / gluon.wide8): the snapmla layout only
         allowed = (False, True) if ops.layout == "snapmla" else (False,)
     else:
-        allowed = (False, "qk")
+        allowed = (False, "qk") if ops.layout == "snapmla" else (False,)
     if fp8_mma not in allowed:
         native8 = " or fp8_mma=True (the snapmla layout)" if wide else " or fp8_mma=qk"
         return f"tile='gluon' runs exact fp16 MMAs{native8} at {rows} query rows, got fp8_mma={fp8_mma!r}"
     if target.arch is not None and not target.hopper:
         return f"tile='gluon' runs on Hopper (sm_90) only, not {target.gpu_name or f'sm_{target.arch}'}"
-    if not wide and narrow_kernel(narrow_stages(num_stages, fp8_mma, ops.kv_lora_rank), fp8_mma) == "gluon.narrow" \
+    if not wide and narrow_kernel(narrow_stages(num_stages, fp8_mma, ops.kv_lora_rank, ops.layout), fp8_mma,
+                                  ops.layout) == "gluon.narrow" \
             and ops.kv_lora_rank != 512:
         return (f"tile='gluon' at <= {GLUON_ROWS} rows with num_stages >= 2 (register operands, gluon.narrow) is "
                 f"written for kv_lora_rank 512 (four 128-channel boxes), got {ops.kv_lora_rank}")
@@ -230,19 +243,16 @@ def gluon_format_reason(layout: str, q_fp8: bool, p_fp8: bool, rows: int, r: int
                         lat_strides: tuple[int, int], rope: torch.Tensor,
                         rope_strides: tuple[int, int]) -> str | None:
     """Why the Gluon kernels cannot run this format, these widths or these operands' memory (None when they
-    can): up to 16 query rows the snapmla layout with fp8 query and P; past that also the bf16 layout (bf16
-    query and P); TMA needs 16-byte aligned rows and a page stride that is a whole number of rows."""
+    can): the snapmla layout with fp8 query and P, or the bf16 layout (bf16 query and P); TMA needs 16-byte
+    aligned rows and a page stride that is a whole number of rows."""
     from .gluon import HAVE_GLUON
 
     if not HAVE_GLUON:
         return "this triton has no Gluon (triton.experimental.gluon)"
     snapmla8 = layout == "snapmla" and q_fp8 and p_fp8
-    if rows <= GLUON_ROWS and not snapmla8:
-        return (f"tile='gluon' at <= {GLUON_ROWS} query rows runs the snapmla layout with an fp8 query and fp8 P, got "
+    if not (snapmla8 or (layout == "bf16" and not q_fp8 and not p_fp8)):
+        return (f"tile='gluon' runs the snapmla layout (fp8 query and P) or the bf16 layout (bf16 query and P), got "
                 f"{layout} (q fp8 {q_fp8}, P fp8 {p_fp8})")
-    if rows > GLUON_ROWS and not (snapmla8 or (layout == "bf16" and not q_fp8 and not p_fp8)):
-        return (f"tile='gluon' at > {GLUON_ROWS} query rows runs the snapmla layout (fp8 query and P) or the bf16 "
-                f"layout (bf16 query and P), got {layout} (q fp8 {q_fp8}, P fp8 {p_fp8})")
     if r % GLUON_BOX or r > 512 or d * 2 > 128 or d < 8:
         return f"tile='gluon' needs kv_lora_rank a multiple of {GLUON_BOX} up to 512 and 8 <= rope_dim <= 64, got {r}, {d}"
     lat_size = 2 if layout == "bf16" else 1
@@ -254,34 +264,41 @@ def gluon_format_reason(layout: str, q_fp8: bool, p_fp8: bool, rows: int, r: int
 
 
 # ------------------------------------------------------------------------------------------- resolved knobs
-def narrow_stages(num_stages: int | None, fp8_mma: bool | str, r: int) -> int:
+def narrow_stages(num_stages: int | None, fp8_mma: bool | str, r: int, layout: str = "snapmla") -> int:
     """Ring slots of the <= 16-row Gluon kernel when not given: exact MMAs at r = 512 two (gluon.narrow:
     register operands, two programs per SM, each with a page in flight); other widths the in-place slot
-    of gluon.narrow_tile (two programs per SM); native FP8 QK two separate slots (gluon.narrow_tile)."""
+    of gluon.narrow_tile (two programs per SM); native FP8 QK two separate slots (gluon.narrow_tile);
+    the bf16 layout two (gluon.narrow_bf16, one program per SM)."""
     if num_stages is not None:
         return num_stages
-    if fp8_mma == "qk":
+    if fp8_mma == "qk" or layout == "bf16":
         return 2
     return 2 if r == 512 else 1
 
 
-def narrow_kernel(stages: int, fp8_mma: bool | str) -> str:
-    """The <= 16-row Gluon kernel: register operands (gluon.narrow) for exact MMAs and two or more slots."""
+def narrow_kernel(stages: int, fp8_mma: bool | str, layout: str = "snapmla") -> str:
+    """The <= 16-row Gluon kernel: gluon.narrow_bf16 for the bf16 layout; for snapmla register operands
+    (gluon.narrow) with exact MMAs and two or more slots, else the fp16 tile (gluon.narrow_tile)."""
+    if layout == "bf16":
+        return "gluon.narrow_bf16"
     return "gluon.narrow" if stages >= 2 and fp8_mma != "qk" else "gluon.narrow_tile"
 
 
-def narrow_resident(stages: int, fp8_mma: bool | str) -> int:
-    """Programs of the <= 16-row kernel per SM (shared memory): the in-place slot (~98 KB) and the
-    register-operand kernel with two slots (~105 KB) fit two; the other configurations one."""
+def narrow_resident(stages: int, fp8_mma: bool | str, layout: str = "snapmla") -> int:
+    """Programs of the <= 16-row kernel per SM (shared memory): the in-place slot (~98 KB), the
+    register-operand kernel with two slots (~105 KB) and the bf16 kernel with one 72 KB slot (~92 KB) fit
+    two; the other configurations one."""
+    if layout == "bf16":
+        return 2 if stages == 1 else 1
     return 2 if stages == 1 or (stages == 2 and fp8_mma != "qk") else 1
 
 
 def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOptions) -> KernelChoice:
     B, r = ops.block_table.shape[0], ops.kv_lora_rank
     if rows <= GLUON_ROWS:
-        stages = narrow_stages(opts.num_stages, opts.fp8_mma, r)
-        kernel, block_m, warps = narrow_kernel(stages, opts.fp8_mma), GLUON_ROWS, 4
-        resident, max_run = narrow_resident(stages, opts.fp8_mma), NARROW_MAX_RUN
+        stages = narrow_stages(opts.num_stages, opts.fp8_mma, r, ops.layout)
+        kernel, block_m, warps = narrow_kernel(stages, opts.fp8_mma, ops.layout), GLUON_ROWS, 4
+        resident, max_run = narrow_resident(stages, opts.fp8_mma, ops.layout), NARROW_MAX_RUN
     elif opts.fp8_mma is True:
         block_m = opts.block_m or 32
         kernel = "gluon.narrow8" if block_m == 32 else "gluon.wide8"

@@ -5,13 +5,15 @@ patch's dense rows, both one table of rows). Kernel side (`gluon.jit` helpers, i
 
   * the TMA page ring: `issue_page` asks the copy engine for one page (latent boxes of 128 bytes,
     the widest swizzle, and the bf16 RoPE rows) into a slot, an mbarrier counting its bytes in;
-    `start_ring` puts a run's first pages in flight;
+    `start_ring` puts a run's first pages in flight; `issue_tile_page` does the same into a [64, r]
+    tile (bf16 boxes as its 64-channel column blocks, or fp8 boxes into the upper half of an fp16 tile);
   * the query: `query_operands` (sigma = amax / 448, q^ = e4m3(q / sigma), q~r = bf16(q_r / sigma),
     stored in shared memory as MMA operands), `split_run` (a program's pages in the uniform schedule,
     as `triton/decode.py`'s stage 1) and `row_state` (per-row causal limits and softmax state);
   * the page's arithmetic: `page_p` is the online softmax and the fp8_scale_fused P of
     `triton/decode.py` (`_online_softmax`, `_page_weights`) written in Gluon, with the fma-corrected
-    division (`_div_markstein`); `page_p_smem` stores P^ for the swap-AB kernels;
+    division (`_div_markstein`); `page_p_smem` stores P^ for the swap-AB kernels; `page_p16` is the bf16
+    layout's page (P = bf16(e)) and `zero_tail_rows` zeroes a bf16 tile's tokens past a request's length;
   * `widen_boxes` (fp8 boxes -> an exact fp16 tile, a request's tail tokens zeroed) and
     `store_result` (out = acc / l, lse = m + log2(l pi), into the split's partials).
 
@@ -120,6 +122,23 @@ if HAVE_GLUON:
         mbarrier.expect(bar, NBOX * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
         for k in gl.static_range(NBOX):
             tma_load(lat_desc, [lat_row, k * BOXW], bar, lat_smem.index(BOX0 + slot * NBOX + k), pred=pred)
+        tma_load(rope_desc, [rope_row, 0], bar, rope_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def issue_tile_page(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, slot, page, lat_page_rows,
+                    rope_page_rows, pred, FP8: gl.constexpr, NBOX: gl.constexpr, BOXW: gl.constexpr):
+        """Ask the TMA unit for one page into slot `slot`: fp8 boxes into the upper half of the slot's fp16
+        tile (`box_smem` views it as boxes), or bf16 boxes straight into its 64-channel column blocks."""
+        bar = bars.index(slot)
+        lat_row = (page * lat_page_rows).to(gl.int32)
+        rope_row = (page * rope_page_rows).to(gl.int32)
+        mbarrier.expect(bar, NBOX * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
+        for k in gl.static_range(NBOX):
+            if FP8:
+                tma_load(lat_desc, [lat_row, k * BOXW], bar, box_smem.index((2 * slot + 1) * NBOX + k), pred=pred)
+            else:
+                tma_load(lat_desc, [lat_row, k * BOXW], bar, tile_smem.index(slot).slice(k * BOXW, BOXW, dim=1),
+                         pred=pred)
         tma_load(rope_desc, [rope_row, 0], bar, rope_smem.index(slot), pred=pred)
 
     @gluon.jit
@@ -281,6 +300,28 @@ if HAVE_GLUON:
         rescale = gl.div_rn(alpha * pi_i, pi_new)
         l_i = rescale * l_i + gl.div_rn(gl.sum(e, AX), pi_new)
         return p8, rescale, m_new, l_i, pi_new, pi_max
+
+    @gluon.jit
+    def page_p16(raw, coef, pos, limit, m_i, l_i, AX: gl.constexpr):
+        """The bf16 layout's page of the online softmax, tokens along axis AX (the 16-bit branch of
+        `triton/decode.py`'s `_page_weights`): (P = bf16(e), alpha, m, l)."""
+        RA: gl.constexpr = 1 - AX  # the rows' axis
+        x = raw * gl.expand_dims(coef, AX)
+        x = gl.where(gl.expand_dims(pos, RA) < gl.expand_dims(limit, AX), x, float("-inf"))
+        m_new, e, alpha = online_softmax(x, m_i, AX)
+        l_i = alpha * l_i + gl.sum(e, AX)
+        return e.to(gl.bfloat16), alpha, m_new, l_i
+
+    @gluon.jit
+    def zero_tail_rows(tile, base, length, R: gl.constexpr, PAGE: gl.constexpr, z_l: gl.constexpr):
+        """Tokens past the request's length (a last page's tail) -> exact zeros in a bf16 tile [PAGE, R] (P = 0
+        there, but 0 x NaN is NaN), 64 channels (one TMA box) at a time."""
+        offs_t = gl.arange(0, PAGE, layout=gl.SliceLayout(1, z_l))
+        keep = gl.expand_dims((base + offs_t) < length, 1)
+        for k in gl.static_range(R // 64):
+            part = tile.slice(k * 64, 64, dim=1)
+            v = part.load(z_l)
+            part.store(gl.where(keep, v, gl.zeros_like(v)))
 
     @gluon.jit
     def start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,

@@ -45,56 +45,21 @@ if HAVE_GLUON:
     from .common import (
         NEW_REINTERPRET,
         cta_barrier,
-        online_softmax,
+        issue_tile_page,
         page_p,
+        page_p16,
         query_operands,
         row_state,
         split_run,
         store_result,
-        tma_load,
         widen_boxes,
+        zero_tail_rows,
     )
 
     BM_ROWS = gl.constexpr(BM)  # globals read inside Gluon functions must be constexpr
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, slot, page, lat_page_rows,
-                    rope_page_rows, pred, FP8: gl.constexpr, NBOX: gl.constexpr, BOXW: gl.constexpr):
-        """Ask the TMA unit for one page into slot `slot`: fp8 boxes into the upper half of the slot's fp16
-        tile (`box_smem` views it as boxes), or bf16 boxes straight into its 64-channel column blocks."""
-        bar = bars.index(slot)
-        lat_row = (page * lat_page_rows).to(gl.int32)
-        rope_row = (page * rope_page_rows).to(gl.int32)
-        mbarrier.expect(bar, NBOX * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
-        for k in gl.static_range(NBOX):
-            if FP8:
-                tma_load(lat_desc, [lat_row, k * BOXW], bar, box_smem.index((2 * slot + 1) * NBOX + k), pred=pred)
-            else:
-                tma_load(lat_desc, [lat_row, k * BOXW], bar, tile_smem.index(slot).slice(k * BOXW, BOXW, dim=1),
-                         pred=pred)
-        tma_load(rope_desc, [rope_row, 0], bar, rope_smem.index(slot), pred=pred)
-
-    @gluon.jit
-    def _zero_tail_rows(tile, base, length, R: gl.constexpr, PAGE: gl.constexpr, z_l: gl.constexpr):
-        """Tokens past the request's length (a last page's tail) -> exact zeros in the bf16 tile."""
-        offs_t = gl.arange(0, PAGE, layout=gl.SliceLayout(1, z_l))
-        keep = gl.expand_dims((base + offs_t) < length, 1)
-        for k in gl.static_range(R // 64):
-            part = tile.slice(k * 64, 64, dim=1)
-            v = part.load(z_l)
-            part.store(gl.where(keep, v, gl.zeros_like(v)))
-
-    @gluon.jit
-    def _page_p16(raw, coef, pos, limit, m_i, l_i):
-        """The bf16 layout's page of the online softmax, tokens along axis 1: (P = bf16(e), alpha, m, l)."""
-        x = raw * gl.expand_dims(coef, 1)
-        x = gl.where(gl.expand_dims(pos, 0) < gl.expand_dims(limit, 1), x, float("-inf"))
-        m_new, e, alpha = online_softmax(x, m_i, 1)
-        l_i = alpha * l_i + gl.sum(e, 1)
-        return e.to(gl.bfloat16), alpha, m_new, l_i
 
     @gluon.jit
     def _store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, n_rows, stride_ob, stride_om, stride_os,
@@ -170,9 +135,9 @@ if HAVE_GLUON:
         bt_row = BT + b64 * stride_bt + p_lo
         page0 = gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64)
         page1 = gl.load(bt_row + 1, mask=n_run > 1, other=0).to(gl.int64)
-        _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, 0, page0, lat_page_rows, rope_page_rows,
+        issue_tile_page(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, 0, page0, lat_page_rows, rope_page_rows,
                     n_run > 0, FP8, NBOX, BOXW)
-        _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, 1, page1, lat_page_rows, rope_page_rows,
+        issue_tile_page(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, 1, page1, lat_page_rows, rope_page_rows,
                     n_run > 1, FP8, NBOX, BOXW)
 
         sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, False,
@@ -205,7 +170,7 @@ if HAVE_GLUON:
             else:
                 mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
                 if base + PAGE > length:  # a last page's tail tokens -> 0 (P = 0 there, but 0 x NaN is NaN)
-                    _zero_tail_rows(tile, base, length, R, PAGE, z_l)
+                    zero_tail_rows(tile, base, length, R, PAGE, z_l)
                     fence_async_shared()
 
             # scores [BM, PAGE] (fp32 accumulation): NoPE + RoPE
@@ -220,7 +185,7 @@ if HAVE_GLUON:
                 p16 = p8.to(gl.float16)
                 s_cur = s_next
             else:
-                p16, rescale, m_i, l_i = _page_p16(raw, coef, base + offs_t, limit, m_i, l_i)
+                p16, rescale, m_i, l_i = page_p16(raw, coef, base + offs_t, limit, m_i, l_i, 1)
             # O [BM, R] += P C, waited for within the page (a wait deferred across the loop makes ptxas
             # serialize every wgmma)
             beta = gl.expand_dims(gl.convert_layout(rescale, gl.SliceLayout(1, o_l)), 1)
@@ -233,7 +198,7 @@ if HAVE_GLUON:
                 fence_async_shared()
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             cta_barrier()  # this page's slot is read by both warpgroups (and the next one converted)
-            _issue_wide(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, slot, page_after, lat_page_rows,
+            issue_tile_page(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, slot, page_after, lat_page_rows,
                         rope_page_rows, it + 2 < n_run, FP8, NBOX, BOXW)
             page_next = page_after
 
