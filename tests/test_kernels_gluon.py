@@ -625,6 +625,9 @@ WGMMA_SNAPSHOTS = {
         "wide8": {ROPE32: 4, "e4m3.e4m3 m64n32k32": 16, "e4m3.e4m3 m64n64k32": 8},
     },
 }
+# the H200 machine's Triton: the same counts (compiled on a CPU machine with triton 3.6.0 installed by
+# `pip install --no-deps --target DIR` and DIR first on PYTHONPATH)
+WGMMA_SNAPSHOTS["3.6.0"] = WGMMA_SNAPSHOTS["3.9.0"]
 
 
 def _triton_version() -> str:
