@@ -314,6 +314,19 @@ def test_narrow_bf16_gluon_kernel_compiles_to_bf16_wgmma_from_the_slot(stages):
     _unserialized(st)
 
 
+@needs_gluon
+@pytest.mark.parametrize("stages,r,d", [(2, 512, 64), (1, 512, 64), (2, 256, 64), (2, 256, 32), (1, 128, 32)])
+def test_narrow_bf16_shared_memory_estimate_matches_the_compiled_kernel(stages, r, d):
+    """The dispatch's estimate (which sets programs per SM, hence the split count) within 1 KB of what the
+    compiler allocates, on the same side of half an SM."""
+    from snapquant.kernels.dispatch import HALF_SM_SMEM, narrow_bf16_smem
+
+    st = sm90_stats("bf16", B=4, H=16, L=1024, r=r, d=d, tile="gluon", num_stages=stages)
+    est = narrow_bf16_smem(stages, r, d)
+    assert abs(est - st["smem"]) <= 1024, (est, st["smem"])
+    assert (est <= HALF_SM_SMEM) == (st["smem"] <= HALF_SM_SMEM)
+
+
 def test_narrow_bf16_gluon_plans_and_refusals():
     plan = _meta_plan(PRESETS["bf16"], 16, tile="gluon")
     assert plan.launches[0].name == "decode_gluon_narrow_bf16" and plan.knobs["kernel"] == "gluon.narrow_bf16"

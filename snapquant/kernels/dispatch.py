@@ -284,13 +284,24 @@ def narrow_kernel(stages: int, fp8_mma: bool | str, layout: str = "snapmla") -> 
     return "gluon.narrow" if stages >= 2 and fp8_mma != "qk" else "gluon.narrow_tile"
 
 
-def narrow_resident(stages: int, fp8_mma: bool | str, layout: str = "snapmla") -> int:
-    """Programs of the <= 16-row kernel per SM (shared memory): the in-place slot (~98 KB), the
-    register-operand kernel with two slots (~105 KB) and the bf16 kernel with one 72 KB slot (~92 KB) fit
-    two; the other configurations one."""
+def narrow_resident(stages: int, fp8_mma: bool | str, layout: str = "snapmla", r: int = 512, d: int = 64) -> int:
+    """Programs of the <= 16-row kernel per SM (shared memory): the in-place slot (~98 KB) and the
+    register-operand kernel with two slots (~105 KB) fit two; the bf16 kernel two where its slots and
+    query fit half an SM (`narrow_bf16_smem`: one 72 KB slot at r = 512, two at r <= 256); the other
+    configurations one."""
     if layout == "bf16":
-        return 2 if stages == 1 else 1
+        return 2 if narrow_bf16_smem(stages, r, d) <= HALF_SM_SMEM else 1
     return 2 if stages == 1 or (stages == 2 and fp8_mma != "qk") else 1
+
+
+HALF_SM_SMEM = 113 * 1024  # Hopper: 228 KB of shared memory per SM, 1 KB of it reserved per resident block
+_NARROW_BF16_EXTRA = 4096  # what the compiler adds (barriers, alignment, layout-conversion scratch), measured
+
+
+def narrow_bf16_smem(stages: int, r: int, d: int) -> int:
+    """Shared memory of `gluon.narrow_bf16` in bytes: `stages` page slots ([64, r + d] bf16), the query
+    ([16, r + d] bf16) and P ([16, 64] bf16), plus the compiler's own (checked against compiled kernels)."""
+    return stages * 64 * (r + d) * 2 + 16 * (r + d) * 2 + 16 * 64 * 2 + _NARROW_BF16_EXTRA
 
 
 def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOptions) -> KernelChoice:
@@ -298,7 +309,8 @@ def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOp
     if rows <= GLUON_ROWS:
         stages = narrow_stages(opts.num_stages, opts.fp8_mma, r, ops.layout)
         kernel, block_m, warps = narrow_kernel(stages, opts.fp8_mma, ops.layout), GLUON_ROWS, 4
-        resident, max_run = narrow_resident(stages, opts.fp8_mma, ops.layout), NARROW_MAX_RUN
+        resident = narrow_resident(stages, opts.fp8_mma, ops.layout, r, ops.rope_dim)
+        max_run = NARROW_MAX_RUN
     elif opts.fp8_mma is True:
         block_m = opts.block_m or 32
         kernel = "gluon.narrow8" if block_m == 32 else "gluon.wide8"
