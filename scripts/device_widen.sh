@@ -6,7 +6,7 @@
 #   2. the decode benchmark at the three H = 16 headline shapes and at 32x16x32768 (one V2-Lite layer of the 32K, batch-32 decode step): our BF16, the FP8 default and the five widen
 #      modes (each checked against the FP8 default with tolerance 0: the same bits), FlashMLA beside them.
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_widen.sh
-# TAG (widen), VARIANTS and TESTS narrow a call; TEST_S=0 skips the tests. Results: results/bench/decode_<TAG>_h200.* on an H200, results/h100/decode_<TAG>_h100.* elsewhere (a
+# TAG (widen), VARIANTS, SHAPES and TESTS narrow a call; TEST_S=0 skips the tests. Results: results/bench/decode_<TAG>_h200.* on an H200, results/h100/decode_<TAG>_h100.* elsewhere (a
 # non-H200 machine's rows never go into the H200 tables); logs in $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -19,7 +19,7 @@ source scripts/anchor_env.sh > "$OUT/flashmla.txt" 2>&1; cat "$OUT/flashmla.txt"
 [ "${TEST_S:-150}" -gt 0 ] && timeout "${TEST_S:-150}" python3 -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_kernels_gluon.py \
   -k "${TESTS:-integer or narrow or matches_the_reference}" 2>&1 | tee "$OUT/pytest_widen.txt" | tail -3
 timeout "${BENCH_S:-300}" python3 scripts/bench_decode.py --out "$RES" --tag "$tag" --no-append \
-  --budget-s "$(( ${BENCH_S:-300} - 40 ))" --shapes 128x16x4096,32x16x16384,8x16x32768,32x16x32768 \
+  --budget-s "$(( ${BENCH_S:-300} - 40 ))" --shapes "${SHAPES:-128x16x4096,32x16x16384,8x16x32768,32x16x32768}" \
   --variants "${VARIANTS:-bf16,snapmla,snapmla+int,snapmla+int_qk,snapmla+int_pv,snapmla+int_pv2,snapmla+int_qk_pv2}" 2>&1 \
   | tee "$OUT/bench_widen.log" | grep -E "read bandwidth| us |SKIPPED|FAIL|Error" | head -40
 cp "$RES"/*"$tag"* "$OUT"/ 2>/dev/null

@@ -61,6 +61,8 @@ def test_options_from_dict_aliases_and_merging():
     assert opts.launch_knobs == {"num_warps": 4}
     with pytest.raises(ConfigError, match="options must be a DecodeOptions or a mapping"):
         as_options(["tile"])
+    with pytest.raises(ConfigError, match=r"overlap='yes' is not valid; allowed values: True, False"):
+        DecodeOptions(overlap="yes")
 
 
 # ------------------------------------------------------------------------------------------- the table
@@ -75,6 +77,7 @@ def test_options_from_dict_aliases_and_merging():
     ("snapmla", 64, 1, 512, {}, "gluon.wide"),
     ("bf16", 64, 1, 512, {}, "gluon.wide"),
     ("bf16", 32, 1, 512, {}, "gluon.wide"),
+    ("bf16", 64, 1, 512, {"overlap": True}, "gluon.wide_overlap"),
     ("snapmla", 64, 1, 512, {"fp8_mma": True}, "gluon.narrow8"),
     ("snapmla", 64, 1, 512, {"fp8_mma": True, "block_m": 64}, "gluon.wide8"),
     ("snapmla", 64, 1, 512, {"schedule": "balanced"}, "triton.pairs"),

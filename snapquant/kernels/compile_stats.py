@@ -15,6 +15,9 @@ target (sm_90 = Hopper by default) and reads back:
     wgmma_kinds         the wgmma instructions by operand types and shape, e.g. {"e4m3.e4m3 m64n32k32": 16}
     wgmma_waits         SASS waits on the warpgroup MMA pipe (WARPGROUP.DEPBAR); one per wgmma means
                         ptxas serialized them, costly for the MMA chain
+    mufu_under_wgmma    MUFU instructions (the softmax's exp2) placed while a wgmma group is still pending
+                        (after its commit, before the wait that retires it): CUDA-core work that overlaps the
+                        tensor cores; ptxas may sink such work below the wait whatever the source order says
     ptxas_advice        the performance advisories ptxas prints and Triton hides (its C75xx codes, e.g.
                         C7512 "wgmma serialized: insufficient register resources", C7515 "...: non
                         wgmma instructions defining accumulator registers"), "" when none
@@ -147,6 +150,7 @@ def kernel_stats(compiled: Any) -> dict[str, Any]:
             st["spill_bytes"] = int(m.group(1)) if m else None
             sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, timeout=120).stdout
             st.update(loop_mix(sass))
+            st["mufu_under_wgmma"] = mufu_under_wgmma(sass)
             st["wgmma_waits"] = sass.count("WARPGROUP.DEPBAR")
             st["ptxas_advice"] = ptxas_advice(ptx)
         finally:
@@ -222,6 +226,25 @@ def loop_mix(sass: str) -> dict[str, Any]:
     for g, names in SASS_GROUPS.items():
         out[f"loop_{g}"] = sum(ops[o] for o in names)
     return out
+
+
+_DEPBAR = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)")
+
+
+def mufu_under_wgmma(sass: str) -> int:
+    """MUFU instructions between a wgmma group's commit (an HGMMA carrying `gsb0`) and the wait that leaves
+    no group pending, in address order (straight-line: a loop's body is read once)."""
+    pending, count = 0, 0
+    for m in _INSTR.finditer(sass):
+        op, args = m.group(3), m.group(4)
+        if op.startswith("HGMMA") and "gsb0" in args:
+            pending += 1
+        elif op.startswith("WARPGROUP.DEPBAR"):
+            w = _DEPBAR.search(f"{op} {args}")
+            pending = min(pending, int(w.group(1), 16)) if w else 0
+        elif op.startswith("MUFU") and pending > 0:
+            count += 1
+    return count
 
 
 def plan_compile_stats(plan: Any, arch: int = 90) -> list[dict[str, Any]]:
