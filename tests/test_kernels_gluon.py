@@ -318,7 +318,7 @@ def test_wide_gluon_tile_plans_and_refusals():
     assert over.launches[0].name == "decode_gluon_wide_overlap" and over.knobs["kernel"] == "gluon.wide_overlap"
     assert over.knobs["num_splits"] == plan.knobs["num_splits"] and over.launches[0].grid == plan.launches[0].grid
     for layout, rows, knobs in (("snapmla", 64, {}), ("bf16", 16, {}), ("snapmla", 64, {"fp8_mma": True})):
-        with pytest.raises(ConfigError, match="overlap=True is a knob of gluon.wide on the bf16 layout"):
+        with pytest.raises(ConfigError, match=r"overlap=True is a knob of gluon\.wide on the bf16 layout"):
             _meta_plan(PRESETS[layout], rows, tile="gluon", overlap=True, **knobs)
     with pytest.raises(ConfigError, match="overlap=True is a knob"):  # off Hopper: the Triton tile
         meta_plan("bf16", B=2, H=64, L=256, arch=80, overlap=True)
