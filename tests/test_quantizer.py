@@ -4,7 +4,7 @@ edge cases, scale formats, and hypothesis round-trip error bounds per dtype and 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import snapquant as sq
@@ -255,6 +255,9 @@ BOUNDS = {
     other_rule=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+# a tie (x / s = 91.5) whose dequantized value rounds away in fp32: once past the bound without the ulp term
+@example(dtype="int8", gran="per_token_block", scale_format="fp32", T=16, log_mag=0.0, outliers=False,
+         token_group=None, other_rule=False, seed=5360)
 def test_round_trip_error_bounds(dtype, gran, scale_format, T, log_mag, outliers, token_group, other_rule, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, T, 64, generator=g) * 10.0**log_mag
@@ -277,7 +280,9 @@ def test_round_trip_error_bounds(dtype, gran, scale_format, T, log_mag, outliers
     else:
         s = kv.latent.token_scales().repeat_interleave(kv.latent.block_width, dim=-1)
     err = (x - deq).abs()
-    assert (err <= BOUNDS[dtype](x, s) * (1 + 1e-6)).all()
+    # deq = fl32(code * s) carries its own rounding, half an fp32 ulp of |deq| <= |x| + s: on a tie (x / s exactly
+    # k + 1/2, e.g. int8 at 91.5) that alone can push the error past s / 2 by ~1e-5 relative
+    assert (err <= BOUNDS[dtype](x, s) * (1 + 1e-6) + (x.abs() + s) * 2.0**-24).all()
     # dynamic scales never saturate: the largest code reaches qmax but never exceeds it
     fmt = cfg.nope_format
     if fmt.is_quantized:

@@ -15,7 +15,8 @@ patch's dense rows, both one table of rows). Kernel side (`gluon.jit` helpers, i
     division (`_div_markstein`); `page_p_smem` stores P^ for the swap-AB kernels; `page_p16` is the bf16
     layout's page (P = bf16(e)) and `zero_tail_rows` zeroes a bf16 tile's tokens past a request's length;
   * `widen_boxes` (fp8 boxes -> an exact fp16 tile, a request's tail tokens zeroed) and
-    `store_result` (out = acc / l, lse = m + log2(l pi), into the split's partials).
+    `store_result` (out = acc / l, lse = m + log2(l pi), into the split's partials); `store_rows` is the
+    64-row kernels' epilogue around it.
 
 Every Gluon kernel's program is one (request, row tile, split) of the uniform schedule: its partial
 output and LSE go to the buffers `triton/combine.py` merges. Gluon has no interpreter: these compile
@@ -368,6 +369,19 @@ if HAVE_GLUON:
         gl.store(o_ptr, out, mask=gl.expand_dims(row_ok, CA) & gl.expand_dims(offs_c < R, AX))
         if STORE_LSE:
             gl.store(LSE_PART + b64 * stride_lb + rows * stride_lm + split * stride_ls, lse, mask=row_ok)
+
+    @gluon.jit
+    def store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, n_rows, stride_ob, stride_om, stride_os,
+                    stride_lb, stride_lm, stride_ls, R: gl.constexpr, LSE_NATURAL: gl.constexpr, BM: gl.constexpr,
+                    o_l: gl.constexpr):
+        """The 64-row kernels' epilogue: O [BM, R] (rows along axis 0, in the PV accumulator's layout) and
+        the softmax state -> the split's partial output and LSE (`store_result`)."""
+        orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
+        rows = row0 + gl.arange(0, BM, layout=orow_l)
+        store_result(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l),
+                      gl.convert_layout(pi_i, orow_l), O_PART, LSE_PART, b64, split, rows, rows < n_rows,
+                      stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, R, LSE_NATURAL,
+                      gl.SliceLayout(0, o_l), 0)
 
     @gluon.jit
     def widen_boxes(lat_smem, c16_smem, box0, K_LO: gl.constexpr, K_HI: gl.constexpr, base, length, offs_tc,

@@ -51,7 +51,7 @@ if HAVE_GLUON:
         query_operands,
         row_state,
         split_run,
-        store_result,
+        store_rows,
         widen_boxes,
         zero_tail_rows,
     )
@@ -60,19 +60,6 @@ if HAVE_GLUON:
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, n_rows, stride_ob, stride_om, stride_os,
-                    stride_lb, stride_lm, stride_ls, R: gl.constexpr, LSE_NATURAL: gl.constexpr, BM: gl.constexpr,
-                    o_l: gl.constexpr):
-        """The 64-row kernels' epilogue: O [BM, R] (rows along axis 0, in the PV accumulator's layout) and
-        the softmax state -> the split's partial output and LSE (`store_result`)."""
-        orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
-        rows = row0 + gl.arange(0, BM, layout=orow_l)
-        store_result(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l),
-                      gl.convert_layout(pi_i, orow_l), O_PART, LSE_PART, b64, split, rows, rows < n_rows,
-                      stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, R, LSE_NATURAL,
-                      gl.SliceLayout(0, o_l), 0)
 
     @gluon.jit
     def _mla_decode_gluon_wide(
@@ -204,5 +191,5 @@ if HAVE_GLUON:
 
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
-        _store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
+        store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
                     stride_lb, stride_lm, stride_ls, R, LSE_NATURAL, BM, o_l)

@@ -39,9 +39,9 @@ if HAVE_GLUON:
         query_operands,
         row_state,
         split_run,
+        store_rows,
         zero_tail_rows,
     )
-    from .wide import _store_rows
 
     BM_ROWS = gl.constexpr(GLUON_WIDE_ROWS)
 
@@ -148,5 +148,5 @@ if HAVE_GLUON:
 
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
-        _store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
+        store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
                     stride_lb, stride_lm, stride_ls, R, LSE_NATURAL, BM, o_l)
