@@ -426,6 +426,19 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, block_
         assert (lse.cpu() - lz).abs().max().item() < lse_tol
 
 
+def _bf16_case(B, H, S, L, r, d):
+    """A bf16-layout cache of B requests of mixed lengths (L, L - 97, ...) with NaN in the longest request's stale
+    last-page tail (P = 0 must meet it as a zero), a bf16 query and MLA's 1 / sqrt(192)."""
+    cfg = PRESETS["bf16"]
+    lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
+    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
+    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
+    cache.lengths.copy_(lengths.cuda())
+    if L % 64:
+        cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:].fill_(float("nan"))
+    return cfg, cache, torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16), 1 / math.sqrt(192)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
@@ -436,15 +449,7 @@ def test_narrow_bf16_gluon_kernel_matches_the_reference(stages, B, H, S, L, spli
     """gluon.narrow_bf16 against `mla_decode_reference` and the Triton rows tile on requests of mixed lengths
     (partial pages, empty splits), with NaN in a last page's stale tail: P = 0 must meet it as a zero."""
     torch.manual_seed(B * 1000 + H + L + stages)
-    cfg = PRESETS["bf16"]
-    lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
-    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
-    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
-    cache.lengths.copy_(lengths.cuda())
-    if L % 64:
-        cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:].fill_(float("nan"))
-    q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
-    tau = 1 / math.sqrt(192)
+    cfg, cache, q, tau = _bf16_case(B, H, S, L, r, d)
     kw = dict(num_splits=splits, tile="gluon", num_stages=stages)
     assert mla_decode_plan(q, cache, tau, cfg, **kw).launches[0].name == "decode_gluon_narrow_bf16"
     out, lse = mla_decode(q, cache, tau, cfg, **kw)
@@ -469,15 +474,7 @@ def test_wide_overlap_kernel_matches_the_reference(B, H, S, L, splits, r=512, d=
     mixed lengths: runs of one page (the overlapped QK reads a slot no TMA wrote: discarded), empty splits,
     and NaN in a last page's stale tail."""
     torch.manual_seed(B * 1000 + H + L + 7)
-    cfg = PRESETS["bf16"]
-    lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
-    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
-    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
-    cache.lengths.copy_(lengths.cuda())
-    if L % 64:
-        cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:].fill_(float("nan"))
-    q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
-    tau = 1 / math.sqrt(192)
+    cfg, cache, q, tau = _bf16_case(B, H, S, L, r, d)
     assert mla_decode_plan(q, cache, tau, cfg, num_splits=splits, tile="gluon",
                            overlap=True).launches[0].name == "decode_gluon_wide_overlap"
     out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", overlap=True)
