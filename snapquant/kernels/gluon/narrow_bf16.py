@@ -15,8 +15,8 @@ read the TMA slot itself and nothing but the softmax runs on the CUDA cores.
     P^T into shared memory as the second product's B;
   * O^T [r, 16] += C^T P^T: A = the same slot read transposed (MN-major, which wgmma allows for 16-bit
     operands), one [r, 16] fp32 accumulator (r / 8 registers per thread);
-  * TMA ring of STAGES page slots (72 KB each at r = 512): 2 slots (~164 KB, one program per SM, the next
-    page in flight while this one computes), or 1 slot (~92 KB, two programs per SM, each waiting on its
+  * TMA ring of STAGES page slots (72 KB each at r = 512): 2 slots (~172 KB, one program per SM, the next
+    page in flight while this one computes), or 1 slot (~98 KB, two programs per SM, each waiting on its
     own page while the other computes). Which one reads closer to the bandwidth is for the benchmark.
 
 A request's last page has its tail tokens zeroed in the slot before the products (P = 0 there, but 0 x NaN
