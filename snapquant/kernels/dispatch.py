@@ -231,7 +231,7 @@ def gluon_reason(ops: KernelOperands, config: KVQuantConfig, rows: int, target: 
     else:
         allowed = (False, "qk") if ops.layout == "snapmla" else (False,)
     if fp8_mma not in allowed:
-        native8 = " or fp8_mma=True (the snapmla layout)" if wide else " or fp8_mma=qk"
+        native8 = " or fp8_mma=True (the snapmla layout)" if wide else " or fp8_mma=qk" if not bf16_narrow else ""
         return f"tile='gluon' runs exact fp16 MMAs{native8} at {rows} query rows, got fp8_mma={fp8_mma!r}"
     if target.arch is not None and not target.hopper:
         return f"tile='gluon' runs on Hopper (sm_90) only, not {target.gpu_name or f'sm_{target.arch}'}"
