@@ -156,7 +156,6 @@ GLUON = {"snapmla+gluon": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H 
                                                 "_tol": (3e-3, 5e-3)})}
 GLUON_WIDE = {"snapmla+gluon-wide": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H > 16: 64-row tiles
               "bf16+gluon-wide": ("bf16", {"tile": "gluon"}),
-              "bf16+gluon-wide+overlap": ("bf16", {"tile": "gluon", "overlap": True}),  # gluon.wide_overlap (opt-in)
               # native FP8 QK and PV (gluon.narrow8, 32-row programs; gluon.wide8, 64): the FP8 MMA's
               # accumulation rounding, their own tolerances
               "snapmla+gluon-wide+fp8mma": ("snapmla", {"tile": "gluon", "fp8_mma": True, "_tol": (1e-2, 1e-2)}),

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A working session's device calls, one part per call (each under 10 minutes; carry .whl and .anchors):
-#   decode (default)  the GPU tests of the opt-in BF16 Gluon kernels, then our BF16 kernels beside FlashMLA:
-#                     at H = 16 the Triton rows tile, gluon.narrow_bf16 (two slots, one slot) and the FP8
-#                     default (TAG=anchor16); past 16 rows gluon.wide and gluon.wide_overlap at the issue's
-#                     H = 64 / 128 shapes (TAG=anchor64); ~400 s
+#   decode (default)  the GPU tests of gluon.narrow_bf16, then our kernels beside FlashMLA: at H = 16 our BF16
+#                     (gluon.narrow_bf16 with two slots and with one, the Triton rows tile) and the FP8 default
+#                     (TAG=anchor16); past 16 rows our BF16 (gluon.wide) at the H = 64 / 128 shapes
+#                     (TAG=anchor64); ~100 s of kernels plus compilation
 #   eval              the lm-eval end-to-end targets (`device_eval.sh 7`, ~530 s)
 #   tests             `pytest -m gpu` (the whole GPU suite) into results/<h200|h100>/pytest_gpu_*.txt, ~330 s
 # Rows land in results/bench/ on an H200 and in results/h100/ on any other GPU (never in the H200 tables).
@@ -17,9 +17,9 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "gpu: $gpu, part: $PART"
 case "$PART" in
   decode)
-    OUT="$OUT/decode" TAG=anchor16 VARIANTS=bf16,bf16+gluon,bf16+gluon+s1,snapmla TESTS="narrow_bf16 or overlap" \
+    OUT="$OUT/decode" TAG=anchor16 VARIANTS=bf16,bf16+gluon+s1,bf16+rows,snapmla TESTS="narrow_bf16" \
       TEST_S=100 BENCH_S=150 bash scripts/device_widen.sh 2>&1 | tail -12
-    OUT="$OUT/decode64" TAG=anchor64 VARIANTS=bf16,bf16+gluon+overlap \
+    OUT="$OUT/decode64" TAG=anchor64 VARIANTS=bf16 \
       SHAPES=32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768 TEST_S=0 BENCH_S=110 \
       bash scripts/device_widen.sh 2>&1 | tail -10 ;;
   eval)

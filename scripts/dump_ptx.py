@@ -130,7 +130,6 @@ def configs() -> dict[str, callable]:
     c["gluon_wide_bf16_h64"] = lambda: _decode_plan("bf16", 32, 64, 8192, tile="gluon")
     c["gluon_narrow_bf16_h16"] = lambda: _decode_plan("bf16", 8, 16, 2048, tile="gluon")
     c["gluon_narrow_bf16_h16_s1"] = lambda: _decode_plan("bf16", 8, 16, 2048, tile="gluon", num_stages=1)
-    c["gluon_wide_overlap_bf16_h64"] = lambda: _decode_plan("bf16", 32, 64, 8192, tile="gluon", overlap=True)
     c["gluon_wide_snapmla_h20_s2_dense"] = lambda: _decode_plan("snapmla", 3, 20, 1000, S=2, tile="gluon",
                                                                 dense=True)
     c["gluon_narrow8_h64"] = lambda: _decode_plan("snapmla", 32, 64, 8192, tile="gluon", fp8_mma=True)

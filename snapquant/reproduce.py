@@ -327,6 +327,18 @@ JOBS: tuple[Job, ...] = (
         ("decode_widen_h100.*", "bench_widen_h100.json"), "gluon.narrow's e4m3 widening by cvt against integer "
         "operations (five widen modes, same bits) beside FlashMLA at H = 16, on an H100 (`bash "
         "scripts/device_widen.sh`)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "anchor16_h100", "--no-append", "--budget-s", "110",
+         "--shapes", "128x16x4096,32x16x16384,8x16x32768,32x16x32768", "--variants", "bf16,bf16+gluon,bf16+gluon+s1,snapmla"),
+        ("decode_anchor16_h100.*", "bench_anchor16_h100.json"), "our BF16 at H = 16 (gluon.narrow_bf16 with two and one "
+        "slots, then opt-in; the Triton rows tile, then the default) and the FP8 default beside FlashMLA, on an H100 "
+        "(`bash scripts/device_session.sh decode` at 67094b2)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "anchor64_h100", "--no-append", "--budget-s", "110",
+         "--shapes", "32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768", "--variants", "bf16"),
+        ("decode_anchor64_h100.*", "bench_anchor64_h100.json"), "our BF16 past 16 rows (gluon.wide) beside FlashMLA, "
+        "on an H100; the committed file also has the rows of a softmax-under-PV variant of gluon.wide since removed "
+        "(refuted: 12-29 % slower, docs/performance.md)", manual=True, code=BENCH),
     Job("results/research_model", "gpu", ("scripts/train_research_model.py", "all", "--out", "results/research_model"),
         ("README.md", "*.json", "*.jsonl", "*.csv", "*.npz", "*.png", "*.pdf", "device_call*.log"),
         "the research-scale model at DeepSeek-V2-Lite attention dims: data, training, card, activation study, "

@@ -10,8 +10,8 @@ schedule, never on launch knobs:
 
     Hopper GPU, uniform schedule, Gluon eligible:
         <= 16 rows, snapmla with fp8 query and P, exact MMAs   gluon.narrow (r = 512) / gluon.narrow_tile
-        <= 16 rows, bf16 layout                                triton.rows (gluon.narrow_bf16 is opt-in: tile="gluon")
-        > 16 rows, exact MMAs (snapmla fp8 q and P, or bf16)   gluon.wide (bf16 with overlap=True: gluon.wide_overlap)
+        <= 16 rows, bf16 layout (bf16 query and P)             gluon.narrow_bf16
+        > 16 rows, exact MMAs (snapmla fp8 q and P, or bf16)   gluon.wide
         > 16 rows, fp8_mma=True (snapmla, r = 512)             gluon.narrow8 (block_m 32) / gluon.wide8 (64)
     otherwise (other GPUs, the interpreter, other modes, the balanced schedule):
         snapmla with fp8 query and P, exact MMAs               triton.pairs
@@ -63,16 +63,12 @@ KERNELS: dict[str, KernelSpec] = {
         "<= 16 query rows; snapmla layout, fp8 query and P, exact MMAs; kv_lora_rank 128 or 256 (or num_stages=1); "
         "with fp8_mma='qk' (experimental) native FP8 QK; Hopper"),
     "gluon.narrow_bf16": KernelSpec(
-        "gluon", "gluon/narrow_bf16.py", "opt-in",
-        "<= 16 query rows; the bf16 layout (bf16 query and P); tile='gluon'; 2 ring slots (one program per SM) "
-        "or num_stages=1 (two); Hopper"),
+        "gluon", "gluon/narrow_bf16.py", "default",
+        "<= 16 query rows; the bf16 layout (bf16 query and P); kv_lora_rank 128, 256 or 512; 2 ring slots (one "
+        "program per SM) or num_stages=1 (two); Hopper"),
     "gluon.wide": KernelSpec(
         "gluon", "gluon/wide.py", "default",
         "> 16 query rows (64-row tiles); snapmla layout with fp8 query and P, or the bf16 layout; exact MMAs; Hopper"),
-    "gluon.wide_overlap": KernelSpec(
-        "gluon", "gluon/wide_overlap.py", "opt-in",
-        "> 16 query rows (64-row tiles); the bf16 layout; tile='gluon', overlap=True: the next page's QK and softmax "
-        "under this page's PV; Hopper"),
     "gluon.narrow8": KernelSpec(
         "gluon", "gluon/experimental/narrow8.py", "opt-in",
         "> 16 query rows (32-row programs, two per SM); snapmla, fp8 query and P, kv_lora_rank 512; "
@@ -148,7 +144,9 @@ def choose_kernel(ops: KernelOperands, config: KVQuantConfig, rows: int, target:
     defaulted = tile is None
     if defaulted:
         tile = default_tile(ops.layout, config, opts.fp8_mma)
-        eligible = tile == "pairs" if rows <= GLUON_ROWS else True
+        # <= 16 rows: the narrow Gluon kernels run the snapmla pipeline (where pairs is the Triton default) and
+        # the bf16 layout; past that gluon.wide runs both, and gluon_reason refuses every other format
+        eligible = tile == "pairs" or ops.layout == "bf16" if rows <= GLUON_ROWS else True
         tuning = replace(opts, block_m=None, num_warps=None, num_stages=None, maxnreg=None)
         if (opts.schedule == "uniform" and target.hopper and eligible
                 and gluon_reason(ops, config, rows, target, tuning) is None):
@@ -172,9 +170,6 @@ def choose_kernel(ops: KernelOperands, config: KVQuantConfig, rows: int, target:
         choice = _gluon_choice(ops, rows, target, opts)
     else:
         choice = _triton_choice(ops, rows, target, opts, tile)
-    if opts.overlap and choice.kernel != "gluon.wide_overlap":
-        raise ConfigError(f"overlap=True is a knob of gluon.wide on the bf16 layout (> {GLUON_ROWS} query rows on Hopper, "
-                          f"tile='gluon', exact MMAs); the kernel here is {choice.kernel}")
     if opts.widen not in (None, "cvt") and choice.kernel != "gluon.narrow":
         raise ConfigError(f"widen={opts.widen!r} is a knob of gluon.narrow (<= {GLUON_ROWS} query rows on Hopper, "
                           f"exact fp16 MMAs, kv_lora_rank 512, two or more ring slots); the kernel here is "
@@ -323,8 +318,7 @@ def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOp
         kernel = "gluon.narrow8" if block_m == 32 else "gluon.wide8"
         stages, warps, resident, max_run = opts.num_stages or 2, 4 if block_m == 32 else 8, 2 if block_m == 32 else 1, None
     else:
-        kernel = "gluon.wide_overlap" if opts.overlap and ops.layout == "bf16" else "gluon.wide"
-        block_m, stages, warps, resident, max_run = GLUON_WIDE_ROWS, 2, 8, 1, None
+        kernel, block_m, stages, warps, resident, max_run = "gluon.wide", GLUON_WIDE_ROWS, 2, 8, 1, None
     splits = opts.num_splits or one_wave_splits(B * triton.cdiv(rows, block_m), ops.block_table.shape[1],
                                                 target.num_sms * resident, max_run)
     return KernelChoice(kernel, "gluon", "uniform", block_m, splits, warps, stages, opts)

@@ -20,8 +20,6 @@ query rows, GPU); a field set by the caller is a request, and one the chosen ker
                 times 2^-8 undone on the fp32 accumulators: the same bits, except NaN codes) | "int_qk" /
                 "int_pv" (one product each way) | "int_pv2" / "int_qk_pv2" (two of PV's four 128-channel
                 boxes by integers: both units busy); None: the kernel's default
-    overlap     `gluon.wide` on the bf16 layout (> 16 query rows): issue the next page's QK before this page's
-                PV and run its softmax under the PV (`gluon.wide_overlap`, opt-in); False: one chain per page
     num_warps, num_stages, maxnreg   launch parameters (num_stages: ring slots of the Gluon kernels)
 """
 
@@ -59,7 +57,6 @@ class DecodeOptions:
     num_stages: int | None = None
     maxnreg: int | None = None
     widen: str | None = None
-    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.tile is not None and self.tile not in TILES:
@@ -74,8 +71,6 @@ class DecodeOptions:
         if not (isinstance(mma, bool) or mma in ("qk", "pv")):
             raise unknown_choice("fp8_mma", self.fp8_mma, [str(v) for v in FP8_MMA])
         object.__setattr__(self, "fp8_mma", mma)
-        if not isinstance(self.overlap, bool):
-            raise ConfigError(f"overlap={self.overlap!r} is not valid; allowed values: True, False")
         _positive_int("num_splits", self.num_splits)
         _positive_int("num_stages", self.num_stages)
         _positive_int("maxnreg", self.maxnreg)
