@@ -101,3 +101,21 @@ def test_loop_mix_picks_the_loop_with_the_mma():
     mix = loop_mix(sass)
     assert mix["loop_total"] == 4 and mix["loop_mma"] == 1 and mix["loop_lds"] == 1 and mix["loop_falu"] == 1
     assert loop_mix("no loop here")["loop_total"] is None
+
+
+def test_mufu_under_wgmma_counts_only_while_a_group_is_pending():
+    """MUFUs between a group's commit (HGMMA with gsb0) and the wait that leaves none pending count; MUFUs after
+    `DEPBAR.LE gsb0, 0x0`, or while only a wait with groups left pending has run, are told apart."""
+    from snapquant.kernels.compile_stats import mufu_under_wgmma
+
+    sass = "\n".join([
+        "        /*0000*/                   MUFU.EX2 R1, R1 ;",                              # nothing pending
+        "        /*0010*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;",
+        "        /*0020*/                   HGMMA.64x256x16.F32.BF16 R40, R8, gdesc[UR8], R40, gsb0 ;",
+        "        /*0030*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;",                # one group left
+        "        /*0040*/                   MUFU.EX2 R2, R2 ;",
+        "        /*0050*/                   MUFU.EX2 R3, R3 ;",
+        "        /*0060*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+        "        /*0070*/                   MUFU.EX2 R4, R4 ;",                              # all retired
+    ])
+    assert mufu_under_wgmma(sass) == 2
