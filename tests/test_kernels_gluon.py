@@ -20,6 +20,7 @@ from snapquant.errors import ConfigError
 from snapquant.kernels import PagedMLACache, mla_decode, mla_decode_plan
 from snapquant.kernels.dispatch import gluon_format_reason
 from snapquant.kernels.gluon import HAVE_GLUON
+from snapquant.kernels.options import DecodeOptions
 from tests.support.kernel_cases import SMEM_LIMIT, meta_plan, sm90_stats, wgmma_mix
 
 needs_gluon = pytest.mark.skipif(not HAVE_GLUON, reason="this triton has no Gluon")
@@ -433,6 +434,70 @@ def test_narrow_bf16_gluon_kernel_matches_the_reference(stages, B, H, S, L, spli
     # P = bf16(e): an ulp of e from another fp32 summation order can round P to the neighbouring bf16
     # (2^-8 relative) on a few tokens; the output moves by ~1e-4 relative, a wrong page or slot by ~1
     for o, lz in ((ref, ref_lse), (base.cpu(), base_lse.cpu())):
+        assert ((out.cpu() - o).norm() / o.norm()).item() < 1e-3
+        assert (lse.cpu() - lz).abs().max().item() < 1e-3
+
+
+# ------------------------------------------ past 16 rows with warp specialization (gluon/seesaw.py, opt-in)
+@needs_gluon
+def test_seesaw_kernel_compiles_to_two_warpgroups_in_roles():
+    """warp_specialize=True: a 4-warp default partition and a 4-warp worker (setmaxnreg), each per page it owns
+    QK as two m64n64k16 chains over its halves (r / 16) plus the RoPE part (d / 16), and per page PV on its 256
+    channels (m64n256k16, 64 / 16 per page) twice (its own page's P from registers, the other's from shared
+    memory); shared memory within one SM (the query's RoPE part in registers makes it fit)."""
+    st = sm90_stats("bf16", **WIDE, tile="gluon", warp_specialize=True)
+    assert st["kernel"] == "decode_gluon_seesaw" and st["grid"][:2] == (1, 32)
+    # per warpgroup and owned page: QK 32 + 4 m64n64k16; PV of two pages: 2 x 4 m64n256k16 (both partitions)
+    assert wgmma_mix(st, "bf16.bf16 m64n256k16") == {"bf16.bf16 m64n256k16": 1, "bf16.bf16 m64n64k16": 3}
+    assert st["mma_sync"] == 0 and st["cvt_e4m3"] == 0
+    assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT
+
+
+@needs_gluon
+def test_seesaw_plans_and_refusals():
+    plan = _meta_plan(PRESETS["bf16"], 64, tile="gluon", warp_specialize=True)
+    assert plan.launches[0].name == "decode_gluon_seesaw" and plan.knobs["kernel"] == "gluon.seesaw"
+    assert plan.knobs["block_m"] == 64 and plan.knobs["num_warps"] == 4 and plan.launches[0].grid[:2] == (1, 2)
+    assert _meta_plan(PRESETS["bf16"], 128, tile="gluon", warp_specialize=True).launches[0].grid[0] == 2
+    # the default stays gluon.wide; warp_specialize is asked for
+    assert _meta_plan(PRESETS["bf16"], 64, tile="gluon").knobs["kernel"] == "gluon.wide"
+    for knobs, field in ((dict(layout="snapmla", H=64), "snapmla layout"), (dict(layout="bf16", H=16), "16 query rows"),
+                         (dict(layout="bf16", H=64, r=256), "kv_lora_rank 256"),
+                         (dict(layout="bf16", H=64, d=32), "rope_dim 32")):
+        extra = {k: knobs[k] for k in ("r", "d") if k in knobs}
+        with pytest.raises(ConfigError, match=field):
+            _meta_plan(PRESETS[knobs["layout"]], knobs["H"], tile="gluon", warp_specialize=True, **extra)
+    with pytest.raises(ConfigError, match=r"knob of gluon\.seesaw"):  # the Triton tiles have no warpgroup roles
+        _meta_plan(PRESETS["bf16"], 64, tile="rows", warp_specialize=True)
+    with pytest.raises(ConfigError, match="num_warps=4"):
+        _meta_plan(PRESETS["bf16"], 64, tile="gluon", warp_specialize=True, num_warps=8)
+    with pytest.raises(ConfigError, match="warp_specialize='yes' is not valid"):
+        DecodeOptions(warp_specialize="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("B,H,S,L,splits", [(5, 64, 1, 700, None), (3, 20, 2, 130, 1), (4, 128, 1, 64, 3),
+                                            (2, 32, 2, 1000, 2), (3, 64, 1, 321, 1), (2, 64, 1, 2000, 3)])
+def test_seesaw_kernel_matches_the_reference(B, H, S, L, splits, r=512, d=64):
+    """gluon.seesaw against `mla_decode_reference`, the Triton rows tile and gluon.wide: full and partial
+    (40-row) tiles, two row tiles per request, runs of one page (the other warpgroup only multiplies by its
+    P), odd and even page counts (the last page either warpgroup's), empty splits, mixed lengths, NaN in a
+    last page's stale tail (each warpgroup zeroes its half before its PV)."""
+    torch.manual_seed(B * 1000 + H + L)
+    cfg, cache, q, tau = _bf16_case(B, H, S, L, r, d)
+    kw = dict(num_splits=splits, tile="gluon", warp_specialize=True)
+    assert mla_decode_plan(q, cache, tau, cfg, **kw).launches[0].name == "decode_gluon_seesaw"
+    out, lse = mla_decode(q, cache, tau, cfg, **kw)
+    base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="rows")
+    wide, wide_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon")
+    kv = cache.to_quantized_kv(int(cache.lengths.max())).to("cpu")
+    ref, ref_lse = mla_decode_reference(q.cpu(), kv, cache.lengths.cpu(), tau, cfg)
+    assert torch.isfinite(out).all()
+    # as gluon.narrow_bf16: P = bf16(e) may round to the neighbouring bf16 where another fp32 summation order
+    # moves e by an ulp (~1e-4 relative on the output); a wrong page, slot, half or hand-over is ~1
+    for o, lz in ((ref, ref_lse), (base.cpu(), base_lse.cpu()), (wide.cpu(), wide_lse.cpu())):
         assert ((out.cpu() - o).norm() / o.norm()).item() < 1e-3
         assert (lse.cpu() - lz).abs().max().item() < 1e-3
 

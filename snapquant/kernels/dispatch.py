@@ -12,6 +12,7 @@ schedule, never on launch knobs:
         <= 16 rows, snapmla with fp8 query and P, exact MMAs   gluon.narrow (r = 512) / gluon.narrow_tile
         <= 16 rows, bf16 layout (bf16 query and P)             gluon.narrow_bf16
         > 16 rows, exact MMAs (snapmla fp8 q and P, or bf16)   gluon.wide
+        > 16 rows, bf16 layout, warp_specialize=True           gluon.seesaw (opt-in)
         > 16 rows, fp8_mma=True (snapmla, r = 512)             gluon.narrow8 (block_m 32) / gluon.wide8 (64)
     otherwise (other GPUs, the interpreter, other modes, the balanced schedule):
         snapmla with fp8 query and P, exact MMAs               triton.pairs
@@ -69,6 +70,10 @@ KERNELS: dict[str, KernelSpec] = {
     "gluon.wide": KernelSpec(
         "gluon", "gluon/wide.py", "default",
         "> 16 query rows (64-row tiles); snapmla layout with fp8 query and P, or the bf16 layout; exact MMAs; Hopper"),
+    "gluon.seesaw": KernelSpec(
+        "gluon", "gluon/seesaw.py", "opt-in",
+        "> 16 query rows (64-row tiles); the bf16 layout, kv_lora_rank 512, rope_dim 64; two warpgroups in "
+        "different roles (warp_specialize=True); Hopper"),
     "gluon.narrow8": KernelSpec(
         "gluon", "gluon/experimental/narrow8.py", "opt-in",
         "> 16 query rows (32-row programs, two per SM); snapmla, fp8 query and P, kv_lora_rank 512; "
@@ -174,6 +179,9 @@ def choose_kernel(ops: KernelOperands, config: KVQuantConfig, rows: int, target:
         raise ConfigError(f"widen={opts.widen!r} is a knob of gluon.narrow (<= {GLUON_ROWS} query rows on Hopper, "
                           f"exact fp16 MMAs, kv_lora_rank 512, two or more ring slots); the kernel here is "
                           f"{choice.kernel}")
+    if opts.warp_specialize and choice.kernel != "gluon.seesaw":
+        raise ConfigError(f"warp_specialize=True is a knob of gluon.seesaw (the bf16 layout past {GLUON_ROWS} query rows "
+                          f"on Hopper, tile='gluon'); the kernel here is {choice.kernel}")
     return choice
 
 
@@ -206,7 +214,12 @@ def gluon_reason(ops: KernelOperands, config: KVQuantConfig, rows: int, target: 
                 f"of the native FP8 kernels past {GLUON_ROWS} rows (fp8_mma=True) only, got block_m={block_m}")
     if options.maxnreg is not None:
         return f"tile='gluon' takes no maxnreg (a launch knob of the Triton tiles), got maxnreg={options.maxnreg}"
-    warps = 8 if wide and native8_rows != 32 else 4
+    if options.warp_specialize:
+        if not wide or ops.layout != "bf16" or ops.kv_lora_rank != 512 or ops.rope_dim != 64:
+            return (f"warp_specialize=True (gluon.seesaw) runs the bf16 layout past {GLUON_ROWS} query rows at "
+                    f"kv_lora_rank 512 and rope_dim 64; got the {ops.layout} layout, {rows} query rows, "
+                    f"kv_lora_rank {ops.kv_lora_rank}, rope_dim {ops.rope_dim}")
+    warps = 8 if wide and native8_rows != 32 and not options.warp_specialize else 4
     if num_warps not in (None, warps):
         return f"tile='gluon' at {rows} query rows runs num_warps={warps}, got num_warps={num_warps}"
     if wide and fp8_mma is True and num_stages not in (None, 2, 3, 4):
@@ -317,6 +330,8 @@ def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOp
         block_m = opts.block_m or 32
         kernel = "gluon.narrow8" if block_m == 32 else "gluon.wide8"
         stages, warps, resident, max_run = opts.num_stages or 2, 4 if block_m == 32 else 8, 2 if block_m == 32 else 1, None
+    elif opts.warp_specialize:
+        kernel, block_m, stages, warps, resident, max_run = "gluon.seesaw", GLUON_WIDE_ROWS, 2, 4, 1, None
     else:
         kernel, block_m, stages, warps, resident, max_run = "gluon.wide", GLUON_WIDE_ROWS, 2, 8, 1, None
     splits = opts.num_splits or one_wave_splits(B * triton.cdiv(rows, block_m), ops.block_table.shape[1],

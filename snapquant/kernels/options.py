@@ -20,6 +20,9 @@ query rows, GPU); a field set by the caller is a request, and one the chosen ker
                 times 2^-8 undone on the fp32 accumulators: the same bits, except NaN codes) | "int_qk" /
                 "int_pv" (one product each way) | "int_pv2" / "int_qk_pv2" (two of PV's four 128-channel
                 boxes by integers: both units busy); None: the kernel's default
+    warp_specialize  past 16 query rows of the bf16 layout on Hopper: two warpgroups in different roles
+                (`gluon.seesaw`: each owns alternate pages' QK and softmax and half of the output channels)
+                instead of one chain on 8 warps (`gluon.wide`); opt-in
     num_warps, num_stages, maxnreg   launch parameters (num_stages: ring slots of the Gluon kernels)
 """
 
@@ -57,6 +60,7 @@ class DecodeOptions:
     num_stages: int | None = None
     maxnreg: int | None = None
     widen: str | None = None
+    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         if self.tile is not None and self.tile not in TILES:
@@ -71,6 +75,8 @@ class DecodeOptions:
         if not (isinstance(mma, bool) or mma in ("qk", "pv")):
             raise unknown_choice("fp8_mma", self.fp8_mma, [str(v) for v in FP8_MMA])
         object.__setattr__(self, "fp8_mma", mma)
+        if not isinstance(self.warp_specialize, bool):
+            raise ConfigError(f"warp_specialize={self.warp_specialize!r} is not valid; allowed values: True, False")
         _positive_int("num_splits", self.num_splits)
         _positive_int("num_stages", self.num_stages)
         _positive_int("maxnreg", self.maxnreg)
