@@ -34,7 +34,7 @@ from ..layouts import GLUON_WIDE_ROWS
 from .common import HAVE_GLUON
 
 BM = GLUON_WIDE_ROWS  # query rows per program (wgmma M)
-WORKER_REGS = 240  # registers per thread of warpgroup 1 (Gluon gives the default partition what is left)
+WORKER_REGS = 256  # registers per thread of warpgroup 1: all it can have (two warpgroups of 256 fill the register file)
 
 if HAVE_GLUON:
     from triton.experimental import gluon
