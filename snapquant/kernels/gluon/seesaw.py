@@ -125,8 +125,8 @@ if HAVE_GLUON:
             mbarrier.wait(ready.index(2 * K + 1), t & 1)
             qk_t = warpgroup_mma(q_hi, tile.slice(HALF, HALF, dim=1).permute((1, 0)), qk_t, is_async=True)
             qk_t = warpgroup_mma(qr, rope_smem.index(K).permute((1, 0)), qk_t, is_async=True)
-            # 2. PV of the other warpgroup's page j - 1 (slot OTHER) on this half, under this page's QK and
-            # softmax (3.); the softmax of page j needs the other's running max and sum after page j - 1
+            # 2. PV of the other warpgroup's page j - 1 (slot OTHER) on this half, behind this page's QK; then
+            # the softmax of page j, which needs the other's running max and sum after page j - 1
             if j >= 1:
                 t_o = t - 1 + K  # page j - 1 is the other warpgroup's t_o-th
                 mbarrier.wait(pub.index(OTHER), t_o & 1)
@@ -137,24 +137,25 @@ if HAVE_GLUON:
                 acc = warpgroup_mma(p_smem.index(OTHER), tile_smem.index(OTHER).slice(K * HALF, HALF, dim=1),
                                     acc * gl.expand_dims(alpha_o, 1), is_async=True)
                 qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t,))
-                p16, alpha, m_i, l_i = page_p16(qk, coef, base + offs_t, limit, m_o, l_o, 1)
-                # 4. the other's page is done on this half: P tile OTHER is free, and so is this half of its slot
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                # the other's page is done on this half: P tile OTHER is free, and this half of its slot takes
+                # page j + 1 now (before the softmax: the other warpgroup's next QK waits for it)
                 if j + 1 < n_run:
                     page = gl.load(bt_row + j + 1).to(gl.int64)
                     _issue_half(lat_desc, rope_desc, tile_smem, rope_smem, ready, OTHER, page, lat_page_rows,
                                 rope_page_rows, K, HALF)
+                p16, alpha, m_i, l_i = page_p16(qk, coef, base + offs_t, limit, m_o, l_o, 1)
             else:
                 qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t,))
                 p16, alpha, m_i, l_i = page_p16(qk, coef, base + offs_t, limit, m_i, l_i, 1)
-            # 5. hand P and the row state to the other warpgroup
+            # 3. hand P and the row state to the other warpgroup
             p_smem.index(K).store(p16)
             stat_smem.slice((3 * K) * BM, BM).store(alpha)
             stat_smem.slice((3 * K + 1) * BM, BM).store(m_i)
             stat_smem.slice((3 * K + 2) * BM, BM).store(l_i)
             fence_async_shared()
             mbarrier.arrive(pub.index(K), count=1)
-            # 6. PV of page j on this half (P from registers); a last page's tail tokens -> 0 first (0 x NaN)
+            # 4. PV of page j on this half (P from registers); a last page's tail tokens -> 0 first (0 x NaN)
             if base + PAGE > length:
                 zero_tail_rows(tile.slice(K * HALF, HALF, dim=1), base, length, HALF, PAGE, z_l)
                 fence_async_shared()
@@ -162,7 +163,7 @@ if HAVE_GLUON:
             acc = warpgroup_mma(gl.convert_layout(p16, p_l), tile.slice(K * HALF, HALF, dim=1), acc * alpha_c,
                                 is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            # 7. this half of slot K is free: page j + 2's half in flight
+            # 5. this half of slot K is free: page j + 2's half in flight
             if j + 2 < n_run:
                 page = gl.load(bt_row + j + 2).to(gl.int64)
                 _issue_half(lat_desc, rope_desc, tile_smem, rope_smem, ready, K, page, lat_page_rows, rope_page_rows,
