@@ -27,7 +27,7 @@ mkdir -p "$OUT" "$RES" "$NCU_DIR"
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
 pack() {  # the reports per shape (each tarball kept under 15 MiB: the largest reports dropped first, logged)
-  cp "$RES"/profile_h200.md "$RES"/profile_h200.csv "$RES"/profile_timings_h200.csv "$OUT"/ 2>/dev/null
+  cp "$RES"/profile_*.md "$RES"/profile_*.csv "$OUT"/ 2>/dev/null  # profile_<h200|h100>.*
   (cd "$NCU_DIR" && tar -czf "$OUT/profile_logs.tar.gz" ./*.log ./*.csv 2>/dev/null)
   for shape in $(cd "$NCU_DIR" && ls ./*.ncu-rep 2>/dev/null | sed 's|^\./||; s|_.*||' | sort -u); do
     mapfile -t reps < <(cd "$NCU_DIR" && ls -S "$shape"_*.ncu-rep)
@@ -48,7 +48,7 @@ source scripts/anchor_env.sh > "$NCU_DIR/flashmla.log" 2>&1; cat "$NCU_DIR/flash
 timeout $((PROFILE_S + 30)) python3 scripts/profile_decode.py run --out "$RES" --ncu-dir "$NCU_DIR" \
   --ncu "${NCU:-ncu}" --budget-s "$PROFILE_S" 2>&1 | tee "$NCU_DIR/profile.log" | grep -E "^==| us |read bandwidth"
 echo "== profile step: $(elapsed) s"
-sed -n '1,200p' "$RES/profile_h200.md" 2>/dev/null | cut -c1-400
+cat "$RES"/profile_h*.md 2>/dev/null | cut -c1-400
 
 if [ "$ANCHOR" = 1 ]; then
   LEFT=$((TOTAL_S - $(elapsed) - 15))  # 15 s for packing

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -192,7 +193,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     ncu_bin = shutil.which(args.ncu) or args.ncu
     me = [sys.executable, str(Path(__file__).resolve())]
-    timings = out / "profile_timings_h200.csv"
+    tag, gpu = gpu_tag()
+    timings = out / f"profile_timings_{tag}.csv"
     t_time = min(args.time_budget_s, max(0.0, left() - 60))
     if t_time > 20:
         print(f"== timing ({t_time:.0f} s budget)", flush=True)
@@ -215,7 +217,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"== {shape} {variant}: rc {rc}, {time.monotonic() - t1:.0f} s, report {rep.exists()}", flush=True)
             if rep.exists():
                 export(ncu_bin, rep)
-    write_summary(ncu_dir, out, timings)
+    write_summary(ncu_dir, out, timings, tag, gpu)
     print(f"== done in {time.monotonic() - t0:.0f} s", flush=True)
     return 0
 
@@ -230,8 +232,19 @@ def _run(cmd: list[str], timeout: float, log: Path) -> int:
             return 124
 
 
-def write_summary(ncu_dir: Path, out: Path, timings: Path | None = None) -> list[dict[str, Any]]:
-    """Parse every exported report in `ncu_dir` into out/profile_h200.{csv,md}."""
+def gpu_tag() -> tuple[str, str]:
+    """(file tag, title) of this machine's GPU: "h200" / "h100" / its sanitized name, so that another GPU's profile
+    never lands under an H200 name."""
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "unknown GPU"
+    tag = "h200" if "H200" in name else "h100" if "H100" in name else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    return tag, name
+
+
+def write_summary(ncu_dir: Path, out: Path, timings: Path | None = None, tag: str = "h200",
+                  gpu: str = "H200") -> list[dict[str, Any]]:
+    """Parse every exported report in `ncu_dir` into out/profile_<tag>.{csv,md}."""
     rows = []
     for det in sorted(ncu_dir.glob("*.details.csv")):
         stem = det.name[: -len(".details.csv")]
@@ -243,8 +256,8 @@ def write_summary(ncu_dir: Path, out: Path, timings: Path | None = None) -> list
             print(f"{stem}: {e}", flush=True)
             continue
         rows += [ncu.summarize(k, shape, variant.replace("-", "+")) for k in kernels]
-    (out / "profile_h200.csv").write_text(ncu.summary_csv(rows))
-    md = ["# Decode kernels under Nsight Compute (H200)", "",
+    (out / f"profile_{tag}.csv").write_text(ncu.summary_csv(rows))
+    md = [f"# Decode kernels under Nsight Compute ({gpu})", "",
           f"`python scripts/profile_decode.py run` ({time.strftime('%Y-%m-%d')}, commit "
           f"{(git_commit() or 'unknown')[:7]}): one warm call per variant, "
           "`--clock-control none --cache-control all`, sections " + ", ".join(SECTIONS) + ". "
@@ -253,7 +266,7 @@ def write_summary(ncu_dir: Path, out: Path, timings: Path | None = None) -> list
     if timings is not None and timings.exists():
         md += ["## CUDA-graph timings (L2-rotated inputs; vs_flashmla = us / FlashMLA us)", "", _timing_table(timings), ""]
     md += ["## Kernels", "", ncu.summary_markdown(rows) if rows else "(no report parsed)", ""]
-    (out / "profile_h200.md").write_text("\n".join(md))
+    (out / f"profile_{tag}.md").write_text("\n".join(md))
     return rows
 
 
