@@ -339,6 +339,18 @@ JOBS: tuple[Job, ...] = (
         ("decode_anchor64_h100.*", "bench_anchor64_h100.json"), "our BF16 past 16 rows (gluon.wide) beside FlashMLA, "
         "on an H100; the committed file also has the rows of a softmax-under-PV variant of gluon.wide since removed "
         "(refuted: 12-28 % slower, docs/performance.md)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "seesaw2_h100", "--no-append", "--budget-s", "130",
+         "--shapes", "32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768", "--variants", "bf16,bf16+ws"),
+        ("decode_seesaw2_h100.*", "bench_seesaw2_h100.json"), "our BF16 past 16 rows: gluon.wide against the "
+        "warp-specialized gluon.seesaw (opt-in) beside FlashMLA, on an H100 (`TAG=seesaw2 ... bash "
+        "scripts/device_widen.sh` at 0f8a683)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/profile_decode.py", "run", "--shapes", "32x64x8192,64x128x8192", "--variants", "bf16,bf16+ws,flashmla",
+         "--time-shapes", "32x64x8192", "--out", "results/h100", "--ncu-dir", "/tmp/ncu", "--budget-s", "300",
+         "--time-budget-s", "40"),
+        ("profile_h100.*", "profile_timings_h100.csv"), "Nsight Compute profiles of gluon.wide, gluon.seesaw and "
+        "FlashMLA past 16 rows, on an H100 (at 0f8a683)", manual=True, code=(*BENCH, "scripts/device_profile.sh")),
     Job("results/research_model", "gpu", ("scripts/train_research_model.py", "all", "--out", "results/research_model"),
         ("README.md", "*.json", "*.jsonl", "*.csv", "*.npz", "*.png", "*.pdf", "device_call*.log"),
         "the research-scale model at DeepSeek-V2-Lite attention dims: data, training, card, activation study, "
