@@ -346,6 +346,12 @@ JOBS: tuple[Job, ...] = (
         "warp-specialized gluon.seesaw (opt-in) beside FlashMLA, on an H100 (`TAG=seesaw2 ... bash "
         "scripts/device_widen.sh` at 0f8a683)", manual=True, code=BENCH),
     Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "seesaw3_h100", "--no-append", "--budget-s", "130",
+         "--shapes", "32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768", "--variants", "bf16,bf16+ws"),
+        ("decode_seesaw3_h100.*", "bench_seesaw3_h100.json"), "gluon.seesaw with the other's previous page first "
+        "(PV and refill before the wait for its own page), beside gluon.wide and FlashMLA, on an H100 (at 7e41fe0)",
+        manual=True, code=BENCH),
+    Job("results/h100", "gpu",
         ("scripts/profile_decode.py", "run", "--shapes", "32x64x8192,64x128x8192", "--variants", "bf16,bf16+ws,flashmla",
          "--time-shapes", "32x64x8192", "--out", "results/h100", "--ncu-dir", "/tmp/ncu", "--budget-s", "300",
          "--time-budget-s", "40"),
