@@ -118,33 +118,36 @@ if HAVE_GLUON:
             j = K + 2 * t  # this warpgroup's page (slot K), its t-th
             base = (p_lo + j) * PAGE
             tile = tile_smem.index(K)
-            # 1. PV of the other warpgroup's page j - 1 (slot OTHER) on this half, first: this half of that slot
-            # then takes page j + 1 at once (the other warpgroup's next QK waits for it), before this warpgroup
-            # waits for its own page (waiting for that first gated each slot's refill behind the other slot's data)
-            if j >= 1:
-                t_o = t - 1 + K  # page j - 1 is the other warpgroup's t_o-th
-                mbarrier.wait(pub.index(OTHER), t_o & 1)
-                mbarrier.wait(ready.index(2 * OTHER + K), t_o & 1)
-                alpha_o = stat_smem.slice((3 * OTHER) * BM, BM).load(orow_l)
-                m_i = stat_smem.slice((3 * OTHER + 1) * BM, BM).load(srow_l)
-                l_i = stat_smem.slice((3 * OTHER + 2) * BM, BM).load(srow_l)
-                acc = warpgroup_mma(p_smem.index(OTHER), tile_smem.index(OTHER).slice(K * HALF, HALF, dim=1),
-                                    acc * gl.expand_dims(alpha_o, 1), is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                if j + 1 < n_run:
-                    page = gl.load(bt_row + j + 1).to(gl.int64)
-                    _issue_half(lat_desc, rope_desc, tile_smem, rope_smem, ready, OTHER, page, lat_page_rows,
-                                rope_page_rows, K, HALF)
-            # 2. QK of page j, each half as soon as it has arrived; its softmax after the other's page j - 1
-            # (the running max and sum read above)
+            # 1. QK of page j, each half as soon as it has arrived
             mbarrier.wait(ready.index(2 * K), t & 1)
             qk_t = warpgroup_mma(q_lo, tile.slice(0, HALF, dim=1).permute((1, 0)), zero_s, use_acc=False,
                                  is_async=True)
             mbarrier.wait(ready.index(2 * K + 1), t & 1)
             qk_t = warpgroup_mma(q_hi, tile.slice(HALF, HALF, dim=1).permute((1, 0)), qk_t, is_async=True)
             qk_t = warpgroup_mma(qr, rope_smem.index(K).permute((1, 0)), qk_t, is_async=True)
-            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t,))
-            p16, alpha, m_i, l_i = page_p16(qk, coef, base + offs_t, limit, m_i, l_i, 1)
+            # 2. PV of the other warpgroup's page j - 1 (slot OTHER) on this half, behind this page's QK; then
+            # the softmax of page j, which needs the other's running max and sum after page j - 1
+            if j >= 1:
+                t_o = t - 1 + K  # page j - 1 is the other warpgroup's t_o-th
+                mbarrier.wait(pub.index(OTHER), t_o & 1)
+                mbarrier.wait(ready.index(2 * OTHER + K), t_o & 1)
+                alpha_o = stat_smem.slice((3 * OTHER) * BM, BM).load(orow_l)
+                m_o = stat_smem.slice((3 * OTHER + 1) * BM, BM).load(srow_l)
+                l_o = stat_smem.slice((3 * OTHER + 2) * BM, BM).load(srow_l)
+                acc = warpgroup_mma(p_smem.index(OTHER), tile_smem.index(OTHER).slice(K * HALF, HALF, dim=1),
+                                    acc * gl.expand_dims(alpha_o, 1), is_async=True)
+                qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t,))
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                # the other's page is done on this half: P tile OTHER is free, and this half of its slot takes
+                # page j + 1 now (before the softmax: the other warpgroup's next QK waits for it)
+                if j + 1 < n_run:
+                    page = gl.load(bt_row + j + 1).to(gl.int64)
+                    _issue_half(lat_desc, rope_desc, tile_smem, rope_smem, ready, OTHER, page, lat_page_rows,
+                                rope_page_rows, K, HALF)
+                p16, alpha, m_i, l_i = page_p16(qk, coef, base + offs_t, limit, m_o, l_o, 1)
+            else:
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t,))
+                p16, alpha, m_i, l_i = page_p16(qk, coef, base + offs_t, limit, m_i, l_i, 1)
             # 3. hand P and the row state to the other warpgroup
             p_smem.index(K).store(p16)
             stat_smem.slice((3 * K) * BM, BM).store(alpha)
