@@ -232,12 +232,13 @@ def _run(cmd: list[str], timeout: float, log: Path) -> int:
             return 124
 
 
-def gpu_tag() -> tuple[str, str]:
-    """(file tag, title) of this machine's GPU: "h200" / "h100" / its sanitized name, so that another GPU's profile
-    never lands under an H200 name."""
-    import torch
+def gpu_tag(name: str | None = None) -> tuple[str, str]:
+    """(file tag, title) of GPU `name` (default: this machine's): "h200" / "h100" / the sanitized name, so that
+    another GPU's profile never lands under an H200 name."""
+    if name is None:
+        import torch
 
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "unknown GPU"
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "unknown GPU"
     tag = "h200" if "H200" in name else "h100" if "H100" in name else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     return tag, name
 
@@ -284,8 +285,9 @@ def _timing_table(path: Path) -> str:
 
 
 def cmd_summarize(args: argparse.Namespace) -> int:
-    rows = write_summary(Path(args.ncu_dir), Path(args.out), Path(args.timings) if args.timings else None)
-    print(f"{len(rows)} kernel rows -> {args.out}/profile_h200.{{md,csv}}")
+    tag, gpu = gpu_tag(args.gpu)
+    rows = write_summary(Path(args.ncu_dir), Path(args.out), Path(args.timings) if args.timings else None, tag, gpu)
+    print(f"{len(rows)} kernel rows -> {args.out}/profile_{tag}.{{md,csv}}")
     return 0
 
 
@@ -314,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--ncu-dir", required=True)
     s.add_argument("--out", default="results/kernels")
     s.add_argument("--timings", default="")
+    s.add_argument("--gpu", default="NVIDIA H200", help="the GPU the reports came from (names the files and title)")
     args = ap.parse_args(argv)
     return {"run": cmd_run, "time": cmd_time, "worker": cmd_worker, "summarize": cmd_summarize}[args.cmd](args)
 

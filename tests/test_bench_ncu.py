@@ -113,6 +113,19 @@ def _script():
     return mod
 
 
+def test_profiles_are_named_by_the_gpu_they_ran_on(tmp_path):
+    pd = _script()
+    assert pd.gpu_tag("NVIDIA H100 80GB HBM3") == ("h100", "NVIDIA H100 80GB HBM3")
+    assert pd.gpu_tag("NVIDIA H200")[0] == "h200" and pd.gpu_tag("NVIDIA A100-SXM4-80GB")[0] == "nvidia_a100_sxm4_80gb"
+    d = tmp_path / "ncu"
+    d.mkdir()
+    for page, text in (("details", DETAILS), ("raw", RAW), ("source", SOURCE)):
+        (d / f"64x128x8192_snapmla-gluon-fp8mma.{page}.csv").write_text(text)
+    assert pd.main(["summarize", "--ncu-dir", str(d), "--out", str(tmp_path), "--gpu", "NVIDIA H100 80GB HBM3"]) == 0
+    assert (tmp_path / "profile_h100.md").read_text().startswith("# Decode kernels under Nsight Compute (NVIDIA H100")
+    assert (tmp_path / "profile_h100.csv").exists() and not (tmp_path / "profile_h200.md").exists()
+
+
 def test_the_script_summarises_exported_reports_and_picks_knob_alternatives(tmp_path):
     pd = _script()
     d = tmp_path / "ncu"

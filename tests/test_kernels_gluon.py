@@ -441,13 +441,14 @@ def test_narrow_bf16_gluon_kernel_matches_the_reference(stages, B, H, S, L, spli
 # ------------------------------------------ past 16 rows with warp specialization (gluon/seesaw.py, opt-in)
 @needs_gluon
 def test_seesaw_kernel_compiles_to_two_warpgroups_in_roles():
-    """warp_specialize=True: a 4-warp default partition and a 4-warp worker (setmaxnreg), each per page it owns
-    QK as two m64n64k16 chains over its halves (r / 16) plus the RoPE part (d / 16), and per page PV on its 256
-    channels (m64n256k16, 64 / 16 per page) twice (its own page's P from registers, the other's from shared
+    """warp_specialize=True: a 4-warp default partition and a 4-warp worker, each with QK of the pages it owns as
+    m64n64k16 over its two channel halves (r / 16) plus the RoPE part (d / 16), and PV on its 256 channels
+    (m64n256k16, 64 / 16 per page) of every page (its own page's P from registers, the other's from shared
     memory); shared memory within one SM (the query's RoPE part in registers makes it fit)."""
     st = sm90_stats("bf16", **WIDE, tile="gluon", warp_specialize=True)
     assert st["kernel"] == "decode_gluon_seesaw" and st["grid"][:2] == (1, 32)
-    # per warpgroup and owned page: QK 32 + 4 m64n64k16; PV of two pages: 2 x 4 m64n256k16 (both partitions)
+    # static counts per partition: one QK site (32 + 4 m64n64k16) and three PV sites of 4 m64n256k16 each (the
+    # other's page in the loop, its own page, the other's last page after the loop)
     assert wgmma_mix(st, "bf16.bf16 m64n256k16") == {"bf16.bf16 m64n256k16": 1, "bf16.bf16 m64n64k16": 3}
     assert st["mma_sync"] == 0 and st["cvt_e4m3"] == 0
     assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT
