@@ -186,10 +186,12 @@ def plan_decode(
         knobs.update(num_warps=choice.num_warps, num_stages=choice.num_stages)
     if opts.maxnreg is not None and target.native:
         knobs["maxnreg"] = opts.maxnreg
+    pdl = _use_pdl(opts, target)
+    knobs["pdl"] = pdl
     plan = DecodePlan(out, lse, single, dev, knobs=knobs)
     sm_scale_log2 = float(softmax_scale) * LOG2E
     if choice.schedule == "balanced":
-        plan.launches += _balanced_launches(q, ops, config, choice, target, out, lse, sm_scale_log2, causal)
+        plan.launches += _balanced_launches(q, ops, config, choice, target, out, lse, sm_scale_log2, causal, pdl)
         return plan
     nb, splits = ops.num_scale_blocks, choice.num_splits
     if splits == 1:  # stage 1 writes the final result directly
@@ -216,8 +218,17 @@ def plan_decode(
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         out_v.stride(0), out_v.stride(1), lse_v.stride(0), splits,
     ), dict(NSPLIT_P2=triton.next_power_of_2(splits), NB=nb, BW=r // nb, NATIVE=target.native,
-            **_small_launch(target))))
+            **_small_launch(target, pdl))))
     return plan
+
+
+def _use_pdl(opts: DecodeOptions, target: Target) -> bool:
+    """Whether the combine is launched as a programmatic dependent of stage 1 (`DecodeOptions.pdl`)."""
+    able = target.native and target.arch is not None and target.arch >= 90
+    if opts.pdl and not able:
+        where = "the Triton interpreter" if not target.native else f"compute capability {target.arch}"
+        raise ConfigError(f"pdl=True needs kernels compiled for compute capability >= 9.0, not {where}")
+    return able if opts.pdl is None else opts.pdl
 
 
 # ------------------------------------------------------------------------------------------- Triton launches
@@ -276,7 +287,8 @@ def _uniform_launch(q, ops, config, choice, target, o_part, lse_part, sm_scale_l
     ), dict(LSE_NATURAL=choice.num_splits == 1, **consts))
 
 
-def _balanced_launches(q, ops, config, choice, target, out, lse, sm_scale_log2, causal) -> list[KernelLaunch]:
+def _balanced_launches(q, ops, config, choice, target, out, lse, sm_scale_log2, causal,
+                       pdl: bool = False) -> list[KernelLaunch]:
     """The balanced schedule: the page prefix sum, stage 1 over parts of the batch, the combine."""
     B, S, H = q.shape[:3]
     rows, r, nb, parts, dev = S * H, ops.kv_lora_rank, ops.num_scale_blocks, choice.num_splits, ops.device
@@ -299,13 +311,17 @@ def _balanced_launches(q, ops, config, choice, target, out, lse, sm_scale_log2, 
         KernelLaunch("combine_balanced", mla_decode_combine_balanced, (B, rows, nb), (
             cum, o_part, lse_part, out_v, lse_v,
             o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
-            out_v.stride(0), out_v.stride(1), lse_v.stride(0), B, parts), dict(BW=r // nb, **small)),
+            out_v.stride(0), out_v.stride(1), lse_v.stride(0), B, parts),
+            dict(BW=r // nb, **_small_launch(target, pdl))),
     ]
 
 
-def _small_launch(target: Target) -> dict[str, int]:
-    """Launch options of the small helper kernels (combine, metadata): 4 warps on a GPU."""
-    return {"num_warps": 4} if target.native else {}
+def _small_launch(target: Target, pdl: bool = False) -> dict[str, Any]:
+    """Launch options of the small helper kernels (combine, metadata): 4 warps on a GPU; `pdl`: a combine
+    launched as a programmatic dependent of the kernel before it (it calls `griddepcontrol.wait` first)."""
+    if not target.native:
+        return {}
+    return {"num_warps": 4, "PDL": True, "launch_pdl": True} if pdl else {"num_warps": 4}
 
 
 # ------------------------------------------------------------------------------------------- Gluon launches

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .common import LN2, rmax, rsum
 from .decode import part_range
@@ -22,8 +23,12 @@ def mla_decode_combine(
     stride_pb, stride_pm, stride_ps, stride_lb, stride_lm, stride_ls,
     stride_ob, stride_om, stride_eb,
     NSPLIT, NSPLIT_P2: tl.constexpr, NB: tl.constexpr, BW: tl.constexpr, NATIVE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """out = sum_s w_s out_s / sum_s w_s with w_s = 2^(lse_s - max lse); lse = max + log2(sum w), as ln."""
+    """out = sum_s w_s out_s / sum_s w_s with w_s = 2^(lse_s - max lse); lse = max + log2(sum w), as ln.
+    PDL: launched as a programmatic dependent of stage 1, so wait for that grid (and its writes) first."""
+    if PDL:
+        gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     row = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -51,10 +56,12 @@ def mla_decode_combine(
 def mla_decode_combine_balanced(
     CUM, O_PART, LSE_PART, OUT, LSE_OUT,
     stride_ps, stride_pm, stride_ls, stride_lm, stride_ob, stride_om, stride_eb,
-    B, NPARTS, BW: tl.constexpr,
+    B, NPARTS, BW: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Merge request b's partials (slots first + b .. last + b), as `mla_decode_combine` does.
     Requests that one part covered whole were written by stage 1; empty ones get out 0, lse -inf."""
+    if PDL:
+        gdc_wait()
     b = tl.program_id(0)
     row = tl.program_id(1)
     chunk = tl.program_id(2)
