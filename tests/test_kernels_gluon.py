@@ -18,6 +18,7 @@ import torch
 from snapquant import PRESETS, mla_decode_reference
 from snapquant.errors import ConfigError
 from snapquant.kernels import PagedMLACache, mla_decode, mla_decode_plan
+from snapquant.kernels.compile_stats import compile_launch
 from snapquant.kernels.dispatch import gluon_format_reason
 from snapquant.kernels.gluon import HAVE_GLUON
 from snapquant.kernels.options import DecodeOptions
@@ -441,17 +442,26 @@ def test_narrow_bf16_gluon_kernel_matches_the_reference(stages, B, H, S, L, spli
 # ------------------------------------------ past 16 rows with warp specialization (gluon/seesaw.py, opt-in)
 @needs_gluon
 def test_seesaw_kernel_compiles_to_two_warpgroups_in_roles():
-    """warp_specialize=True: a 4-warp default partition and a 4-warp worker, each with QK of the pages it owns as
-    m64n64k16 over its two channel halves (r / 16) plus the RoPE part (d / 16), and PV on its 256 channels
-    (m64n256k16, 64 / 16 per page) of every page (its own page's P from registers, the other's from shared
-    memory); shared memory within one SM (the query's RoPE part in registers makes it fit)."""
+    """warp_specialize=True: a 4-warp default partition and a 4-warp worker in lockstep over pairs of pages. Each
+    computes the scores of its pages as m64n64k16 box by box ((r + d) / 64 boxes of 64 / 16 steps), in two
+    places (its first page before the loop, the next pair's page in it), and PV on its 256 channels (m64n256k16,
+    64 / 16 per page) of every page: warpgroup 0 at two sites (its page, the other's), warpgroup 1 at three (the
+    other's page inside and after the branch on whether the pair has its page, its own). Every box has its own
+    TMA barrier, so each QK waits box by box; shared memory within one SM (the query's RoPE part in registers
+    makes it fit)."""
     st = sm90_stats("bf16", **WIDE, tile="gluon", warp_specialize=True)
     assert st["kernel"] == "decode_gluon_seesaw" and st["grid"][:2] == (1, 32)
-    # static counts per partition: one QK site (32 + 4 m64n64k16) and three PV sites of 4 m64n256k16 each (the
-    # other's page in the loop, its own page, the other's last page after the loop)
-    assert wgmma_mix(st, "bf16.bf16 m64n256k16") == {"bf16.bf16 m64n256k16": 1, "bf16.bf16 m64n64k16": 3}
+    # 4 QK sites x 36 m64n64k16 against 5 PV sites x 4 m64n256k16
+    assert wgmma_mix(st, "bf16.bf16 m64n256k16") == {"bf16.bf16 m64n256k16": 1, "bf16.bf16 m64n64k16": 36 * 4 / 20}
     assert st["mma_sync"] == 0 and st["cvt_e4m3"] == 0
     assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT
+    ptx = compile_launch(meta_plan("bf16", **WIDE, tile="gluon", warp_specialize=True).launches[0], 90).asm["ptx"]
+    # one wait per box at each QK site (4 x 9), plus the hand-overs: warpgroup 0 waits for the other's page and
+    # for P tile 0 to be free, warpgroup 1 for warpgroup 0's page
+    assert ptx.count("mbarrier.try_wait") == 4 * 9 + 3
+    # each warpgroup asks for its part of a page (4 latent boxes; warpgroup 1 also the RoPE rows) at four sites
+    # (the run's first two pages, then slot 0's and slot 1's next pages in the loop), one byte count per box
+    assert ptx.count("expect_tx") == (4 + 5) * 4
 
 
 @needs_gluon
