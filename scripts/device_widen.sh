@@ -6,7 +6,8 @@
 #   2. the decode benchmark at the three H = 16 headline shapes and at 32x16x32768 (one V2-Lite layer of the 32K, batch-32 decode step): our BF16, the FP8 default and the five widen
 #      modes (each checked against the FP8 default with tolerance 0: the same bits), FlashMLA beside them.
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_widen.sh
-# TAG (widen), VARIANTS, SHAPES and TESTS narrow a call; TEST_S=0 skips the tests. Results: results/bench/decode_<TAG>_h200.* on an H200, results/h100/decode_<TAG>_h100.* elsewhere (a
+# TAG (widen), VARIANTS, SHAPES, TESTS (a -k filter) and TEST_FILES (default tests/test_kernels_gluon.py) narrow a
+# call; TEST_S=0 skips the tests. Results: results/bench/decode_<TAG>_h200.* on an H200, results/h100/decode_<TAG>_h100.* elsewhere (a
 # non-H200 machine's rows never go into the H200 tables); logs in $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -16,7 +17,7 @@ tag=${TAG:-widen}_h200; RES=results/bench
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 || { tag=${TAG:-widen}_h100; RES=results/h100; }
 mkdir -p "$RES"
 source scripts/anchor_env.sh > "$OUT/flashmla.txt" 2>&1; cat "$OUT/flashmla.txt"
-[ "${TEST_S:-150}" -gt 0 ] && timeout "${TEST_S:-150}" python3 -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_kernels_gluon.py \
+[ "${TEST_S:-150}" -gt 0 ] && timeout "${TEST_S:-150}" python3 -m pytest -m gpu -rfEs -q -p no:cacheprovider ${TEST_FILES:-tests/test_kernels_gluon.py} \
   -k "${TESTS:-integer or narrow or matches_the_reference}" 2>&1 | tee "$OUT/pytest_widen.txt" | tail -3
 timeout "${BENCH_S:-300}" python3 scripts/bench_decode.py --out "$RES" --tag "$tag" --no-append \
   --budget-s "$(( ${BENCH_S:-300} - 40 ))" --shapes "${SHAPES:-128x16x4096,32x16x16384,8x16x32768,32x16x32768}" \
