@@ -68,14 +68,16 @@ def _ptx(launch) -> str:
 
 @pytest.mark.parametrize("tile", ["rows", "gluon"])
 def test_compiled_kernels_signal_and_wait_on_the_grid_dependency(tile):
-    """Stage 1 (a Triton tile, or a Gluon kernel through `split_run`) signals its dependents; the PDL
-    combine waits before its first load, and is compiled for a programmatic launch; without PDL the combine
-    has no wait (a wait there would be harmless but would mean the flag is not what selects it)."""
+    """The PDL combine waits before its first load and is compiled for a programmatic launch; stage 1 (a
+    Triton tile or a Gluon kernel) does not trigger it early; without PDL the combine has no wait (a wait there
+    would be harmless but would mean the flag is not what selects it)."""
     if tile == "gluon" and not HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
     plan = meta_plan("bf16", **WIDE, tile=tile)
-    stage1 = _ptx(plan.launches[0])
-    assert "griddepcontrol.launch_dependents" in stage1
+    # no early trigger: with stage 1 signalling its dependents as it started, the combine's programs sat
+    # resident beside it and made some shapes 20-30 % slower on an H100 (docs/performance.md); the implicit
+    # trigger as each program exits still lets the combine launch before stage 1's grid is retired
+    assert "griddepcontrol" not in _ptx(plan.launches[0])
     comb = compile_launch(_combine(plan), 90)
     ptx = comb.asm["ptx"]
     assert "griddepcontrol.wait" in ptx
@@ -115,4 +117,4 @@ def test_pdl_combine_gives_the_same_bits_in_and_out_of_a_cuda_graph(preset, H):
         plans[True].out.fill_(float("nan"))
         graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(plans[True].out.view(torch.int32), eager[False][0].view(torch.int32))
+    assert torch.equal(plans[True].out[:, 0].view(torch.int32), eager[False][0].view(torch.int32))

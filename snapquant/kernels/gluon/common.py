@@ -210,13 +210,7 @@ if HAVE_GLUON:
     @gluon.jit
     def split_run(LENS, b, split, NSPLIT, PAGE: gl.constexpr):
         """Request b's length and the pages of its split `split` of NSPLIT (uniform schedule): the first page
-        p_lo and how many to run (0 for a split past the request's pages).
-
-        Every Gluon decode kernel calls this first, so it also lets a PDL-launched combine be scheduled now
-        (`griddepcontrol.launch_dependents`, a no-op when the next launch is not programmatic): the combine's
-        programs then wait on the GPU (`griddepcontrol.wait`) instead of in the launch queue."""
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+        p_lo and how many to run (0 for a split past the request's pages)."""
         length = gl.load(LENS + b)
         n_pages = (length + PAGE - 1) // PAGE
         per_split = (n_pages + NSPLIT - 1) // NSPLIT

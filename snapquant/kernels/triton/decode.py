@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from .common import (
     BF16_MAX,
@@ -511,8 +510,6 @@ def mla_decode_stage1(
 ):
     """Uniform schedule: program (b, row tile, split * NB + chunk) owns split `split` of request b."""
     BW: tl.constexpr = R // NB
-    if NATIVE:  # a PDL-launched combine may be scheduled now (it waits for this grid before reading)
-        gdc_launch_dependents()
     b = tl.program_id(0)
     split = tl.program_id(2) // NB
     chunk = tl.program_id(2) % NB
@@ -595,8 +592,6 @@ def mla_decode_balanced(
     """Balanced schedule: program (part, row tile, chunk) owns pages [lo, hi) of the batch's page
     sequence, which may cover the end of one request and the start of the next ones."""
     BW: tl.constexpr = R // NB
-    if NATIVE:
-        gdc_launch_dependents()
     part = tl.program_id(0)
     chunk = tl.program_id(2)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
