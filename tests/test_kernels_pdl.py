@@ -1,10 +1,10 @@
-"""The split combine as a programmatic dependent launch (`DecodeOptions.pdl`).
+"""The split combine as a programmatic dependent launch (`DecodeOptions.pdl`, opt-in).
 
-On Hopper the combine is launched with CUDA's programmatic stream serialization: it may be scheduled while
-stage 1 runs (stage 1 signals `griddepcontrol.launch_dependents` as it starts) and it waits for stage 1's grid
-and its writes on the GPU (`griddepcontrol.wait`) before reading the partials. These tests check the wiring
-on CPU: which launches carry the attribute, what the compiled PTX holds, and the refusals. That the outputs
-keep their bits is checked on a GPU (`-m gpu` below, and the benchmark's `+nopdl` rows at tolerance 0)."""
+With pdl=True on Hopper the combine is launched with CUDA's programmatic stream serialization: it may launch as
+stage 1's programs exit, and it waits for stage 1's grid and its writes on the GPU (`griddepcontrol.wait`)
+before reading the partials. These tests check the wiring on CPU: which launches carry the attribute, what the
+compiled PTX holds, and the refusals. That the outputs keep their bits is checked on a GPU (`-m gpu` below, and
+the benchmark's `+pdl` rows at tolerance 0)."""
 
 from __future__ import annotations
 
@@ -30,19 +30,20 @@ def _combine(plan):
 @pytest.mark.parametrize("schedule", ["uniform", "balanced"])
 def test_hopper_plans_launch_the_combine_as_a_programmatic_dependent(schedule):
     knobs = {"tile": "rows"} if schedule == "balanced" else {}
-    plan = meta_plan("snapmla", **WIDE, schedule=schedule, **knobs)
+    plan = meta_plan("snapmla", **WIDE, schedule=schedule, pdl=True, **knobs)
     assert plan.knobs["pdl"] is True
     comb = _combine(plan)
     assert comb.kwargs["launch_pdl"] is True and comb.kwargs["PDL"] is True
     # only the combine waits on its predecessor: stage 1 (and the balanced metadata) launch as usual
     assert all("launch_pdl" not in ln.kwargs for ln in plan.launches if ln is not comb)
 
-    off = meta_plan("snapmla", **WIDE, schedule=schedule, pdl=False, **knobs)
+    off = meta_plan("snapmla", **WIDE, schedule=schedule, **knobs)  # the default
     assert off.knobs["pdl"] is False
     assert "launch_pdl" not in _combine(off).kwargs and "PDL" not in _combine(off).kwargs
 
 
-def test_pdl_defaults_off_before_hopper_and_in_the_interpreter():
+def test_pdl_is_off_unless_asked_for():
+    assert meta_plan("bf16", **WIDE).knobs["pdl"] is False
     assert meta_plan("bf16", **WIDE, arch=80).knobs["pdl"] is False
     cfg = PRESETS["bf16"]
     cache = PagedMLACache.empty(2, 300, 64, 16, cfg)
@@ -56,7 +57,7 @@ def test_asking_for_pdl_where_it_cannot_run_names_the_field():
         meta_plan("bf16", **WIDE, arch=80, pdl=True)
     cfg = PRESETS["bf16"]
     cache = PagedMLACache.empty(2, 300, 64, 16, cfg)
-    with pytest.raises(ConfigError, match="pdl=True needs .* not the Triton interpreter"):
+    with pytest.raises(ConfigError, match=r"pdl=True needs .* not the Triton interpreter"):
         mla_decode(torch.randn(2, 4, 80), cache, 0.1, pdl=True)
     with pytest.raises(ConfigError, match=r"pdl='yes' is not valid"):
         DecodeOptions(pdl="yes")
@@ -73,7 +74,7 @@ def test_compiled_kernels_signal_and_wait_on_the_grid_dependency(tile):
     would be harmless but would mean the flag is not what selects it)."""
     if tile == "gluon" and not HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
-    plan = meta_plan("bf16", **WIDE, tile=tile)
+    plan = meta_plan("bf16", **WIDE, tile=tile, pdl=True)
     # no early trigger: with stage 1 signalling its dependents as it started, the combine's programs sat
     # resident beside it and made some shapes 20-30 % slower on an H100 (docs/performance.md); the implicit
     # trigger as each program exits still lets the combine launch before stage 1's grid is retired
@@ -83,7 +84,7 @@ def test_compiled_kernels_signal_and_wait_on_the_grid_dependency(tile):
     assert "griddepcontrol.wait" in ptx
     assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
     assert comb.metadata.launch_pdl is True
-    off = compile_launch(_combine(meta_plan("bf16", **WIDE, tile=tile, pdl=False)), 90)
+    off = compile_launch(_combine(meta_plan("bf16", **WIDE, tile=tile)), 90)
     assert "griddepcontrol" not in off.asm["ptx"] and off.metadata.launch_pdl is False
 
 

@@ -235,12 +235,12 @@ VARIANTS: tuple[Variant, ...] = (
        tile="gluon", widen="int_pv2", note="two of PV's four boxes by integer ops, the rest by cvt"),
     _v("snapmla+int_qk_pv2", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=0.0, where="rows16",
        tile="gluon", widen="int_qk_pv2", note="QK and two PV boxes by integer ops, two PV boxes by cvt"),
-    # the combine launched after stage 1 finishes (the default launches it as a programmatic dependent:
-    # scheduled while stage 1 runs, waiting for it on the GPU); the same arithmetic, so the same bits (tol 0)
-    _v("bf16+nopdl", "bf16", "bf16", priority=1, check="bf16", tol=0.0, pdl=False,
-       note="our BF16 kernel with the combine launched after stage 1 (no programmatic dependent launch)"),
-    _v("snapmla+nopdl", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=0.0, pdl=False,
-       note="the FP8 default with the combine launched after stage 1"),
+    # the combine as a programmatic dependent launch of stage 1 (opt-in pdl=True): it may launch as stage 1's
+    # programs exit and waits for the grid on the GPU; the same arithmetic, so the same bits (tol 0)
+    _v("bf16+pdl", "bf16", "bf16", priority=1, check="bf16", tol=0.0, pdl=True,
+       note="our BF16 kernel with the combine launched as a programmatic dependent of stage 1"),
+    _v("snapmla+pdl", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=0.0, pdl=True,
+       note="the FP8 default with the combine launched as a programmatic dependent of stage 1"),
     _v("bf16+w16", "bf16", "bf16", priority=2, check="bf16", where="headline", num_warps=16, tile="rows"),
     _v("snapmla+w16", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_warps=16, tile="pairs",
        note="16 warps: 128 registers per thread, twice the warps to hide latency at one program per SM"),

@@ -228,7 +228,7 @@ def _use_pdl(opts: DecodeOptions, target: Target) -> bool:
     if opts.pdl and not able:
         where = "the Triton interpreter" if not target.native else f"compute capability {target.arch}"
         raise ConfigError(f"pdl=True needs kernels compiled for compute capability >= 9.0, not {where}")
-    return able if opts.pdl is None else opts.pdl
+    return opts.pdl
 
 
 # ------------------------------------------------------------------------------------------- Triton launches

@@ -23,10 +23,10 @@ query rows, GPU); a field set by the caller is a request, and one the chosen ker
     warp_specialize  past 16 query rows of the bf16 layout on Hopper: two warpgroups in different roles
                 (`gluon.seesaw`: each owns alternate pages' QK and softmax and half of the output channels)
                 instead of one chain on 8 warps (`gluon.wide`); opt-in
-    pdl         launch the split combine as a programmatic dependent of stage 1 (Hopper and later): its programs
-                are scheduled while stage 1 runs and wait for it on the GPU, which hides the launch gap between
-                the two kernels (FlashMLA launches its combine this way); the same arithmetic and bits.
-                None: on wherever the kernels are compiled for compute capability >= 9.0
+    pdl         launch the split combine as a programmatic dependent of stage 1 (compute capability >= 9.0): it
+                may launch as stage 1's programs exit and waits for the grid on the GPU (FlashMLA launches its
+                combine this way); the same arithmetic and bits. Opt-in: on an H100 it changed no decode time by
+                more than the noise (docs/performance.md)
     num_warps, num_stages, maxnreg   launch parameters (num_stages: ring slots of the Gluon kernels)
 """
 
@@ -65,7 +65,7 @@ class DecodeOptions:
     maxnreg: int | None = None
     widen: str | None = None
     warp_specialize: bool = False
-    pdl: bool | None = None
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.tile is not None and self.tile not in TILES:
@@ -82,8 +82,8 @@ class DecodeOptions:
         object.__setattr__(self, "fp8_mma", mma)
         if not isinstance(self.warp_specialize, bool):
             raise ConfigError(f"warp_specialize={self.warp_specialize!r} is not valid; allowed values: True, False")
-        if self.pdl is not None and not isinstance(self.pdl, bool):
-            raise ConfigError(f"pdl={self.pdl!r} is not valid; allowed values: True, False, None (the default)")
+        if not isinstance(self.pdl, bool):
+            raise ConfigError(f"pdl={self.pdl!r} is not valid; allowed values: True, False")
         _positive_int("num_splits", self.num_splits)
         _positive_int("num_stages", self.num_stages)
         _positive_int("maxnreg", self.maxnreg)

@@ -91,11 +91,12 @@ if HAVE_GLUON:
         return qk
 
     @gluon.jit
-    def _qk_page(q_smem, qr, tile_smem, rope_smem, ready, SLOT: gl.constexpr, phase, START: gl.constexpr,
+    def _qk_page(q_all, qr, tile_smem, rope_smem, ready, SLOT: gl.constexpr, phase, zero, START: gl.constexpr,
                  NB: gl.constexpr, BM: gl.constexpr, PAGE: gl.constexpr, s_l: gl.constexpr):
         """S = Q C^T + Q_r R^T of the page in slot SLOT, one 64-channel box at a time in the order START,
         START + 1, ... (mod NB + 1; box NB is the RoPE part), each as soon as its own barrier says it landed."""
-        tile = tile_smem.index(SLOT)
+        tile = tile_smem.index(SLOT + zero)
+        q_smem = q_all.index(zero)
         qk = gl.zeros([BM, PAGE], gl.float32, s_l)  # made here, so no zero tile is held across the page loop
         for i in gl.static_range(NB + 1):
             qk = _qk_box(q_smem, qr, tile, rope_smem, ready, SLOT, phase, qk, (START + i) % (NB + 1), i == 0, NB)
@@ -112,11 +113,11 @@ if HAVE_GLUON:
         mbarrier.arrive(sig, count=1)
 
     @gluon.jit
-    def _pv_half(a_op, tile_smem, SLOT: gl.constexpr, acc, alpha_o, base, length, K: gl.constexpr,
+    def _pv_half(a_op, tile_smem, SLOT: gl.constexpr, zero, acc, alpha_o, base, length, K: gl.constexpr,
                  HALF: gl.constexpr, PAGE: gl.constexpr, z_l: gl.constexpr):
         """acc = acc alpha + P C on warpgroup K's half of the channels of the page in slot SLOT (P: registers or
         a P tile); a last page's tail tokens -> 0 first (P is 0 there, but 0 x NaN is NaN)."""
-        half = tile_smem.index(SLOT).slice(K * HALF, HALF, dim=1)
+        half = tile_smem.index(SLOT + zero).slice(K * HALF, HALF, dim=1)
         if base + PAGE > length:
             zero_tail_rows(half, base, length, HALF, PAGE, z_l)
             fence_async_shared()
@@ -128,7 +129,7 @@ if HAVE_GLUON:
                           CAUSAL: gl.constexpr, LSE_NATURAL: gl.constexpr, K: gl.constexpr):
         """Warpgroup K's whole run (see the module docstring). `a`: the kernel's operands (a tuple: a worker
         partition takes no tensors, only descriptors and scalars)."""
-        (lat_desc, rope_desc, tile_smem, rope_smem, q_smem, p_smem, stat_smem, ready, sig, BT, LENS, O_PART, LSE_PART,
+        (lat_desc, rope_desc, tile_smem, rope_smem, q_all, p_smem, stat_smem, ready, sig, BT, LENS, O_PART, LSE_PART,
          sm_scale_log2, lat_page_rows, rope_page_rows, stride_bt, stride_ob, stride_om, stride_os, stride_lb, stride_lm,
          stride_ls, H, NSPLIT) = a
         BM: gl.constexpr = BM_ROWS
@@ -169,18 +170,21 @@ if HAVE_GLUON:
         # this warpgroup's first page's scores (warpgroup 1 begins with the boxes it asked for itself)
         qk = gl.zeros([BM, PAGE], gl.float32, s_l)
         if n_run > K:
-            qk = _qk_page(q_smem, qr, tile_smem, rope_smem, ready, K, 0, K * (NB // 2), NB, BM, PAGE, s_l)
+            qk = _qk_page(q_all, qr, tile_smem, rope_smem, ready, K, 0, 0, K * (NB // 2), NB, BM, PAGE, s_l)
 
         for i in range((n_run + 1) // 2):
             j = 2 * i  # the pair's even page; j + 1 may be past the run
             base = (p_lo + j) * PAGE
             ph = i & 1
+            # always 0, but not provably so: the shared-memory descriptors built from it stay in the loop instead
+            # of being hoisted out of it (where 18 loop-invariant 64-bit descriptors were spilled and reloaded)
+            zero = i >> 30
             if K == 0:
                 if i > 0:  # warpgroup 1's PV of the previous pair has read P tile 0
                     mbarrier.wait(free0, (i - 1) & 1)
                 p16, alpha, m_i, l_i = page_p16(qk, coef, base + offs_t, limit, m_i, l_i, 1)
                 _publish(p_smem, stat_smem, sig_a, p16, alpha, m_i, l_i, 0, BM)
-                acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 0, acc, gl.convert_layout(alpha, orow_l), base,
+                acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 0, zero, acc, gl.convert_layout(alpha, orow_l), base,
                                length, 0, HALF, PAGE, z_l)
                 if j + 2 < n_run:
                     _issue_part(lat_desc, rope_desc, tile_smem, rope_smem, ready, 0, bt_row, j + 2, lat_page_rows,
@@ -190,13 +194,13 @@ if HAVE_GLUON:
                     alpha_o = stat_smem.slice(3 * BM, BM).load(orow_l)
                     m_i = stat_smem.slice(4 * BM, BM).load(srow_l)
                     l_i = stat_smem.slice(5 * BM, BM).load(srow_l)
-                    acc = _pv_half(p_smem.index(1), tile_smem, 1, acc, alpha_o, base + PAGE, length, 0, HALF, PAGE,
+                    acc = _pv_half(p_smem.index(1), tile_smem, 1, zero, acc, alpha_o, base + PAGE, length, 0, HALF, PAGE,
                                    z_l)
                     if j + 3 < n_run:
                         _issue_part(lat_desc, rope_desc, tile_smem, rope_smem, ready, 1, bt_row, j + 3, lat_page_rows,
                                     rope_page_rows, 0, NB)
                 if j + 2 < n_run:
-                    qk = _qk_page(q_smem, qr, tile_smem, rope_smem, ready, 0, ph ^ 1, 0, NB, BM, PAGE, s_l)
+                    qk = _qk_page(q_all, qr, tile_smem, rope_smem, ready, 0, ph ^ 1, zero, 0, NB, BM, PAGE, s_l)
             else:
                 mbarrier.wait(sig_a, ph)
                 alpha_o = stat_smem.slice(0, BM).load(orow_l)
@@ -206,19 +210,19 @@ if HAVE_GLUON:
                     # this page's softmax first (it continues the chain from warpgroup 0's), then both PVs
                     p16, alpha, m_i, l_i = page_p16(qk, coef, base + PAGE + offs_t, limit, m_i, l_i, 1)
                     _publish(p_smem, stat_smem, sig_b, p16, alpha, m_i, l_i, 1, BM)
-                    acc = _pv_half(p_smem.index(0), tile_smem, 0, acc, alpha_o, base, length, 1, HALF, PAGE, z_l)
+                    acc = _pv_half(p_smem.index(0), tile_smem, 0, zero, acc, alpha_o, base, length, 1, HALF, PAGE, z_l)
                     mbarrier.arrive(free0, count=1)
                     if j + 2 < n_run:
                         _issue_part(lat_desc, rope_desc, tile_smem, rope_smem, ready, 0, bt_row, j + 2, lat_page_rows,
                                     rope_page_rows, 1, NB)
-                    acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 1, acc, gl.convert_layout(alpha, orow_l),
+                    acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 1, zero, acc, gl.convert_layout(alpha, orow_l),
                                    base + PAGE, length, 1, HALF, PAGE, z_l)
                     if j + 3 < n_run:
                         _issue_part(lat_desc, rope_desc, tile_smem, rope_smem, ready, 1, bt_row, j + 3, lat_page_rows,
                                     rope_page_rows, 1, NB)
-                        qk = _qk_page(q_smem, qr, tile_smem, rope_smem, ready, 1, ph ^ 1, NB // 2, NB, BM, PAGE, s_l)
+                        qk = _qk_page(q_all, qr, tile_smem, rope_smem, ready, 1, ph ^ 1, zero, NB // 2, NB, BM, PAGE, s_l)
                 else:  # the run's last page is warpgroup 0's: only its P on this half
-                    acc = _pv_half(p_smem.index(0), tile_smem, 0, acc, alpha_o, base, length, 1, HALF, PAGE, z_l)
+                    acc = _pv_half(p_smem.index(0), tile_smem, 0, zero, acc, alpha_o, base, length, 1, HALF, PAGE, z_l)
                     mbarrier.arrive(free0, count=1)
 
         rows = row0 + gl.arange(0, BM, layout=orow_l)
@@ -255,8 +259,9 @@ if HAVE_GLUON:
 
         tile_smem = gl.allocate_shared_memory(gl.bfloat16, [2, PAGE, R], lat_desc.layout)
         rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, PAGE, D], rope_desc.layout)
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, R], gl.NVMMASharedLayout.get_default_for([BM, R],
-                                                                                                       gl.bfloat16))
+        q_all = gl.allocate_shared_memory(gl.bfloat16, [1, BM, R], gl.NVMMASharedLayout.get_default_for([BM, R],
+                                                                                                      gl.bfloat16))
+        q_smem = q_all.index(0)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, PAGE],
                                            gl.NVMMASharedLayout.get_default_for([BM, PAGE], gl.bfloat16))
         stat_smem = gl.allocate_shared_memory(gl.float32, [8 * BM], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
@@ -272,7 +277,7 @@ if HAVE_GLUON:
                        R, D, BM, False, q_l, False)
         fence_async_shared()
 
-        args = (lat_desc, rope_desc, tile_smem, rope_smem, q_smem, p_smem, stat_smem, ready, sig, BT, LENS, O_PART,
+        args = (lat_desc, rope_desc, tile_smem, rope_smem, q_all, p_smem, stat_smem, ready, sig, BT, LENS, O_PART,
                 LSE_PART, sm_scale_log2, lat_page_rows, rope_page_rows, stride_bt, stride_ob, stride_om, stride_os,
                 stride_lb, stride_lm, stride_ls, H, NSPLIT)
         gl.warp_specialize([(_seesaw_default, (args, S, R, D, PAGE, CAUSAL, LSE_NATURAL)),
