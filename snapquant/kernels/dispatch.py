@@ -215,11 +215,11 @@ def gluon_reason(ops: KernelOperands, config: KVQuantConfig, rows: int, target: 
     if options.maxnreg is not None:
         return f"tile='gluon' takes no maxnreg (a launch knob of the Triton tiles), got maxnreg={options.maxnreg}"
     if options.warp_specialize:
-        if not wide or ops.layout != "bf16" or ops.kv_lora_rank != 512 or ops.rope_dim != 64:
+        if not seesaw_runs(ops, rows):
             return (f"warp_specialize=True (gluon.seesaw) runs the bf16 layout past {GLUON_ROWS} query rows at "
                     f"kv_lora_rank 512 and rope_dim 64; got the {ops.layout} layout, {rows} query rows, "
                     f"kv_lora_rank {ops.kv_lora_rank}, rope_dim {ops.rope_dim}")
-    warps = 8 if wide and native8_rows != 32 and not options.warp_specialize else 4
+    warps = 8 if wide and native8_rows != 32 and not uses_seesaw(ops, rows, options) else 4
     if num_warps not in (None, warps):
         return f"tile='gluon' at {rows} query rows runs num_warps={warps}, got num_warps={num_warps}"
     if wide and fp8_mma is True and num_stages not in (None, 2, 3, 4):
@@ -299,6 +299,20 @@ def narrow_kernel(stages: int, fp8_mma: bool | str, layout: str = "snapmla") -> 
     return "gluon.narrow" if stages >= 2 and fp8_mma != "qk" else "gluon.narrow_tile"
 
 
+def seesaw_runs(ops: KernelOperands, rows: int) -> bool:
+    """Where `gluon.seesaw` runs: the bf16 layout past 16 query rows at kv_lora_rank 512 and rope_dim 64."""
+    return rows > GLUON_ROWS and ops.layout == "bf16" and ops.kv_lora_rank == 512 and ops.rope_dim == 64
+
+
+def uses_seesaw(ops: KernelOperands, rows: int, opts: DecodeOptions) -> bool:
+    """`warp_specialize`: True asks for `gluon.seesaw`, False for `gluon.wide`; None (the default) takes the
+    seesaw where it runs and no launch knob asks for 8 warps (measured faster than `gluon.wide` at every
+    shape on an H100, docs/performance.md)."""
+    if opts.warp_specialize is not None:
+        return opts.warp_specialize
+    return seesaw_runs(ops, rows) and opts.num_warps in (None, 4) and opts.fp8_mma is not True
+
+
 def narrow_resident(stages: int, fp8_mma: bool | str, layout: str = "snapmla", r: int = 512, d: int = 64) -> int:
     """Programs of the <= 16-row kernel per SM (shared memory): the in-place slot (~98 KB) and the
     register-operand kernel with two slots (~105 KB) fit two; the bf16 kernel two where its slots and
@@ -330,7 +344,7 @@ def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOp
         block_m = opts.block_m or 32
         kernel = "gluon.narrow8" if block_m == 32 else "gluon.wide8"
         stages, warps, resident, max_run = opts.num_stages or 2, 4 if block_m == 32 else 8, 2 if block_m == 32 else 1, None
-    elif opts.warp_specialize:
+    elif uses_seesaw(ops, rows, opts):
         kernel, block_m, stages, warps, resident, max_run = "gluon.seesaw", GLUON_WIDE_ROWS, 2, 4, 1, None
     else:
         kernel, block_m, stages, warps, resident, max_run = "gluon.wide", GLUON_WIDE_ROWS, 2, 8, 1, None

@@ -64,7 +64,7 @@ class DecodeOptions:
     num_stages: int | None = None
     maxnreg: int | None = None
     widen: str | None = None
-    warp_specialize: bool = False
+    warp_specialize: bool | None = None
     pdl: bool = False
 
     def __post_init__(self) -> None:
@@ -80,8 +80,9 @@ class DecodeOptions:
         if not (isinstance(mma, bool) or mma in ("qk", "pv")):
             raise unknown_choice("fp8_mma", self.fp8_mma, [str(v) for v in FP8_MMA])
         object.__setattr__(self, "fp8_mma", mma)
-        if not isinstance(self.warp_specialize, bool):
-            raise ConfigError(f"warp_specialize={self.warp_specialize!r} is not valid; allowed values: True, False")
+        if self.warp_specialize is not None and not isinstance(self.warp_specialize, bool):
+            raise ConfigError(f"warp_specialize={self.warp_specialize!r} is not valid; allowed values: True, False, "
+                              "None (the default: gluon.seesaw where it runs)")
         if not isinstance(self.pdl, bool):
             raise ConfigError(f"pdl={self.pdl!r} is not valid; allowed values: True, False")
         _positive_int("num_splits", self.num_splits)
