@@ -127,8 +127,10 @@ def test_a_launch_knob_never_switches_the_kernel_family(preset, H, knob, value):
 def test_resolved_knobs_of_the_default_kernels():
     narrow = _plan("snapmla", 16).knobs
     assert (narrow["num_warps"], narrow["num_stages"], narrow["block_m"]) == (4, 2, 16)
-    wide = _plan("bf16", 64).knobs
-    assert (wide["num_warps"], wide["num_stages"], wide["block_m"]) == (8, 2, 64)
+    wide = _plan("snapmla", 64).knobs
+    assert (wide["kernel"], wide["num_warps"], wide["num_stages"], wide["block_m"]) == ("gluon.wide", 8, 2, 64)
+    seesaw = _plan("bf16", 64).knobs  # two warpgroups of 4 warps in roles
+    assert (seesaw["kernel"], seesaw["num_warps"], seesaw["num_stages"], seesaw["block_m"]) == ("gluon.seesaw", 4, 2, 64)
     rows = _plan("bf16", 16, arch=None).knobs  # the Triton tiles: 8 warps; 3 stages for bf16 at 16-row tiles
     assert (rows["kernel"], rows["num_warps"], rows["num_stages"], rows["block_m"]) == ("triton.rows", 8, 3, 16)
     assert "maxnreg" not in rows and _plan("bf16", 16, arch=None, maxnreg=128).knobs["maxnreg"] == 128
