@@ -205,8 +205,11 @@ VARIANTS: tuple[Variant, ...] = (
             "72 KB slots, one program per SM (gluon.narrow_bf16, opt-in); more rows 64-row tiles (gluon.wide)"),
     _v("bf16+ws", "bf16", "bf16", priority=1, check="bf16", tol=1e-3, where="rows_gt16", tile="gluon",
        warp_specialize=True,
-       note="past 16 rows, two warpgroups in different roles (gluon.seesaw, opt-in): each owns alternate pages' QK "
-            "and softmax and half of the output channels"),
+       note="past 16 rows, gluon.seesaw asked for explicitly (the default where it runs): two warpgroups in roles"),
+    _v("bf16+wide", "bf16", "bf16", priority=1, check="bf16", tol=1e-3, where="rows_gt16", tile="gluon",
+       warp_specialize=False,
+       note="past 16 rows, gluon.wide (one chain on 8 warps) instead of the default gluon.seesaw (two warpgroups in "
+            "roles, lockstep over page pairs)"),
     _v("bf16+gluon+s1", "bf16", "bf16", priority=1, check="bf16", where="rows16", tile="gluon", num_stages=1,
        note="gluon.narrow_bf16 with one slot: two programs per SM, each waiting on its page while the other computes"),
     _v("snapmla+gluon+fp8mma", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows_gt16",
