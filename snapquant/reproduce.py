@@ -36,6 +36,8 @@ from .atomic import atomic_open
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = ("cpu", "gpu")
 
+# the issue's side-by-side table against FlashMLA: H = 16, 64 and 128
+ANCHOR_SHAPES = "128x16x4096,32x16x16384,8x16x32768,32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768"
 DECODE_SHAPES = ("128x16x4096,32x16x16384,8x16x32768,32x64x8192,4x64x8192,128x128x4096,64x128x8192,"
                  "1x128x32768,mixed64x16,64x32x4096")
 DECODE_VARIANTS = ("bf16,snapmla,snapmla_kv_only,snapmla_q_fp8,snapmla_pv_fp8,torch,bf16+rows,bf16+gluon,"
@@ -357,6 +359,44 @@ JOBS: tuple[Job, ...] = (
          "--time-budget-s", "40"),
         ("profile_h100.*", "profile_timings_h100.csv"), "Nsight Compute profiles of gluon.wide, gluon.seesaw and "
         "FlashMLA past 16 rows, on an H100 (at 0f8a683)", manual=True, code=(*BENCH, "scripts/device_profile.sh")),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "pdl_h100", "--no-append", "--budget-s", "300",
+         "--shapes", ANCHOR_SHAPES,
+         "--variants", "bf16,bf16+pdl,snapmla,snapmla+pdl,snapmla+gluon+fp8mma,bf16+ws"),
+        ("decode_pdl_h100.*", "bench_pdl_h100.json"), "the split combine as a programmatic dependent launch with "
+        "stage 1 triggering it as it started (then the default, so the file's plain rows are PDL and its +nopdl rows "
+        "the combine after stage 1; the trigger is gone and pdl=True is now the opt-in), and the first gluon.seesaw "
+        "pair schedule (264 B of spills), on an H100 (at a0af421)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "pdl2_h100", "--no-append", "--budget-s", "130",
+         "--shapes", ANCHOR_SHAPES, "--variants", "bf16,bf16+pdl,snapmla,snapmla+pdl"),
+        ("decode_pdl2_h100.*", "bench_pdl2_h100.json"), "the PDL combine launched as stage 1's programs exit (then the "
+        "default: the file's plain rows; its +nopdl rows the combine after stage 1), on an H100 (at 4529aae; now "
+        "pdl=True is the opt-in)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "pairs_h100", "--no-append", "--budget-s", "220",
+         "--shapes", ANCHOR_SHAPES, "--variants", "bf16,snapmla,snapmla+gluon+fp8mma,bf16+ws"),
+        ("decode_pairs_h100.csv", "bench_pairs_h100.json"), "gluon.seesaw's pair schedule without spills (opt-in then) "
+        "beside gluon.wide, the FP8 kernels and FlashMLA, on an H100 (at 45f3310, run with the tag anchor_h100 and "
+        "renamed; its markdown table was not kept)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "seesaw4_h100", "--no-append", "--budget-s", "160",
+         "--shapes", ANCHOR_SHAPES, "--variants", "bf16,bf16+wide,snapmla"),
+        ("decode_seesaw4_h100.*", "bench_seesaw4_h100.json"), "our BF16 default (gluon.seesaw past 16 rows) against "
+        "gluon.wide, the FP8 default and FlashMLA, on an H100 (at ce27606)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/profile_decode.py", "run", "--shapes", "32x64x8192", "--variants", "bf16,bf16+ws,flashmla",
+         "--time-shapes", "32x64x8192", "--out", "results/h100", "--ncu-dir", "/tmp/ncu", "--budget-s", "250",
+         "--time-budget-s", "40"),
+        ("profile_pairs_h100.*",), "Nsight Compute profiles of gluon.wide, the first gluon.seesaw pair schedule (264 B "
+        "of spilled descriptors) and FlashMLA, on an H100 (at a0af421; written as profile_h100.* and renamed)",
+        manual=True, code=(*BENCH, "scripts/device_profile.sh")),
+    Job("results/h100", "gpu",
+        ("scripts/profile_decode.py", "run", "--shapes", "32x64x8192", "--variants", "bf16+ws", "--time-shapes", "",
+         "--out", "results/h100", "--ncu-dir", "/tmp/ncu", "--budget-s", "90", "--time-budget-s", "5"),
+        ("profile_pairs_nospill_h100.md",), "the Nsight Compute profile of gluon.seesaw's pair schedule without spills, "
+        "on an H100 (at 45f3310; written as profile_h100.md and renamed)", manual=True,
+        code=(*BENCH, "scripts/device_profile.sh")),
     Job("results/research_model", "gpu", ("scripts/train_research_model.py", "all", "--out", "results/research_model"),
         ("README.md", "*.json", "*.jsonl", "*.csv", "*.npz", "*.png", "*.pdf", "device_call*.log"),
         "the research-scale model at DeepSeek-V2-Lite attention dims: data, training, card, activation study, "
