@@ -36,7 +36,7 @@ from .atomic import atomic_open
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = ("cpu", "gpu")
 
-# the side-by-side table against FlashMLA: H = 16, 64 and 128
+# the side-by-side table against FlashMLA: H = 16, 64 and 128
 ANCHOR_SHAPES = "128x16x4096,32x16x16384,8x16x32768,32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768"
 DECODE_SHAPES = ("128x16x4096,32x16x16384,8x16x32768,32x64x8192,4x64x8192,128x128x4096,64x128x8192,"
                  "1x128x32768,mixed64x16,64x32x4096")

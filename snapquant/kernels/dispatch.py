@@ -11,8 +11,8 @@ schedule, never on launch knobs:
     Hopper GPU, uniform schedule, Gluon eligible:
         <= 16 rows, snapmla with fp8 query and P, exact MMAs   gluon.narrow (r = 512) / gluon.narrow_tile
         <= 16 rows, bf16 layout (bf16 query and P)             gluon.narrow_bf16
-        > 16 rows, exact MMAs (snapmla fp8 q and P, or bf16)   gluon.wide
-        > 16 rows, bf16 layout, warp_specialize=True           gluon.seesaw (opt-in)
+        > 16 rows, bf16 layout, r = 512, d = 64                gluon.seesaw (warp_specialize=False: gluon.wide)
+        > 16 rows, exact MMAs (snapmla fp8 q and P, other bf16) gluon.wide
         > 16 rows, fp8_mma=True (snapmla, r = 512)             gluon.narrow8 (block_m 32) / gluon.wide8 (64)
     otherwise (other GPUs, the interpreter, other modes, the balanced schedule):
         snapmla with fp8 query and P, exact MMAs               triton.pairs
@@ -69,11 +69,12 @@ KERNELS: dict[str, KernelSpec] = {
         "program per SM) or num_stages=1 (two); Hopper"),
     "gluon.wide": KernelSpec(
         "gluon", "gluon/wide.py", "default",
-        "> 16 query rows (64-row tiles); snapmla layout with fp8 query and P, or the bf16 layout; exact MMAs; Hopper"),
+        "> 16 query rows (64-row tiles); snapmla layout with fp8 query and P, or the bf16 layout where gluon.seesaw "
+        "does not run or warp_specialize=False; exact MMAs; Hopper"),
     "gluon.seesaw": KernelSpec(
-        "gluon", "gluon/seesaw.py", "opt-in",
+        "gluon", "gluon/seesaw.py", "default",
         "> 16 query rows (64-row tiles); the bf16 layout, kv_lora_rank 512, rope_dim 64; two warpgroups in "
-        "different roles (warp_specialize=True); Hopper"),
+        "different roles over page pairs; Hopper"),
     "gluon.narrow8": KernelSpec(
         "gluon", "gluon/experimental/narrow8.py", "opt-in",
         "> 16 query rows (32-row programs, two per SM); snapmla, fp8 query and P, kv_lora_rank 512; "
