@@ -95,21 +95,12 @@ if HAVE_GLUON:
                  NB: gl.constexpr, BM: gl.constexpr, PAGE: gl.constexpr, s_l: gl.constexpr):
         """S = Q C^T + Q_r R^T of the page in slot SLOT, one 64-channel box at a time in the order START,
         START + 1, ... (mod NB + 1; box NB is the RoPE part), each as soon as its own barrier says it landed."""
-        qk = gl.zeros([BM, PAGE], gl.float32, s_l)  # made here, so no zero tile is held across the page loop
-        qk = _qk_boxes(q_all, qr, tile_smem, rope_smem, ready, SLOT, phase, zero, qk, START, NB + 1, True, NB)
-        return warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-
-    @gluon.jit
-    def _qk_boxes(q_all, qr, tile_smem, rope_smem, ready, SLOT: gl.constexpr, phase, zero, qk, START: gl.constexpr,
-                  COUNT: gl.constexpr, FRESH: gl.constexpr, NB: gl.constexpr):
-        """COUNT boxes of the scores of the page in slot SLOT, from box START on (mod NB + 1), issued without
-        waiting for the MMAs; FRESH: the first one starts the sum."""
         tile = tile_smem.index(SLOT + zero)
         q_smem = q_all.index(zero)
-        for i in gl.static_range(COUNT):
-            qk = _qk_box(q_smem, qr, tile, rope_smem, ready, SLOT, phase, qk, (START + i) % (NB + 1),
-                         FRESH and i == 0, NB)
-        return qk
+        qk = gl.zeros([BM, PAGE], gl.float32, s_l)  # made here, so no zero tile is held across the page loop
+        for i in gl.static_range(NB + 1):
+            qk = _qk_box(q_smem, qr, tile, rope_smem, ready, SLOT, phase, qk, (START + i) % (NB + 1), i == 0, NB)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
 
     @gluon.jit
     def _publish(p_smem, stat_smem, sig, p16, alpha, m_i, l_i, K: gl.constexpr, BM: gl.constexpr):
@@ -123,7 +114,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pv_half(a_op, tile_smem, SLOT: gl.constexpr, zero, acc, alpha_o, base, length, K: gl.constexpr,
-                 HALF: gl.constexpr, PAGE: gl.constexpr, z_l: gl.constexpr, WAIT: gl.constexpr = True):
+                 HALF: gl.constexpr, PAGE: gl.constexpr, z_l: gl.constexpr):
         """acc = acc alpha + P C on warpgroup K's half of the channels of the page in slot SLOT (P: registers or
         a P tile); a last page's tail tokens -> 0 first (P is 0 there, but 0 x NaN is NaN)."""
         half = tile_smem.index(SLOT + zero).slice(K * HALF, HALF, dim=1)
@@ -131,9 +122,7 @@ if HAVE_GLUON:
             zero_tail_rows(half, base, length, HALF, PAGE, z_l)
             fence_async_shared()
         acc = warpgroup_mma(a_op, half, acc * gl.expand_dims(alpha_o, 1), is_async=True)
-        if WAIT:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        return acc
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     @gluon.jit
     def _seesaw_warpgroup(a, S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
@@ -195,8 +184,8 @@ if HAVE_GLUON:
                     mbarrier.wait(free0, (i - 1) & 1)
                 p16, alpha, m_i, l_i = page_p16(qk, coef, base + offs_t, limit, m_i, l_i, 1)
                 _publish(p_smem, stat_smem, sig_a, p16, alpha, m_i, l_i, 0, BM)
-                acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 0, zero, acc, gl.convert_layout(alpha, orow_l),
-                               base, length, 0, HALF, PAGE, z_l)
+                acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 0, zero, acc, gl.convert_layout(alpha, orow_l), base,
+                               length, 0, HALF, PAGE, z_l)
                 if j + 2 < n_run:
                     _issue_part(lat_desc, rope_desc, tile_smem, rope_smem, ready, 0, bt_row, j + 2, lat_page_rows,
                                 rope_page_rows, 0, NB)
@@ -205,24 +194,13 @@ if HAVE_GLUON:
                     alpha_o = stat_smem.slice(3 * BM, BM).load(orow_l)
                     m_i = stat_smem.slice(4 * BM, BM).load(srow_l)
                     l_i = stat_smem.slice(5 * BM, BM).load(srow_l)
-                    if j + 2 < n_run:
-                        # the next even page's first half of the QK queues behind this PV (FlashMLA's order): the
-                        # tensor cores go on from one to the other while this warpgroup waits for the PV alone
-                        acc = _pv_half(p_smem.index(1), tile_smem, 1, zero, acc, alpha_o, base + PAGE, length, 0,
-                                       HALF, PAGE, z_l, False)
-                        qk = gl.zeros([BM, PAGE], gl.float32, s_l)
-                        qk = _qk_boxes(q_all, qr, tile_smem, rope_smem, ready, 0, ph ^ 1, zero, qk, 0, NB // 2, True,
-                                       NB)
-                        acc = warpgroup_mma_wait(num_outstanding=NB // 2, deps=(acc,))  # groups retire in order
-                        if j + 3 < n_run:
-                            _issue_part(lat_desc, rope_desc, tile_smem, rope_smem, ready, 1, bt_row, j + 3,
-                                        lat_page_rows, rope_page_rows, 0, NB)
-                        qk = _qk_boxes(q_all, qr, tile_smem, rope_smem, ready, 0, ph ^ 1, zero, qk, NB // 2,
-                                       NB // 2 + 1, False, NB)
-                        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-                    else:  # the run's last pair: no next page
-                        acc = _pv_half(p_smem.index(1), tile_smem, 1, zero, acc, alpha_o, base + PAGE, length, 0,
-                                       HALF, PAGE, z_l)
+                    acc = _pv_half(p_smem.index(1), tile_smem, 1, zero, acc, alpha_o, base + PAGE, length, 0, HALF, PAGE,
+                                   z_l)
+                    if j + 3 < n_run:
+                        _issue_part(lat_desc, rope_desc, tile_smem, rope_smem, ready, 1, bt_row, j + 3, lat_page_rows,
+                                    rope_page_rows, 0, NB)
+                if j + 2 < n_run:
+                    qk = _qk_page(q_all, qr, tile_smem, rope_smem, ready, 0, ph ^ 1, zero, 0, NB, BM, PAGE, s_l)
             else:
                 mbarrier.wait(sig_a, ph)
                 alpha_o = stat_smem.slice(0, BM).load(orow_l)
