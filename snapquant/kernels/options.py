@@ -20,9 +20,9 @@ query rows, GPU); a field set by the caller is a request, and one the chosen ker
                 times 2^-8 undone on the fp32 accumulators: the same bits, except NaN codes) | "int_qk" /
                 "int_pv" (one product each way) | "int_pv2" / "int_qk_pv2" (two of PV's four 128-channel
                 boxes by integers: both units busy); None: the kernel's default
-    warp_specialize  past 16 query rows of the bf16 layout on Hopper: two warpgroups in different roles
-                (`gluon.seesaw`: each owns alternate pages' QK and softmax and half of the output channels)
-                instead of one chain on 8 warps (`gluon.wide`); opt-in
+    warp_specialize  past 16 query rows of the bf16 layout on Hopper (r = 512, d = 64): two warpgroups in
+                different roles over page pairs (`gluon.seesaw`, the default there: None or True) or one chain on
+                8 warps (`gluon.wide`: False)
     pdl         launch the split combine as a programmatic dependent of stage 1 (compute capability >= 9.0): it
                 may launch as stage 1's programs exit and waits for the grid on the GPU (FlashMLA launches its
                 combine this way); the same arithmetic and bits. Opt-in: on an H100 it changed no decode time by
