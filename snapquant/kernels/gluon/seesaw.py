@@ -184,8 +184,8 @@ if HAVE_GLUON:
                     mbarrier.wait(free0, (i - 1) & 1)
                 p16, alpha, m_i, l_i = page_p16(qk, coef, base + offs_t, limit, m_i, l_i, 1)
                 _publish(p_smem, stat_smem, sig_a, p16, alpha, m_i, l_i, 0, BM)
-                acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 0, zero, acc, gl.convert_layout(alpha, orow_l), base,
-                               length, 0, HALF, PAGE, z_l)
+                acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 0, zero, acc, gl.convert_layout(alpha, orow_l),
+                               base, length, 0, HALF, PAGE, z_l)
                 if j + 2 < n_run:
                     _issue_part(lat_desc, rope_desc, tile_smem, rope_smem, ready, 0, bt_row, j + 2, lat_page_rows,
                                 rope_page_rows, 0, NB)
@@ -194,8 +194,8 @@ if HAVE_GLUON:
                     alpha_o = stat_smem.slice(3 * BM, BM).load(orow_l)
                     m_i = stat_smem.slice(4 * BM, BM).load(srow_l)
                     l_i = stat_smem.slice(5 * BM, BM).load(srow_l)
-                    acc = _pv_half(p_smem.index(1), tile_smem, 1, zero, acc, alpha_o, base + PAGE, length, 0, HALF, PAGE,
-                                   z_l)
+                    acc = _pv_half(p_smem.index(1), tile_smem, 1, zero, acc, alpha_o, base + PAGE, length, 0, HALF,
+                                   PAGE, z_l)
                     if j + 3 < n_run:
                         _issue_part(lat_desc, rope_desc, tile_smem, rope_smem, ready, 1, bt_row, j + 3, lat_page_rows,
                                     rope_page_rows, 0, NB)
@@ -210,19 +210,22 @@ if HAVE_GLUON:
                     # this page's softmax first (it continues the chain from warpgroup 0's), then both PVs
                     p16, alpha, m_i, l_i = page_p16(qk, coef, base + PAGE + offs_t, limit, m_i, l_i, 1)
                     _publish(p_smem, stat_smem, sig_b, p16, alpha, m_i, l_i, 1, BM)
-                    acc = _pv_half(p_smem.index(0), tile_smem, 0, zero, acc, alpha_o, base, length, 1, HALF, PAGE, z_l)
+                    acc = _pv_half(p_smem.index(0), tile_smem, 0, zero, acc, alpha_o, base, length, 1, HALF, PAGE,
+                                   z_l)
                     mbarrier.arrive(free0, count=1)
                     if j + 2 < n_run:
                         _issue_part(lat_desc, rope_desc, tile_smem, rope_smem, ready, 0, bt_row, j + 2, lat_page_rows,
                                     rope_page_rows, 1, NB)
-                    acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 1, zero, acc, gl.convert_layout(alpha, orow_l),
-                                   base + PAGE, length, 1, HALF, PAGE, z_l)
+                    acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 1, zero, acc,
+                                   gl.convert_layout(alpha, orow_l), base + PAGE, length, 1, HALF, PAGE, z_l)
                     if j + 3 < n_run:
                         _issue_part(lat_desc, rope_desc, tile_smem, rope_smem, ready, 1, bt_row, j + 3, lat_page_rows,
                                     rope_page_rows, 1, NB)
-                        qk = _qk_page(q_all, qr, tile_smem, rope_smem, ready, 1, ph ^ 1, zero, NB // 2, NB, BM, PAGE, s_l)
+                        qk = _qk_page(q_all, qr, tile_smem, rope_smem, ready, 1, ph ^ 1, zero, NB // 2, NB, BM, PAGE,
+                                      s_l)
                 else:  # the run's last page is warpgroup 0's: only its P on this half
-                    acc = _pv_half(p_smem.index(0), tile_smem, 0, zero, acc, alpha_o, base, length, 1, HALF, PAGE, z_l)
+                    acc = _pv_half(p_smem.index(0), tile_smem, 0, zero, acc, alpha_o, base, length, 1, HALF, PAGE,
+                                   z_l)
                     mbarrier.arrive(free0, count=1)
 
         rows = row0 + gl.arange(0, BM, layout=orow_l)
