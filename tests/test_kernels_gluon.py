@@ -31,14 +31,14 @@ NARROW = dict(B=8, H=16, L=2048)  # <= 16 query rows: the narrow kernels
 WIDE = dict(B=32, H=64, L=8192)  # 64 query rows: the 64-row (and 32-row native FP8) kernels
 
 
-def _unserialized(st):
+def _unserialized(st, max_spill=128):
     """ptxas keeps the wgmma chains asynchronous: a few waits, not one per instruction (a wgmma wait deferred
     into the next loop iteration once caused one per wgmma: the whole loop serialized), and no C75xx
     advisory (e.g. C7515: serialized wgmma). Registers within the SM's 255, spills a few bytes at most
     (Triton 3.6 (H200): none; 3.9: up to 112 bytes)."""
     if st.get("regs") is None:
         return  # cuobjdump not bundled with this triton: no SASS / register report
-    assert st["regs"] <= 255 and st["spill_bytes"] <= 128, (st["regs"], st["spill_bytes"])
+    assert st["regs"] <= 255 and st["spill_bytes"] <= max_spill, (st["regs"], st["spill_bytes"])
     assert st["wgmma_waits"] <= st["wgmma"] / 4, (st["wgmma_waits"], st["wgmma"])
     assert st["ptxas_advice"] in ("", None), st["ptxas_advice"]
 
@@ -478,12 +478,14 @@ def test_seesaw_plans_and_refusals():
     assert _meta_plan(PRESETS["bf16"], 64, tile="gluon", warp_specialize=False).knobs["kernel"] == "gluon.wide"
     assert _meta_plan(PRESETS["bf16"], 64, tile="gluon", num_warps=8).knobs["kernel"] == "gluon.wide"
     assert meta_plan(PRESETS["bf16"], B=2, H=64, L=256, r=256).knobs["kernel"] == "gluon.wide"  # seesaw: r = 512 only
-    for knobs, field in ((dict(layout="snapmla", H=64), "snapmla layout"), (dict(layout="bf16", H=16), "16 query rows"),
+    for knobs, field in ((dict(layout="ds_v32", H=64), "got ds_v32"), (dict(layout="bf16", H=16), "16 query rows"),
                          (dict(layout="bf16", H=64, r=256), "kv_lora_rank 256"),
                          (dict(layout="bf16", H=64, d=32), "rope_dim 32")):
         extra = {k: knobs[k] for k in ("r", "d") if k in knobs}
         with pytest.raises(ConfigError, match=field):
             _meta_plan(PRESETS[knobs["layout"]], knobs["H"], tile="gluon", warp_specialize=True, **extra)
+    with pytest.raises(ConfigError, match="fp8_mma=True"):  # the pair schedule runs exact MMAs only
+        _meta_plan(PRESETS["snapmla"], 64, tile="gluon", warp_specialize=True, fp8_mma=True)
     with pytest.raises(ConfigError, match=r"knob of gluon\.seesaw"):  # the Triton tiles have no warpgroup roles
         _meta_plan(PRESETS["bf16"], 64, tile="rows", warp_specialize=True)
     with pytest.raises(ConfigError, match="num_warps=4"):
@@ -517,6 +519,170 @@ def test_seesaw_kernel_matches_the_reference(B, H, S, L, splits, r=512, d=64):
     for o, lz in ((ref, ref_lse), (base.cpu(), base_lse.cpu()), (wide.cpu(), wide_lse.cpu())):
         assert ((out.cpu() - o).norm() / o.norm()).item() < 1e-3
         assert (lse.cpu() - lz).abs().max().item() < 1e-3
+
+
+# --------------------------------------- the pair schedule on the snapmla layout (gluon/seesaw_fp8.py, opt-in)
+@needs_gluon
+def test_seesaw_fp8_kernel_compiles_to_two_warpgroups_widening_their_own_pages():
+    """warp_specialize=True on the snapmla layout: the bf16 seesaw's two 4-warp warpgroups over page pairs, each
+    widening its own page's four e4m3 boxes to fp16 in place (cvt e4m3x2 -> f16x2) before its QK. QK as
+    m64n64k16 f16 (two per 128-channel chunk: 8 x 4 k-steps per page) plus the bf16 RoPE part (4), at two sites
+    per warpgroup; PV on 256 channels (f16 m64n256k16, 4 per page) at five sites, as gluon.seesaw. Shared
+    memory fills one SM; no div.rn slow-path call in the loop (`div_rn_fast`), whose register-saving spilled
+    the kernel by 224 bytes: Triton 3.6 (the H200's) spills 16 bytes (one loop-carried value), 3.9 184."""
+    import triton
+
+    st = sm90_stats("snapmla", **WIDE, tile="gluon", warp_specialize=True)
+    assert st["kernel"] == "decode_gluon_seesaw_fp8" and st["grid"][:2] == (1, 32)
+    assert wgmma_mix(st, "f16.f16 m64n256k16") == {"f16.f16 m64n256k16": 1, "f16.f16 m64n64k16": 32 * 4 / 20,
+                                                   "bf16.bf16 m64n64k16": 4 * 4 / 20}
+    assert st["mma_sync"] == 0 and st["cvt_e4m3"] > 0
+    assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT
+    _unserialized(st, max_spill=16 if triton.__version__.startswith("3.6") else 256)
+    ptx = compile_launch(meta_plan("snapmla", **WIDE, tile="gluon", warp_specialize=True).launches[0], 90).asm["ptx"]
+    # div.rn (whose slow path is a call) only in the query's prologue, before the first MMA
+    assert 0 < ptx.rindex("div.rn.f32") < ptx.index("wgmma.mma_async")
+    # one wait per e4m3 box and the RoPE rows at each widening site (4 x 5), plus the hand-overs: warpgroup 0
+    # waits for the other's page and for P tile 0 to be free, warpgroup 1 for warpgroup 0's page and for slot
+    # 1's lower half to be read
+    assert ptx.count("mbarrier.try_wait") == 4 * 5 + 4
+    # a page is asked for whole (4 boxes + RoPE rows) by one warpgroup: at the two first pages and at two
+    # sites in the loop (warpgroup 1 after its PVs)
+    assert ptx.count("expect_tx") == 5 * 4
+
+
+@needs_gluon
+def test_seesaw_fp8_plans():
+    plan = _meta_plan(PRESETS["snapmla"], 64, tile="gluon", warp_specialize=True)
+    assert plan.launches[0].name == "decode_gluon_seesaw_fp8" and plan.knobs["kernel"] == "gluon.seesaw_fp8"
+    assert plan.knobs["block_m"] == 64 and plan.knobs["num_warps"] == 4
+    assert "FP8" not in plan.launches[0].kwargs and "STAGES" not in plan.launches[0].kwargs
+    # opt-in: the snapmla default past 16 rows stays gluon.wide until measured faster
+    assert _meta_plan(PRESETS["snapmla"], 64, tile="gluon").knobs["kernel"] == "gluon.wide"
+    assert meta_plan(PRESETS["snapmla"], B=2, H=64, L=256).knobs["kernel"] == "gluon.wide"
+    with pytest.raises(ConfigError, match="kv_lora_rank 256"):
+        _meta_plan(PRESETS["snapmla"], 64, tile="gluon", warp_specialize=True, r=256)
+    with pytest.raises(ConfigError, match="snapmla layout, 16 query rows"):
+        _meta_plan(PRESETS["snapmla"], 16, tile="gluon", warp_specialize=True)
+
+
+def _round_f32(x):
+    """The float32 nearest the exact rational x (ties to even), as a Fraction: normal range only."""
+    from fractions import Fraction
+
+    if x == 0:
+        return Fraction(0)
+    sign, x = (-1 if x < 0 else 1), abs(x)
+    e = x.numerator.bit_length() - x.denominator.bit_length()
+    if Fraction(2) ** e > x:
+        e -= 1
+    assert -126 <= e <= 127, "outside the normal range"
+    scaled = x / Fraction(2) ** (e - 23)  # in [2^23, 2^24)
+    n, rem = divmod(scaled.numerator, scaled.denominator)
+    twice = 2 * rem
+    if twice > scaled.denominator or (twice == scaled.denominator and n % 2):
+        n += 1
+    return sign * Fraction(n) * Fraction(2) ** (e - 23)
+
+
+def test_div_rn_fast_sequence_is_the_correctly_rounded_quotient():
+    """`common.div_rn_fast` (div.rn's fast path without its slow-path call), the arithmetic argument: from any
+    reciprocal approximation within 2^-22 relative (rcp.approx.f32: about 2^-23), one Newton step and one fma
+    correction give the correctly rounded a / b for normal a, b and quotient. Every step emulated exactly in
+    rationals, each rounded once to float32 as the fma.rn / mul.rn of the PTX; fresh random operands over the
+    ranges the softmax divides (pi in [2^-100, 2^20], numerators 2^-60 .. 2^40) and the worst approximations."""
+    import random
+    from fractions import Fraction
+
+    from snapquant.kernels.gluon.common import DIV_RN_FAST_PTX
+
+    assert "rcp.approx.ftz.f32" in DIV_RN_FAST_PTX and DIV_RN_FAST_PTX.count("fma.rn.f32") == 4
+    rng = random.Random()  # fresh operands every run: the claim holds for all of them
+    r32 = _round_f32
+    for _ in range(4000):
+        b = r32(Fraction(rng.uniform(1, 2)) * Fraction(2) ** rng.randint(-100, 20))
+        a = r32(Fraction(rng.uniform(1, 2)) * Fraction(2) ** rng.randint(-60, 40))
+        if not Fraction(2) ** -126 <= a / b < Fraction(2) ** 127:
+            continue
+        delta = rng.choice([-1, 1]) * Fraction(rng.choice([1.0, rng.random()])) * Fraction(2) ** -22
+        r = r32(1 / b * (1 + delta))  # rcp.approx
+        e = r32(1 - b * r)  # fma.rn e = -b r + 1
+        r = r32(r * e + r)  # fma.rn r = r e + r
+        q = r32(a * r)  # mul.rn
+        s = r32(a - b * q)  # fma.rn s = -b q + a (exact: the residual of a rounded quotient)
+        assert r32(r * s + q) == r32(a / b), (a, b, delta)
+    assert r32(Fraction(0) * r) == 0  # a = 0 gives 0 (q = 0, s = 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+def test_div_rn_fast_matches_div_rn_bits_on_the_gpu():
+    """div_rn_fast against div.rn on the GPU: the same bits for 4M fresh operand pairs of normal quotients
+    (pi-like denominators 2^-100 .. 2^20, numerators 2^-60 .. 2^40)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from snapquant.kernels.gluon.common import div_rn_fast
+
+    @gluon.jit
+    def _divide(A, B, FAST, EXACT, N, BLOCK: gl.constexpr):
+        lay: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+        offs = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=lay)
+        ok = offs < N
+        a = gl.load(A + offs, mask=ok, other=1.0)
+        b = gl.load(B + offs, mask=ok, other=1.0)
+        gl.store(FAST + offs, div_rn_fast(a, b), mask=ok)
+        gl.store(EXACT + offs, gl.div_rn(a, b), mask=ok)
+
+    n = 1 << 22
+    b = torch.exp2(torch.empty(n, device="cuda").uniform_(-100, 20))
+    a = torch.exp2(torch.empty(n, device="cuda").uniform_(-60, 40)) * torch.randint(0, 2, (n,), device="cuda") * 2 - 0
+    a = torch.where(a == 0, torch.exp2(torch.empty(n, device="cuda").uniform_(-60, 40)), a)
+    keep = (a / b).abs() >= 2.0 ** -126
+    a, b = a[keep].contiguous(), b[keep].contiguous()
+    fast, exact = torch.empty_like(a), torch.empty_like(a)
+    _divide[(triton_cdiv(a.numel(), 512),)](a, b, fast, exact, a.numel(), BLOCK=512, num_warps=4)
+    assert torch.equal(fast.view(torch.int32), exact.view(torch.int32))
+
+
+def triton_cdiv(n, d):
+    return (n + d - 1) // d
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("B,H,S,L,splits", [(5, 64, 1, 700, None), (3, 20, 2, 130, 1), (4, 128, 1, 64, 3),
+                                            (2, 32, 2, 1000, 2), (3, 64, 1, 321, 1), (2, 64, 1, 2000, 3)])
+def test_seesaw_fp8_kernel_matches_the_reference(B, H, S, L, splits, r=512, d=64):
+    """gluon.seesaw_fp8 against `mla_decode_reference`, the Triton pairs tile and gluon.wide: full and partial
+    (40-row) tiles, two row tiles per request, runs of one page, odd and even page counts (the last page either
+    warpgroup's), empty splits, mixed lengths, e4m3 NaN codes in a last page's stale tail (the widening zeroes
+    them)."""
+    torch.manual_seed(B * 1000 + H + L + 7)
+    cfg = PRESETS["snapmla"]
+    lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
+    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
+    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
+    cache.lengths.copy_(lengths.cuda())
+    if L % 64:
+        cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:].view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+    q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
+    tau = 1 / math.sqrt(192)
+    kw = dict(num_splits=splits, tile="gluon", warp_specialize=True)
+    assert mla_decode_plan(q, cache, tau, cfg, **kw).launches[0].name == "decode_gluon_seesaw_fp8"
+    out, lse = mla_decode(q, cache, tau, cfg, **kw)
+    base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="pairs")
+    wide, wide_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", warp_specialize=False)
+    kv = cache.to_quantized_kv(int(cache.lengths.max())).to("cpu")
+    ref, ref_lse = mla_decode_reference(q.cpu(), kv, cache.lengths.cpu(), tau, cfg)
+    assert torch.isfinite(out).all()
+    # exact fp16 products, fp32 sums in another order: as gluon.wide's 5e-5 (a P^ code may round to its
+    # neighbour where an ulp of f / pi crosses a midpoint); a wrong page, slot, half or hand-over is ~1
+    for o, lz in ((ref, ref_lse), (base.cpu(), base_lse.cpu()), (wide.cpu(), wide_lse.cpu())):
+        assert ((out.cpu() - o).norm() / o.norm()).item() < 5e-5
+        assert (lse.cpu() - lz).abs().max().item() < 1e-4
 
 
 # ------------------------------------------- the register-operand kernels' box views (gluon/box_views.py)

@@ -206,6 +206,12 @@ VARIANTS: tuple[Variant, ...] = (
     _v("bf16+ws", "bf16", "bf16", priority=1, check="bf16", tol=1e-3, where="rows_gt16", tile="gluon",
        warp_specialize=True,
        note="past 16 rows, gluon.seesaw asked for explicitly (the default where it runs): two warpgroups in roles"),
+    # the pair schedule on the fp8 layout: same products (exact fp16 MMAs), P^ and row state handed over; check
+    # against the default (gluon.wide): fp32 summation order only, as the GPU test's 5e-5 (here 1e-4)
+    _v("snapmla+ws", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-4, where="rows_gt16",
+       tile="gluon", warp_specialize=True,
+       note="past 16 rows, gluon.seesaw_fp8 (opt-in): two warpgroups in roles over page pairs, each widening its "
+            "own page"),
     _v("bf16+wide", "bf16", "bf16", priority=1, check="bf16", tol=1e-3, where="rows_gt16", tile="gluon",
        warp_specialize=False,
        note="past 16 rows, gluon.wide (one chain on 8 warps) instead of the default gluon.seesaw (two warpgroups in "

@@ -331,6 +331,7 @@ _GLUON_KERNELS = {  # dispatch name -> (module under snapquant.kernels, function
     "gluon.narrow_bf16": ("gluon.narrow_bf16", "_bf16_decode_gluon_narrow", "decode_gluon_narrow_bf16"),
     "gluon.wide": ("gluon.wide", "_mla_decode_gluon_wide", "decode_gluon_wide"),
     "gluon.seesaw": ("gluon.seesaw", "_bf16_decode_gluon_seesaw", "decode_gluon_seesaw"),
+    "gluon.seesaw_fp8": ("gluon.seesaw_fp8", "_snapmla_decode_gluon_seesaw", "decode_gluon_seesaw_fp8"),
     "gluon.narrow8": ("gluon.experimental.narrow8", "_mla_decode_gluon_narrow8", "decode_gluon_narrow8"),
     "gluon.wide8": ("gluon.experimental.wide8", "_mla_decode_gluon_wide8", "decode_gluon_wide8"),
 }
@@ -372,7 +373,7 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
         grid = (triton.cdiv(S * H, choice.block_m), B, splits)
         if choice.kernel == "gluon.wide":
             consts.update(FP8=fp8)
-        elif choice.kernel != "gluon.seesaw":
+        elif choice.kernel not in ("gluon.seesaw", "gluon.seesaw_fp8"):
             consts.update(STAGES=choice.num_stages)
     return KernelLaunch(name, kernel, grid, args, dict(**consts, num_warps=choice.num_warps))
 

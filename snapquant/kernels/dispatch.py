@@ -12,6 +12,7 @@ schedule, never on launch knobs:
         <= 16 rows, snapmla with fp8 query and P, exact MMAs   gluon.narrow (r = 512) / gluon.narrow_tile
         <= 16 rows, bf16 layout (bf16 query and P)             gluon.narrow_bf16
         > 16 rows, bf16 layout, r = 512, d = 64                gluon.seesaw (warp_specialize=False: gluon.wide)
+        > 16 rows, snapmla, r = 512, d = 64, warp_specialize   gluon.seesaw_fp8 (opt-in)
         > 16 rows, exact MMAs (snapmla fp8 q and P, other bf16) gluon.wide
         > 16 rows, fp8_mma=True (snapmla, r = 512)             gluon.narrow8 (block_m 32) / gluon.wide8 (64)
     otherwise (other GPUs, the interpreter, other modes, the balanced schedule):
@@ -75,6 +76,10 @@ KERNELS: dict[str, KernelSpec] = {
         "gluon", "gluon/seesaw.py", "default",
         "> 16 query rows (64-row tiles); the bf16 layout, kv_lora_rank 512, rope_dim 64; two warpgroups in "
         "different roles over page pairs; Hopper"),
+    "gluon.seesaw_fp8": KernelSpec(
+        "gluon", "gluon/seesaw_fp8.py", "opt-in",
+        "> 16 query rows (64-row tiles); snapmla layout, fp8 query and P, exact MMAs, kv_lora_rank 512, rope_dim 64; "
+        "warp_specialize=True: two warpgroups in different roles over page pairs; Hopper"),
     "gluon.narrow8": KernelSpec(
         "gluon", "gluon/experimental/narrow8.py", "opt-in",
         "> 16 query rows (32-row programs, two per SM); snapmla, fp8 query and P, kv_lora_rank 512; "
@@ -180,9 +185,10 @@ def choose_kernel(ops: KernelOperands, config: KVQuantConfig, rows: int, target:
         raise ConfigError(f"widen={opts.widen!r} is a knob of gluon.narrow (<= {GLUON_ROWS} query rows on Hopper, "
                           f"exact fp16 MMAs, kv_lora_rank 512, two or more ring slots); the kernel here is "
                           f"{choice.kernel}")
-    if opts.warp_specialize and choice.kernel != "gluon.seesaw":
-        raise ConfigError(f"warp_specialize=True is a knob of gluon.seesaw (the bf16 layout past {GLUON_ROWS} query rows "
-                          f"on Hopper, tile='gluon'); the kernel here is {choice.kernel}")
+    if opts.warp_specialize and choice.kernel not in SEESAW_KERNELS.values():
+        raise ConfigError(f"warp_specialize=True is a knob of gluon.seesaw / gluon.seesaw_fp8 (the bf16 and snapmla "
+                          f"layouts past {GLUON_ROWS} query rows on Hopper, tile='gluon'); the kernel here is "
+                          f"{choice.kernel}")
     return choice
 
 
@@ -216,10 +222,11 @@ def gluon_reason(ops: KernelOperands, config: KVQuantConfig, rows: int, target: 
     if options.maxnreg is not None:
         return f"tile='gluon' takes no maxnreg (a launch knob of the Triton tiles), got maxnreg={options.maxnreg}"
     if options.warp_specialize:
-        if not seesaw_runs(ops, rows):
-            return (f"warp_specialize=True (gluon.seesaw) runs the bf16 layout past {GLUON_ROWS} query rows at "
-                    f"kv_lora_rank 512 and rope_dim 64; got the {ops.layout} layout, {rows} query rows, "
-                    f"kv_lora_rank {ops.kv_lora_rank}, rope_dim {ops.rope_dim}")
+        if not seesaw_runs(ops, rows) or fp8_mma is True:
+            return (f"warp_specialize=True (gluon.seesaw, gluon.seesaw_fp8) runs the bf16 and snapmla layouts past "
+                    f"{GLUON_ROWS} query rows at kv_lora_rank 512 and rope_dim 64 with exact MMAs; got the "
+                    f"{ops.layout} layout, {rows} query rows, kv_lora_rank {ops.kv_lora_rank}, rope_dim "
+                    f"{ops.rope_dim}, fp8_mma={fp8_mma!r}")
     warps = 8 if wide and native8_rows != 32 and not uses_seesaw(ops, rows, options) else 4
     if num_warps not in (None, warps):
         return f"tile='gluon' at {rows} query rows runs num_warps={warps}, got num_warps={num_warps}"
@@ -300,18 +307,26 @@ def narrow_kernel(stages: int, fp8_mma: bool | str, layout: str = "snapmla") -> 
     return "gluon.narrow" if stages >= 2 and fp8_mma != "qk" else "gluon.narrow_tile"
 
 
+# the pair-schedule kernel of each layout, and the layouts where it is the default past 16 rows (measured faster
+# than gluon.wide at every shape, docs/performance.md); elsewhere warp_specialize=True asks for it
+SEESAW_KERNELS = {"bf16": "gluon.seesaw", "snapmla": "gluon.seesaw_fp8"}
+SEESAW_DEFAULT_LAYOUTS = ("bf16",)
+
+
 def seesaw_runs(ops: KernelOperands, rows: int) -> bool:
-    """Where `gluon.seesaw` runs: the bf16 layout past 16 query rows at kv_lora_rank 512 and rope_dim 64."""
-    return rows > GLUON_ROWS and ops.layout == "bf16" and ops.kv_lora_rank == 512 and ops.rope_dim == 64
+    """Where the pair-schedule kernels run: the bf16 layout (`gluon.seesaw`) and the snapmla layout
+    (`gluon.seesaw_fp8`; its fp8 query and P are checked with the format) past 16 query rows at kv_lora_rank
+    512 and rope_dim 64."""
+    return rows > GLUON_ROWS and ops.layout in SEESAW_KERNELS and ops.kv_lora_rank == 512 and ops.rope_dim == 64
 
 
 def uses_seesaw(ops: KernelOperands, rows: int, opts: DecodeOptions) -> bool:
-    """`warp_specialize`: True asks for `gluon.seesaw`, False for `gluon.wide`; None (the default) takes the
-    seesaw where it runs and no launch knob asks for 8 warps (measured faster than `gluon.wide` at every
-    shape on an H100, docs/performance.md)."""
+    """`warp_specialize`: True asks for the pair-schedule kernel, False for `gluon.wide`; None (the default)
+    takes it where it runs, its layout is in SEESAW_DEFAULT_LAYOUTS and no launch knob asks for 8 warps."""
     if opts.warp_specialize is not None:
         return opts.warp_specialize
-    return seesaw_runs(ops, rows) and opts.num_warps in (None, 4) and opts.fp8_mma is not True
+    return (seesaw_runs(ops, rows) and ops.layout in SEESAW_DEFAULT_LAYOUTS and opts.num_warps in (None, 4)
+            and opts.fp8_mma is not True)
 
 
 def narrow_resident(stages: int, fp8_mma: bool | str, layout: str = "snapmla", r: int = 512, d: int = 64) -> int:
@@ -346,7 +361,7 @@ def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOp
         kernel = "gluon.narrow8" if block_m == 32 else "gluon.wide8"
         stages, warps, resident, max_run = opts.num_stages or 2, 4 if block_m == 32 else 8, 2 if block_m == 32 else 1, None
     elif uses_seesaw(ops, rows, opts):
-        kernel, block_m, stages, warps, resident, max_run = "gluon.seesaw", GLUON_WIDE_ROWS, 2, 4, 1, None
+        kernel, block_m, stages, warps, resident, max_run = SEESAW_KERNELS[ops.layout], GLUON_WIDE_ROWS, 2, 4, 1, None
     else:
         kernel, block_m, stages, warps, resident, max_run = "gluon.wide", GLUON_WIDE_ROWS, 2, 8, 1, None
     splits = opts.num_splits or one_wave_splits(B * triton.cdiv(rows, block_m), ops.block_table.shape[1],

@@ -71,6 +71,12 @@ E4M3_TO_F16_INT_PTX = (
     "prmt.b32 h, $2, z, 0x4140; and.b32 m, h, 0x00800080; add.u32 u, h, m; shl.b32 $0, u, 7; "
     "prmt.b32 h, $2, z, 0x4342; and.b32 m, h, 0x00800080; add.u32 u, h, m; shl.b32 $1, u, 7; }")
 WIDEN_INT_SCALE = 256.0  # what undoes the 2^-8: exact in fp32, applied to the accumulators, not the codes
+# div.rn.f32's fast path (what ptxas emits ahead of its FCHK-guarded slow-path call): r = rcp.approx(b), one
+# Newton step r' = r + r (1 - b r), q = a r', then one fma correction q + r' (a - b q): the correctly rounded
+# quotient whenever r' is within an ulp of 1 / b and nothing is subnormal or overflows (Markstein's theorem)
+DIV_RN_FAST_PTX = ("{ .reg .f32 r, e, nb, q, s; neg.f32 nb, $2; rcp.approx.ftz.f32 r, $2; "
+                   "fma.rn.f32 e, nb, r, 0f3F800000; fma.rn.f32 r, r, e, r; mul.rn.f32 q, $1, r; "
+                   "fma.rn.f32 s, nb, q, $1; fma.rn.f32 $0, r, s, q; }")
 E4M3_TO_F16_CVT_PTX = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
 
 
@@ -106,6 +112,7 @@ if HAVE_GLUON:
     PI_ABS_FLOOR = gl.constexpr(constants.PI_ABS_FLOOR)
 
     E4M3_TO_F16_CVT_PTX_C = gl.constexpr(E4M3_TO_F16_CVT_PTX)
+    DIV_RN_FAST_PTX_C = gl.constexpr(DIV_RN_FAST_PTX)
     E4M3_TO_F16_INT_PTX_C = gl.constexpr(E4M3_TO_F16_INT_PTX)
     WIDEN_INT_SCALE_C = gl.constexpr(WIDEN_INT_SCALE)
 
@@ -250,6 +257,14 @@ if HAVE_GLUON:
         return gl.fma(gl.fma(-y, b, a), r_inv, y)
 
     @gluon.jit
+    def div_rn_fast(a, b):
+        """a / b as div.rn's fast path, without its slow-path call (DIV_RN_FAST_PTX): the same bits wherever
+        div.rn would not take the call (a, b and the quotient normal, or a = 0). A call site makes ptxas keep
+        registers free around it, which spills a kernel that needs all 255 (`seesaw_fp8.py`)."""
+        return gl.inline_asm_elementwise(DIV_RN_FAST_PTX_C, "=r,r,r", [a, b], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
     def online_softmax(x, m_i, AX: gl.constexpr):
         """One page of the log2-domain online softmax, tokens along AX (`triton/decode.py`'s `_online_softmax`):
         (m_new, e, alpha); rows with nothing visible yet keep m = -inf (their e and alpha are 0)."""
@@ -260,14 +275,16 @@ if HAVE_GLUON:
     @gluon.jit
     def page_p(raw, s_cur, coef, pos, limit, m_i, l_i, pi_i, pi_max, zero_s, P_DIV: gl.constexpr,
                 AX: gl.constexpr = 0, MASK: gl.constexpr = True, CLAMP: gl.constexpr = True,
-                PI_RCP: gl.constexpr = False):
+                PI_RCP: gl.constexpr = False, DIV_FAST: gl.constexpr = False):
         """One page of the online softmax and of fp8_scale_fused P, tokens along axis AX (the arithmetic
         of `triton/decode.py`'s `_online_softmax` and `_page_weights`): raw = <q^, c^> + <q~r, r~> per
         (token, row) -> (P^ as e4m3, accumulator rescale beta, m, l, pi, pi_max). MASK=False: the caller
         knows every row sees every token of the page (no position test). CLAMP=False: the e4m3
         conversion's own saturation (cvt.satfinite) bounds f / pi, the same codes for finite values.
         PI_RCP: max f / 448 as a multiply by RN(1 / 448) with Markstein's correction, the correctly
-        rounded quotient (pi is floored at >= 2^-100, far above where that could differ)."""
+        rounded quotient (pi is floored at >= 2^-100, far above where that could differ). DIV_FAST: the
+        per-row divisions by pi (1 / pi, beta, l's increment) as `div_rn_fast`: div_rn's bits except where
+        beta or an increment of l is subnormal (below 2^-126, where it no longer moves O or l)."""
         RA: gl.constexpr = 1 - AX  # the rows' axis
         if MASK:
             x = (gl.expand_dims(s_cur, RA) * raw) * gl.expand_dims(coef, AX)
@@ -290,7 +307,11 @@ if HAVE_GLUON:
         if P_DIV == 0:
             y = gl.div_rn(f, pi_b)
         else:
-            r_inv = gl.expand_dims(gl.div_rn(gl.full_like(pi_new, 1.0), pi_new), AX) + zero_s
+            if DIV_FAST:
+                r_row = div_rn_fast(gl.full_like(pi_new, 1.0), pi_new)
+            else:
+                r_row = gl.div_rn(gl.full_like(pi_new, 1.0), pi_new)
+            r_inv = gl.expand_dims(r_row, AX) + zero_s
             if P_DIV == 2:  # Markstein: one fma correction gives the correctly rounded quotient
                 y = _div_markstein(f, pi_b, r_inv)
             else:
@@ -298,8 +319,12 @@ if HAVE_GLUON:
         if CLAMP:
             y = gl.minimum(gl.maximum(y, -E4M3_MAX), E4M3_MAX)
         p8 = y.to(gl.float8e4nv)
-        rescale = gl.div_rn(alpha * pi_i, pi_new)
-        l_i = rescale * l_i + gl.div_rn(gl.sum(e, AX), pi_new)
+        if DIV_FAST:
+            rescale = div_rn_fast(alpha * pi_i, pi_new)
+            l_i = rescale * l_i + div_rn_fast(gl.sum(e, AX), pi_new)
+        else:
+            rescale = gl.div_rn(alpha * pi_i, pi_new)
+            l_i = rescale * l_i + gl.div_rn(gl.sum(e, AX), pi_new)
         return p8, rescale, m_new, l_i, pi_new, pi_max
 
     @gluon.jit
