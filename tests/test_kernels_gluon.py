@@ -529,7 +529,7 @@ def test_seesaw_fp8_kernel_compiles_to_two_warpgroups_widening_their_own_pages()
     m64n64k16 f16 (two per 128-channel chunk: 8 x 4 k-steps per page) plus the bf16 RoPE part (4), at two sites
     per warpgroup; PV on 256 channels (f16 m64n256k16, 4 per page) at five sites, as gluon.seesaw. Shared
     memory fills one SM; no div.rn slow-path call in the loop (`div_rn_fast`), whose register-saving spilled
-    the kernel by 224 bytes: Triton 3.6 (the H200's) spills 16 bytes (one loop-carried value), 3.9 184."""
+    the kernel by 224 bytes: Triton 3.6 (the H200's) spills nothing, 3.9 a little."""
     import triton
 
     st = sm90_stats("snapmla", **WIDE, tile="gluon", warp_specialize=True)
@@ -538,16 +538,17 @@ def test_seesaw_fp8_kernel_compiles_to_two_warpgroups_widening_their_own_pages()
                                                    "bf16.bf16 m64n64k16": 4 * 4 / 20}
     assert st["mma_sync"] == 0 and st["cvt_e4m3"] > 0
     assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT
-    _unserialized(st, max_spill=16 if triton.__version__.startswith("3.6") else 256)
+    _unserialized(st, max_spill=0 if triton.__version__.startswith("3.6") else 256)
     ptx = compile_launch(meta_plan("snapmla", **WIDE, tile="gluon", warp_specialize=True).launches[0], 90).asm["ptx"]
-    # div.rn (whose slow path is a call) only in the query's prologue, before the first MMA
-    assert 0 < ptx.rindex("div.rn.f32") < ptx.index("wgmma.mma_async")
+    # div.rn (whose slow path is a call) only in the query's prologues: per warpgroup 4 of its 32 rows per thread,
+    # sigma = amax / 448 and 1 / sigma each (the page loop's divisions by pi would add 12)
+    assert ptx.count("div.rn.f32") == 2 * 4 * 2
     # one wait per e4m3 box and the RoPE rows at each widening site (4 x 5), plus the hand-overs: warpgroup 0
-    # waits for the other's page and for P tile 0 to be free, warpgroup 1 for warpgroup 0's page and for slot
-    # 1's lower half to be read
-    assert ptx.count("mbarrier.try_wait") == 4 * 5 + 4
-    # a page is asked for whole (4 boxes + RoPE rows) by one warpgroup: at the two first pages and at two
-    # sites in the loop (warpgroup 1 after its PVs)
+    # waits for the other's page and for slot 0's upper half (and P tile 0) to be read, warpgroup 1 for warpgroup
+    # 0's page; and each for both halves of the query
+    assert ptx.count("mbarrier.try_wait") == 4 * 5 + 3 + 2
+    # a page is asked for whole (4 boxes + RoPE rows) by one warpgroup: each its first page, then warpgroup 0
+    # both slots' next pages in the loop (after its PVs on their lower halves)
     assert ptx.count("expect_tx") == 5 * 4
 
 
@@ -637,10 +638,12 @@ def test_div_rn_fast_matches_div_rn_bits_on_the_gpu():
 
     n = 1 << 22
     b = torch.exp2(torch.empty(n, device="cuda").uniform_(-100, 20))
-    a = torch.exp2(torch.empty(n, device="cuda").uniform_(-60, 40)) * torch.randint(0, 2, (n,), device="cuda") * 2 - 0
-    a = torch.where(a == 0, torch.exp2(torch.empty(n, device="cuda").uniform_(-60, 40)), a)
-    keep = (a / b).abs() >= 2.0 ** -126
+    sign = torch.randint(0, 2, (n,), device="cuda") * 2 - 1
+    a = torch.exp2(torch.empty(n, device="cuda").uniform_(-60, 40)) * sign
+    quotient = (a.double() / b.double()).abs()
+    keep = (quotient >= 2.0 ** -126) & (quotient < 2.0 ** 126)  # normal quotients (the fast path's domain)
     a, b = a[keep].contiguous(), b[keep].contiguous()
+    assert a.numel() > n // 2
     fast, exact = torch.empty_like(a), torch.empty_like(a)
     _divide[(triton_cdiv(a.numel(), 512),)](a, b, fast, exact, a.numel(), BLOCK=512, num_warps=4)
     assert torch.equal(fast.view(torch.int32), exact.view(torch.int32))

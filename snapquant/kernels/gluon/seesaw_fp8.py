@@ -4,14 +4,16 @@
 under the PV. Here the two warpgroups work on a pair of pages at a time, as `seesaw.py` does for the bf16
 layout; what the fp8 layout changes:
 
-  * a slot is an fp16 tile [64, 512] whose upper half receives the page's four e4m3 boxes by TMA (as in
-    `wide.py`); the warpgroup that computes a page's scores (warpgroup 0 the even pages, 1 the odd ones)
-    widens it in place, exactly (e4m3 -> fp16), with the tokens past the request's length set to zero:
-    first the boxes whose fp16 chunks land in the lower half (nothing unread there), whose QK then runs
-    while it reads the other two boxes; after a barrier of its four warps it writes those over the upper half;
-  * both warpgroups' PVs read the widened tile (each its 256 channels), so a slot is asked for again by
-    warpgroup 1 after its PV on the upper half (where the e4m3 boxes land); the owner of the next page in
-    slot 1 also waits for warpgroup 0's PV on the lower half before widening over it (barrier `free1`);
+  * a slot is an fp16 tile [64, 512] whose lower half receives the page's four e4m3 boxes by TMA; the
+    warpgroup that computes a page's scores (warpgroup 0 the even pages, 1 the odd ones) widens it in place,
+    exactly (e4m3 -> fp16), with the tokens past the request's length set to zero: first boxes 3, 2 into the
+    upper half (nothing unread there), whose QK then runs while it widens box 1 over boxes 2, 3 and, after a
+    barrier of its four warps, box 0 over boxes 0, 1;
+  * both warpgroups' PVs read the widened tile (each its 256 channels). Warpgroup 0's PV on the lower half
+    comes first in a pair, so it asks for both slots' next pages (over the lower halves it just read), one PV
+    after the other: a page is in flight for about a pair before it is widened. Warpgroup 0 widens slot 0's
+    next page once warpgroup 1's PV has read its upper half (barrier `free0`, which also frees P tile 0);
+    warpgroup 1 reads slot 1's upper half itself, just before it widens the next page there;
   * the page's arithmetic is `common.page_p` (fp8_scale_fused P^ = e4m3(f / pi), f = e times the token's
     scale), the row state (m, l, pi, pi_max) and the accumulator rescale beta handed over with P through
     shared memory, as `seesaw.py` hands over (alpha, m, l); the query's scale sigma reaches the worker the
@@ -64,14 +66,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, SLOT: gl.constexpr, bt_row, j, lat_page_rows,
                     rope_page_rows, NB8: gl.constexpr):
-        """The run's page j into ring slot SLOT: its e4m3 boxes (128 channels each) into the upper half of the
+        """The run's page j into ring slot SLOT: its e4m3 boxes (128 channels each) into the lower half of the
         slot's fp16 tile and its RoPE rows, each counted in by its own barrier ready[SLOT * (NB8 + 1) + box]."""
         page = gl.load(bt_row + j).to(gl.int64)
         lat_row = (page * lat_page_rows).to(gl.int32)
         for c in gl.static_range(NB8):
             bar = ready.index(SLOT * (NB8 + 1) + c)
             mbarrier.expect(bar, lat_desc.block_type.nbytes)
-            tma_load(lat_desc, [lat_row, c * 128], bar, box_smem.index((2 * SLOT + 1) * NB8 + c))
+            tma_load(lat_desc, [lat_row, c * 128], bar, box_smem.index(2 * SLOT * NB8 + c))
         bar = ready.index(SLOT * (NB8 + 1) + NB8)
         mbarrier.expect(bar, rope_desc.block_type.nbytes)
         tma_load(rope_desc, [(page * rope_page_rows).to(gl.int32), 0], bar, rope_smem.index(SLOT))
@@ -89,7 +91,7 @@ if HAVE_GLUON:
         """The e4m3 codes of box C of the page in slot SLOT once it landed; on a last page the tokens past the
         request's length read as code 0 (the cache holds stale or NaN codes there)."""
         mbarrier.wait(ready.index(SLOT * (NB8 + 1) + C), phase)
-        c8 = box_smem.index((2 * SLOT + 1) * NB8 + C).load(cvt_l)
+        c8 = box_smem.index(2 * SLOT * NB8 + C).load(cvt_l)
         if tail:
             c8 = gl.where(keep, c8.to(gl.int8, bitcast=True), 0).to(gl.float8e4nv, bitcast=True)
         return c8
@@ -106,34 +108,32 @@ if HAVE_GLUON:
     @gluon.jit
     def _widen_qk(q_all, qr, tile_smem, box_smem, rope_smem, ready, SLOT: gl.constexpr, phase, zero, base, length,
                   NB8: gl.constexpr, BM: gl.constexpr, PAGE: gl.constexpr, s_l: gl.constexpr, cvt_l: gl.constexpr):
-        """Widens the page in slot SLOT in place (e4m3 boxes in the upper half -> the fp16 tile) and returns its
-        scores S = Q C^T + Q_r R^T. Boxes 0, 1 widen into the lower half; their QK runs while the warpgroup widens
-        box 2 over boxes 0, 1 and then (every warp having read boxes 2 and 3) box 3 over them."""
+        """Widens the page in slot SLOT in place (e4m3 boxes in the lower half -> the fp16 tile) and returns its
+        scores S = Q C^T + Q_r R^T. The caller knows the upper half is read. Boxes 3, 2 widen into the upper half
+        (fp16 chunks 3, 2); their QK runs while the warpgroup widens box 1 over boxes 2, 3 (read by every warp
+        before the barrier) and then, every warp having read boxes 0 and 1, box 0 over them."""
         tile = tile_smem.index(SLOT + zero)
         q_smem = q_all.index(zero)
         offs_tc = gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))
         keep = gl.expand_dims(base + offs_tc < length, 1)
         tail = base + PAGE > length
-        # boxes 0, 1 -> fp16 chunks 0, 1: the lower half, where nothing is unread
-        for c in gl.static_range(NB8 // 2):
-            c8 = _landed_codes(box_smem, ready, SLOT, c, phase, keep, tail, NB8, cvt_l)
-            tile.slice(c * 128, 128, dim=1).store(e4m3_to_f16(c8))
+        for i in gl.static_range(NB8 // 2):
+            c8 = _landed_codes(box_smem, ready, SLOT, NB8 - 1 - i, phase, keep, tail, NB8, cvt_l)
+            tile.slice((NB8 - 1 - i) * 128, 128, dim=1).store(e4m3_to_f16(c8))
         fence_async_shared()
-        cta_barrier()  # the four warps' chunks before the warpgroup's MMA reads them; boxes 0, 1 read by all
+        cta_barrier()  # the four warps' chunks before the warpgroup's MMA reads them; boxes 2, 3 read by all
         qk = gl.zeros([BM, PAGE], gl.float32, s_l)
-        for c in gl.static_range(NB8 // 2):
-            qk = _qk_chunk(q_smem, tile, qk, c, c == 0)
-        # box 2 -> chunk 2, over boxes 0, 1 (read by every warp before the barrier)
-        c8 = _landed_codes(box_smem, ready, SLOT, NB8 // 2, phase, keep, tail, NB8, cvt_l)
-        tile.slice((NB8 // 2) * 128, 128, dim=1).store(e4m3_to_f16(c8))
-        # box 3 -> chunk 3, over boxes 2, 3: once every warp has read both
-        c8 = _landed_codes(box_smem, ready, SLOT, NB8 // 2 + 1, phase, keep, tail, NB8, cvt_l)
-        cta_barrier()
-        tile.slice((NB8 // 2 + 1) * 128, 128, dim=1).store(e4m3_to_f16(c8))
+        for i in gl.static_range(NB8 // 2):
+            qk = _qk_chunk(q_smem, tile, qk, NB8 - 1 - i, i == 0)
+        c8 = _landed_codes(box_smem, ready, SLOT, 1, phase, keep, tail, NB8, cvt_l)
+        tile.slice(128, 128, dim=1).store(e4m3_to_f16(c8))  # over boxes 2, 3
+        c8 = _landed_codes(box_smem, ready, SLOT, 0, phase, keep, tail, NB8, cvt_l)
+        cta_barrier()  # every warp has read boxes 0 and 1
+        tile.slice(0, 128, dim=1).store(e4m3_to_f16(c8))
         fence_async_shared()
         cta_barrier()
-        for c in gl.static_range(NB8 // 2, NB8):
-            qk = _qk_chunk(q_smem, tile, qk, c, False)
+        for c in gl.static_range(NB8 // 2):
+            qk = _qk_chunk(q_smem, tile, qk, NB8 // 2 - 1 - c, False)
         mbarrier.wait(ready.index(SLOT * (NB8 + 1) + NB8), phase)
         qk = warpgroup_mma(qr, rope_smem.index(SLOT).permute((1, 0)), qk, is_async=True)
         return warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
@@ -173,8 +173,9 @@ if HAVE_GLUON:
                               CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, K: gl.constexpr):
         """Warpgroup K's whole run (see the module docstring and `seesaw.py`)."""
         (lat_desc, rope_desc, tile_smem, box_smem, rope_smem, q_all, p_smem, qr_smem, stat_smem, pmax_smem, ready, sig, SCALE,
-         BT, LENS, O_PART, LSE_PART, sm_scale_log2, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
-         stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, H, NSPLIT) = a
+         Q, BT, LENS, O_PART, LSE_PART, sm_scale_log2, lat_page_rows, rope_page_rows, stride_qb, stride_qs, stride_qh,
+         stride_sp, stride_st, stride_bt, stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, H,
+         NSPLIT) = a
         BM: gl.constexpr = BM_ROWS
         HALF: gl.constexpr = R // 2
         NB8: gl.constexpr = R // 128
@@ -188,8 +189,9 @@ if HAVE_GLUON:
         cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # 16 codes = 16 bytes per load
         sig_a = sig.index(0)  # warpgroup 0 published page 2i
         sig_b = sig.index(1)  # warpgroup 1 published page 2i + 1
-        free0 = sig.index(2)  # warpgroup 1 is done reading P tile 0 (page 2i)
-        free1 = sig.index(3)  # warpgroup 0 is done reading slot 1's lower half (page 2i + 1)
+        free0 = sig.index(2)  # warpgroup 1 is done reading P tile 0 and slot 0's upper half (page 2i)
+        qready = sig.index(3)  # both halves of the query are in shared memory (two arrivals)
+        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
 
         row0 = gl.program_id(0) * BM
         b = gl.program_id(1)
@@ -198,12 +200,25 @@ if HAVE_GLUON:
         length, p_lo, n_run = split_run(LENS, b, split, NSPLIT, PAGE)
         bt_row = BT + b64 * stride_bt + p_lo
 
-        # this warpgroup's first page: page K into slot K
+        # this warpgroup's first page (page K into slot K) in flight while it quantizes its half of the query
         if n_run > K:
             _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, K, bt_row, K, lat_page_rows, rope_page_rows,
                         NB8)
-        # the query's RoPE part and scale (stored by the prologue) -> registers, before P tile 1 and warpgroup
-        # 1's stats are first written (each warpgroup reads both before it first publishes)
+        # query rows 32 K .. 32 K + 31: q^ (fp16) and q~r (bf16, through P tile 1) into shared memory, sigma through
+        # warpgroup 1's beta slot; both warpgroups' halves (every MMA reads all 64 rows) are in once `qready` has
+        # both arrivals. Split between the warpgroups, and q / sigma by the reciprocal with Markstein's correction
+        # (div_rn's bits): as one unrolled block on 4 warps with div_rn the prologue cost ~60 us per program, most
+        # of it instruction fetch (ncu: no_instruction) while the other warpgroup waited to start
+        HQ: gl.constexpr = BM // 2
+        sigma_half = query_operands(Q, q_all.index(0).slice(K * HQ, HQ, dim=0), qr_smem.slice(K * HQ, HQ, dim=0), b64,
+                                    row0 + K * HQ, stride_qb, stride_qs, stride_qh, H, S, R, D, HQ, False, q_l, True,
+                                    False, True)
+        stat_smem.slice(NSTAT_C * BM + K * HQ, HQ).store(sigma_half)
+        fence_async_shared()
+        mbarrier.arrive(qready, count=1)
+        mbarrier.wait(qready, 0)
+        # the query's RoPE part and scale -> registers, before P tile 1 and warpgroup 1's stats are first written
+        # (each warpgroup reads both before it first publishes)
         qr = qr_smem.load(qr_l)
         sigma = stat_smem.slice(NSTAT_C * BM, BM).load(srow_l)
         limit, coef, m_i, l_i, pi_i, pi_max = row_state(length, row0, sigma, sm_scale_log2, H, S, BM, CAUSAL, srow_l)
@@ -221,8 +236,6 @@ if HAVE_GLUON:
             ph = i & 1
             zero = i >> 30  # always 0, not provably: keeps the shared-memory descriptors in the loop (seesaw.py)
             if K == 0:
-                if i > 0:  # warpgroup 1's PV of the previous pair has read P tile 0
-                    mbarrier.wait(free0, (i - 1) & 1)
                 p8, beta, m_i, l_i, pi_i, pi_max = page_p(qk, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
                                                           pi_max, gl.zeros([BM, PAGE], gl.float32, s_l), P_DIV, 1,
                                                           PI_RCP=True, DIV_FAST=True)
@@ -230,14 +243,20 @@ if HAVE_GLUON:
                 _publish(p_smem, stat_smem, pmax_smem, sig_a, p16, beta, m_i, l_i, pi_i, pi_max, 0, BM)
                 acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 0, zero, acc, gl.convert_layout(beta, orow_l),
                                0, HALF)
+                if j + 2 < n_run:  # slot 0's lower half is read: its next page lands there
+                    _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, 0, bt_row, j + 2, lat_page_rows,
+                                rope_page_rows, NB8)
                 if j + 1 < n_run:  # warpgroup 1's page: its P^ on this half
                     mbarrier.wait(sig_b, ph)
                     beta_o, m_i, l_i, pi_i, pi_max = _take(stat_smem, pmax_smem, 1, BM, orow_l, srow_l)
                     acc = _pv_half(p_smem.index(1), tile_smem, 1, zero, acc, beta_o, 0, HALF)
-                    mbarrier.arrive(free1, count=1)
-                if j + 2 < n_run:  # slot 0's next page (asked for by warpgroup 1); its scales load under the QK
+                    if j + 3 < n_run:  # slot 1's lower half is read: its next page lands there
+                        _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, 1, bt_row, j + 3, lat_page_rows,
+                                    rope_page_rows, NB8)
+                if j + 2 < n_run:  # slot 0's next page; its scales load under the widening and QK
                     s_cur = _page_scales(SCALE, bt_row, j + 2, n_run, base + 2 * PAGE, length, stride_sp, stride_st,
                                          offs_t)
+                    mbarrier.wait(free0, ph)  # warpgroup 1's PV has read slot 0's upper half (and P tile 0)
                     qk = _widen_qk(q_all, qr, tile_smem, box_smem, rope_smem, ready, 0, ph ^ 1, zero, base + 2 * PAGE,
                                    length, NB8, BM, PAGE, s_l, cvt_l)
             else:
@@ -252,17 +271,11 @@ if HAVE_GLUON:
                     _publish(p_smem, stat_smem, pmax_smem, sig_b, p16, beta, m_i, l_i, pi_i, pi_max, 1, BM)
                     acc = _pv_half(p_smem.index(0), tile_smem, 0, zero, acc, beta_o, 1, HALF)
                     mbarrier.arrive(free0, count=1)
-                    if j + 2 < n_run:  # slot 0's upper half is read: its next page may land there
-                        _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, 0, bt_row, j + 2, lat_page_rows,
-                                    rope_page_rows, NB8)
                     acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 1, zero, acc,
                                    gl.convert_layout(beta, orow_l), 1, HALF)
-                    if j + 3 < n_run:
-                        _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, 1, bt_row, j + 3, lat_page_rows,
-                                    rope_page_rows, NB8)
+                    if j + 3 < n_run:  # slot 1's next page (asked for by warpgroup 0), over the upper half just read
                         s_cur = _page_scales(SCALE, bt_row, j + 3, n_run, base + 3 * PAGE, length, stride_sp,
                                              stride_st, offs_t)
-                        mbarrier.wait(free1, ph)  # warpgroup 0's PV has read the lower half this widening writes
                         qk = _widen_qk(q_all, qr, tile_smem, box_smem, rope_smem, ready, 1, ph ^ 1, zero,
                                        base + 3 * PAGE, length, NB8, BM, PAGE, s_l, cvt_l)
                 else:  # the run's last page is warpgroup 0's: only its P^ on this half
@@ -300,7 +313,6 @@ if HAVE_GLUON:
         BM: gl.constexpr = BM_ROWS
         NB8: gl.constexpr = R // 128
         NBAR: gl.constexpr = NB8 + 1  # per slot: the e4m3 boxes and the RoPE rows
-        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
 
         tile_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, 128], gl.float16)
         tile_smem = gl.allocate_shared_memory(gl.float16, [2, PAGE, R], tile_l)
@@ -326,21 +338,15 @@ if HAVE_GLUON:
         sig = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # see _seesaw_fp8_warpgroup
         for i in gl.static_range(2 * NBAR):
             mbarrier.init(ready.index(i), count=1)
-        for i in gl.static_range(4):
+        for i in gl.static_range(3):
             mbarrier.init(sig.index(i), count=1)
-
-        # the query in 16-row parts: 64 rows x 512 channels in fp32 on 4 warps would be all of their registers
-        b64 = gl.program_id(1).to(gl.int64)
-        for c in gl.static_range(BM // 16):
-            sigma = query_operands(Q, q_all.index(0).slice(c * 16, 16, dim=0), qr_smem.slice(c * 16, 16, dim=0), b64,
-                                   gl.program_id(0) * BM + c * 16, stride_qb, stride_qs, stride_qh, H, S, R, D, 16,
-                                   False, q_l)
-            stat_smem.slice(NSTAT_C * BM + c * 16, 16).store(sigma)
+        mbarrier.init(sig.index(3), count=2)  # qready: one arrival per warpgroup
         fence_async_shared()
 
-        args = (lat_desc, rope_desc, tile_smem, box_smem, rope_smem, q_all, p_smem, qr_smem, stat_smem, pmax_smem, ready, sig,
-                SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2, lat_page_rows, rope_page_rows, stride_sp, stride_st,
-                stride_bt, stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, H, NSPLIT)
+        args = (lat_desc, rope_desc, tile_smem, box_smem, rope_smem, q_all, p_smem, qr_smem, stat_smem, pmax_smem, ready,
+                sig, SCALE, Q, BT, LENS, O_PART, LSE_PART, sm_scale_log2, lat_page_rows, rope_page_rows, stride_qb,
+                stride_qs, stride_qh, stride_sp, stride_st, stride_bt, stride_ob, stride_om, stride_os, stride_lb,
+                stride_lm, stride_ls, H, NSPLIT)
         gl.warp_specialize([(_seesaw_fp8_default, (args, S, R, D, PAGE, CAUSAL, P_DIV, LSE_NATURAL)),
                             (_seesaw_fp8_worker, (args, S, R, D, PAGE, CAUSAL, P_DIV, LSE_NATURAL))], [4],
                            [WORKER_REGS_C])
