@@ -64,11 +64,10 @@ if HAVE_GLUON:
 if HAVE_GLUON:
 
     @gluon.jit
-    def _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, SLOT: gl.constexpr, bt_row, j, lat_page_rows,
+    def _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, SLOT: gl.constexpr, page, lat_page_rows,
                     rope_page_rows, NB8: gl.constexpr):
-        """The run's page j into ring slot SLOT: its e4m3 boxes (128 channels each) into the lower half of the
+        """Cache page `page` into ring slot SLOT: its e4m3 boxes (128 channels each) into the lower half of the
         slot's fp16 tile and its RoPE rows, each counted in by its own barrier ready[SLOT * (NB8 + 1) + box]."""
-        page = gl.load(bt_row + j).to(gl.int64)
         lat_row = (page * lat_page_rows).to(gl.int32)
         for c in gl.static_range(NB8):
             bar = ready.index(SLOT * (NB8 + 1) + c)
@@ -79,11 +78,14 @@ if HAVE_GLUON:
         tma_load(rope_desc, [(page * rope_page_rows).to(gl.int32), 0], bar, rope_smem.index(SLOT))
 
     @gluon.jit
-    def _page_scales(SCALE, bt_row, j, n_run, base, length, stride_sp, stride_st, offs_t):
-        """The per-token scales of the run's page j (0 past the request's length or the run)."""
-        page = gl.load(bt_row + j, mask=j < n_run, other=0).to(gl.int64)
-        return gl.load(SCALE + page * stride_sp + offs_t * stride_st, mask=(j < n_run) & (base + offs_t < length),
-                       other=0.0)
+    def _page_id(bt_row, j, n_run):
+        """The cache page of the run's page j (0 past the run)."""
+        return gl.load(bt_row + j, mask=j < n_run, other=0).to(gl.int64)
+
+    @gluon.jit
+    def _page_scales(SCALE, page, base, length, stride_sp, stride_st, offs_t):
+        """The per-token scales of cache page `page`, whose first token is position `base` (0 past the length)."""
+        return gl.load(SCALE + page * stride_sp + offs_t * stride_st, mask=base + offs_t < length, other=0.0)
 
     @gluon.jit
     def _landed_codes(box_smem, ready, SLOT: gl.constexpr, C: gl.constexpr, phase, keep, tail,
@@ -117,19 +119,23 @@ if HAVE_GLUON:
         offs_tc = gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))
         keep = gl.expand_dims(base + offs_tc < length, 1)
         tail = base + PAGE > length
-        for i in gl.static_range(NB8 // 2):
-            c8 = _landed_codes(box_smem, ready, SLOT, NB8 - 1 - i, phase, keep, tail, NB8, cvt_l)
-            tile.slice((NB8 - 1 - i) * 128, 128, dim=1).store(e4m3_to_f16(c8))
+        # both boxes' codes first: a shared-memory load cannot pass the store before it (the compiler sees one
+        # buffer), and one warp per scheduler does not hide its latency
+        c3 = _landed_codes(box_smem, ready, SLOT, 3, phase, keep, tail, NB8, cvt_l)
+        c2 = _landed_codes(box_smem, ready, SLOT, 2, phase, keep, tail, NB8, cvt_l)
+        tile.slice(3 * 128, 128, dim=1).store(e4m3_to_f16(c3))
+        tile.slice(2 * 128, 128, dim=1).store(e4m3_to_f16(c2))
         fence_async_shared()
         cta_barrier()  # the four warps' chunks before the warpgroup's MMA reads them; boxes 2, 3 read by all
         qk = gl.zeros([BM, PAGE], gl.float32, s_l)
-        for i in gl.static_range(NB8 // 2):
-            qk = _qk_chunk(q_smem, tile, qk, NB8 - 1 - i, i == 0)
-        c8 = _landed_codes(box_smem, ready, SLOT, 1, phase, keep, tail, NB8, cvt_l)
-        tile.slice(128, 128, dim=1).store(e4m3_to_f16(c8))  # over boxes 2, 3
-        c8 = _landed_codes(box_smem, ready, SLOT, 0, phase, keep, tail, NB8, cvt_l)
+        qk = _qk_chunk(q_smem, tile, qk, 3, True)
+        qk = _qk_chunk(q_smem, tile, qk, 2, False)
+        # one box at a time here: with the QK's accumulator in flight, two boxes' codes would spill
+        c1 = _landed_codes(box_smem, ready, SLOT, 1, phase, keep, tail, NB8, cvt_l)
+        tile.slice(128, 128, dim=1).store(e4m3_to_f16(c1))  # over boxes 2, 3
+        c0 = _landed_codes(box_smem, ready, SLOT, 0, phase, keep, tail, NB8, cvt_l)
         cta_barrier()  # every warp has read boxes 0 and 1
-        tile.slice(0, 128, dim=1).store(e4m3_to_f16(c8))
+        tile.slice(0, 128, dim=1).store(e4m3_to_f16(c0))
         fence_async_shared()
         cta_barrier()
         for c in gl.static_range(NB8 // 2):
@@ -201,9 +207,9 @@ if HAVE_GLUON:
         bt_row = BT + b64 * stride_bt + p_lo
 
         # this warpgroup's first page (page K into slot K) in flight while it quantizes its half of the query
+        page_k = _page_id(bt_row, K, n_run)
         if n_run > K:
-            _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, K, bt_row, K, lat_page_rows, rope_page_rows,
-                        NB8)
+            _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, K, page_k, lat_page_rows, rope_page_rows, NB8)
         # query rows 32 K .. 32 K + 31: q^ (fp16) and q~r (bf16, through P tile 1) into shared memory, sigma through
         # warpgroup 1's beta slot; both warpgroups' halves (every MMA reads all 64 rows) are in once `qready` has
         # both arrivals. Split between the warpgroups, and q / sigma by the reciprocal with Markstein's correction
@@ -224,7 +230,7 @@ if HAVE_GLUON:
         limit, coef, m_i, l_i, pi_i, pi_max = row_state(length, row0, sigma, sm_scale_log2, H, S, BM, CAUSAL, srow_l)
         acc = gl.zeros([BM, HALF], gl.float32, o_l)
         offs_t = gl.arange(0, PAGE, layout=stok_l)
-        s_cur = _page_scales(SCALE, bt_row, K, n_run, (p_lo + K) * PAGE, length, stride_sp, stride_st, offs_t)
+        s_cur = _page_scales(SCALE, page_k, (p_lo + K) * PAGE, length, stride_sp, stride_st, offs_t)
         qk = gl.zeros([BM, PAGE], gl.float32, s_l)
         if n_run > K:
             qk = _widen_qk(q_all, qr, tile_smem, box_smem, rope_smem, ready, K, 0, 0, (p_lo + K) * PAGE, length,
@@ -235,6 +241,10 @@ if HAVE_GLUON:
             base = (p_lo + j) * PAGE
             ph = i & 1
             zero = i >> 30  # always 0, not provably: keeps the shared-memory descriptors in the loop (seesaw.py)
+            # the next pair's cache pages, read now: a TMA or scale address waiting on its load would hold up
+            # everything after it (warpgroup 0 asks for both, warpgroup 1 needs its page's scales)
+            page_2 = _page_id(bt_row, j + 2, n_run)
+            page_3 = _page_id(bt_row, j + 3, n_run)
             if K == 0:
                 p8, beta, m_i, l_i, pi_i, pi_max = page_p(qk, s_cur, coef, base + offs_t, limit, m_i, l_i, pi_i,
                                                           pi_max, gl.zeros([BM, PAGE], gl.float32, s_l), P_DIV, 1,
@@ -244,18 +254,17 @@ if HAVE_GLUON:
                 acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 0, zero, acc, gl.convert_layout(beta, orow_l),
                                0, HALF)
                 if j + 2 < n_run:  # slot 0's lower half is read: its next page lands there
-                    _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, 0, bt_row, j + 2, lat_page_rows,
+                    _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, 0, page_2, lat_page_rows,
                                 rope_page_rows, NB8)
                 if j + 1 < n_run:  # warpgroup 1's page: its P^ on this half
                     mbarrier.wait(sig_b, ph)
                     beta_o, m_i, l_i, pi_i, pi_max = _take(stat_smem, pmax_smem, 1, BM, orow_l, srow_l)
                     acc = _pv_half(p_smem.index(1), tile_smem, 1, zero, acc, beta_o, 0, HALF)
                     if j + 3 < n_run:  # slot 1's lower half is read: its next page lands there
-                        _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, 1, bt_row, j + 3, lat_page_rows,
+                        _issue_page(lat_desc, rope_desc, box_smem, rope_smem, ready, 1, page_3, lat_page_rows,
                                     rope_page_rows, NB8)
                 if j + 2 < n_run:  # slot 0's next page; its scales load under the widening and QK
-                    s_cur = _page_scales(SCALE, bt_row, j + 2, n_run, base + 2 * PAGE, length, stride_sp, stride_st,
-                                         offs_t)
+                    s_cur = _page_scales(SCALE, page_2, base + 2 * PAGE, length, stride_sp, stride_st, offs_t)
                     mbarrier.wait(free0, ph)  # warpgroup 1's PV has read slot 0's upper half (and P tile 0)
                     qk = _widen_qk(q_all, qr, tile_smem, box_smem, rope_smem, ready, 0, ph ^ 1, zero, base + 2 * PAGE,
                                    length, NB8, BM, PAGE, s_l, cvt_l)
@@ -274,8 +283,7 @@ if HAVE_GLUON:
                     acc = _pv_half(gl.convert_layout(p16, p_l), tile_smem, 1, zero, acc,
                                    gl.convert_layout(beta, orow_l), 1, HALF)
                     if j + 3 < n_run:  # slot 1's next page (asked for by warpgroup 0), over the upper half just read
-                        s_cur = _page_scales(SCALE, bt_row, j + 3, n_run, base + 3 * PAGE, length, stride_sp,
-                                             stride_st, offs_t)
+                        s_cur = _page_scales(SCALE, page_3, base + 3 * PAGE, length, stride_sp, stride_st, offs_t)
                         qk = _widen_qk(q_all, qr, tile_smem, box_smem, rope_smem, ready, 1, ph ^ 1, zero,
                                        base + 3 * PAGE, length, NB8, BM, PAGE, s_l, cvt_l)
                 else:  # the run's last page is warpgroup 0's: only its P^ on this half
