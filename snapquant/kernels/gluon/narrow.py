@@ -125,7 +125,7 @@ if HAVE_GLUON:
 
         # ---- query: q^ as fp16 in the QK view's channel order, q~r as bf16; sigma per row
         sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN,
-                                False, q_l, True, True)
+                                False, q_l, True, True, Q_RCP=True)
         rows = row0 + gl.arange(0, BN, layout=row_l)
         row_ok = rows < S * H
         limit, coef, m_i, l_i, pi_i, pi_max = row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)

@@ -127,8 +127,9 @@ if HAVE_GLUON:
         issue_tile_page(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, 1, page1, lat_page_rows, rope_page_rows,
                     n_run > 1, FP8, NBOX, BOXW)
 
+        # q / sigma by the reciprocal and one fma correction (div_rn's bits, no slow-path call per element)
         sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BM, False,
-                                q_l, FP8)
+                                q_l, FP8, Q_RCP=True)
         limit, coef, m_i, l_i, pi_i, pi_max = row_state(length, row0, sigma, sm_scale_log2, H, S, BM, CAUSAL, srow_l)
         acc = gl.zeros([BM, R], gl.float32, o_l)
         zero_s = gl.zeros([BM, PAGE], gl.float32, s_l)
