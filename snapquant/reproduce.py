@@ -397,6 +397,25 @@ JOBS: tuple[Job, ...] = (
         ("profile_pairs_nospill_h100.md",), "the Nsight Compute profile of gluon.seesaw's pair schedule without spills, "
         "on an H100 (at 45f3310; written as profile_h100.md and renamed)", manual=True,
         code=(*BENCH, "scripts/device_profile.sh")),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "seesaw8_h100", "--no-append", "--budget-s", "180",
+         "--shapes", "32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768",
+         "--variants", "bf16,snapmla,snapmla+ws"),
+        ("decode_seesaw8_h100.*", "bench_seesaw8_h100.json"), "the first gluon.seesaw_fp8 (opt-in) beside gluon.wide, "
+        "our BF16 and FlashMLA, on an H100 (at 7a8a939: ~60 us per program in its query prologue)", manual=True,
+        code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "seesaw8b_h100", "--no-append", "--budget-s", "160",
+         "--shapes", "32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768",
+         "--variants", "bf16,snapmla,snapmla+ws"),
+        ("decode_seesaw8b_h100.*", "bench_seesaw8b_h100.json"), "gluon.seesaw_fp8 with the query split between the "
+        "warpgroups and pages landing in the lower halves, on an H100 (at 65d362a)", manual=True, code=BENCH),
+    Job("results/bench", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/bench", "--tag", "seesaw8c_h200", "--no-append", "--budget-s", "220",
+         "--shapes", ANCHOR_SHAPES, "--variants", "bf16,snapmla,snapmla+ws"),
+        ("decode_seesaw8c_h200.*", "bench_seesaw8c_h200.json"), "our BF16 and FP8 defaults and gluon.seesaw_fp8 "
+        "(opt-in) beside FlashMLA at the eight anchor shapes, on an H200 (at e850de4; `TAG=seesaw8c ... bash "
+        "scripts/device_widen.sh`)", manual=True, code=BENCH),
     Job("results/research_model", "gpu", ("scripts/train_research_model.py", "all", "--out", "results/research_model"),
         ("README.md", "*.json", "*.jsonl", "*.csv", "*.npz", "*.png", "*.pdf", "device_call*.log"),
         "the research-scale model at DeepSeek-V2-Lite attention dims: data, training, card, activation study, "
