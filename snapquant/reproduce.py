@@ -410,6 +410,17 @@ JOBS: tuple[Job, ...] = (
          "--variants", "bf16,snapmla,snapmla+ws"),
         ("decode_seesaw8b_h100.*", "bench_seesaw8b_h100.json"), "gluon.seesaw_fp8 with the query split between the "
         "warpgroups and pages landing in the lower halves, on an H100 (at 65d362a)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "wsbase_h100", "--no-append", "--budget-s", "70",
+         "--shapes", "32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768", "--variants", "bf16"),
+        ("decode_wsbase_h100.*", "bench_wsbase_h100.json"), "our BF16 default past 16 rows (gluon.seesaw) beside "
+        "FlashMLA, the baseline of the call that measured wsrefine, on an H100 (at 469025a)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "wsrefine_h100", "--no-append", "--budget-s", "70",
+         "--shapes", "32x64x8192,4x64x8192,128x128x4096,64x128x8192,1x128x32768", "--variants", "bf16"),
+        ("decode_wsrefine_h100.*", "bench_wsrefine_h100.json"), "gluon.seesaw with warpgroup 0 queueing the next "
+        "even page's first QK boxes behind its PV (the change of edeb119, re-applied on 469025a in the same device "
+        "call as wsbase; not adopted), beside FlashMLA, on an H100", manual=True, code=BENCH),
     Job("results/bench", "gpu",
         ("scripts/bench_decode.py", "--out", "results/bench", "--tag", "seesaw8c_h200", "--no-append", "--budget-s", "220",
          "--shapes", ANCHOR_SHAPES, "--variants", "bf16,snapmla,snapmla+ws"),
