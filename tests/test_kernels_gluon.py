@@ -369,19 +369,7 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, block_
     `gluon.narrow8` (32 rows) or `gluon.wide8` (block_m 64), native e4m3 MMAs: NaN codes past the length
     must not reach their accumulators."""
     torch.manual_seed(B * 1000 + H + L)
-    cfg = PRESETS[layout]
-    lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
-    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
-    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
-    cache.lengths.copy_(lengths.cuda())
-    if L % 64:  # a NaN past the length must meet P = 0 as a zero, not poison the row
-        tail = cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:]
-        if layout == "bf16":
-            tail.fill_(float("nan"))
-        else:
-            tail.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
-    q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
-    tau = 1 / math.sqrt(192)
+    cfg, cache, q, tau = _case(layout, B, H, S, L, r, d)
     out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma, num_stages=stages,
                           block_m=block_m)
     if fp8_mma:
@@ -403,17 +391,23 @@ def test_wide_gluon_kernel_matches_the_reference(layout, fp8_mma, stages, block_
         assert (lse.cpu() - lz).abs().max().item() < lse_tol
 
 
-def _bf16_case(B, H, S, L, r, d):
-    """A bf16-layout cache of B requests of mixed lengths (L, L - 97, ...) with NaN in the longest request's stale
-    last-page tail (P = 0 must meet it as a zero), a bf16 query and MLA's 1 / sqrt(192)."""
-    cfg = PRESETS["bf16"]
+def _case(layout, B, H, S, L, r, d):
+    """A cache of `layout` (its preset's) with B requests of mixed lengths (L, L - 97, ...) and NaN in the longest
+    request's stale last-page tail (bf16 NaN, or the e4m3 NaN code: P = 0 must meet it as a zero, and NaN codes
+    must not reach an accumulator), a bf16 query and MLA's 1 / sqrt(192)."""
+    cfg = PRESETS[layout]
     lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
     cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
     cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
     cache.lengths.copy_(lengths.cuda())
     if L % 64:
-        cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:].fill_(float("nan"))
+        tail = cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:]
+        if layout == "bf16":
+            tail.fill_(float("nan"))
+        else:
+            tail.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
     return cfg, cache, torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16), 1 / math.sqrt(192)
+
 
 
 @pytest.mark.gpu
@@ -426,7 +420,7 @@ def test_narrow_bf16_gluon_kernel_matches_the_reference(stages, B, H, S, L, spli
     """gluon.narrow_bf16 against `mla_decode_reference` and the Triton rows tile on requests of mixed lengths
     (partial pages, empty splits), with NaN in a last page's stale tail: P = 0 must meet it as a zero."""
     torch.manual_seed(B * 1000 + H + L + stages)
-    cfg, cache, q, tau = _bf16_case(B, H, S, L, r, d)
+    cfg, cache, q, tau = _case("bf16", B, H, S, L, r, d)
     kw = dict(num_splits=splits, tile="gluon", num_stages=stages)
     assert mla_decode_plan(q, cache, tau, cfg, **kw).launches[0].name == "decode_gluon_narrow_bf16"
     out, lse = mla_decode(q, cache, tau, cfg, **kw)
@@ -505,7 +499,7 @@ def test_seesaw_kernel_matches_the_reference(B, H, S, L, splits, r=512, d=64):
     P), odd and even page counts (the last page either warpgroup's), empty splits, mixed lengths, NaN in a
     last page's stale tail (each warpgroup zeroes its half before its PV)."""
     torch.manual_seed(B * 1000 + H + L)
-    cfg, cache, q, tau = _bf16_case(B, H, S, L, r, d)
+    cfg, cache, q, tau = _case("bf16", B, H, S, L, r, d)
     kw = dict(num_splits=splits, tile="gluon", warp_specialize=True)
     assert mla_decode_plan(q, cache, tau, cfg, **kw).launches[0].name == "decode_gluon_seesaw"
     out, lse = mla_decode(q, cache, tau, cfg, **kw)
@@ -665,15 +659,7 @@ def test_seesaw_fp8_kernel_matches_the_reference(B, H, S, L, splits, r=512, d=64
     warpgroup's), empty splits, mixed lengths, e4m3 NaN codes in a last page's stale tail (the widening zeroes
     them)."""
     torch.manual_seed(B * 1000 + H + L + 7)
-    cfg = PRESETS["snapmla"]
-    lengths = torch.tensor([max(S, L - 97 * i) for i in range(B)], dtype=torch.int32)
-    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
-    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
-    cache.lengths.copy_(lengths.cuda())
-    if L % 64:
-        cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:].view(torch.uint8).fill_(0x7F)  # e4m3 NaN
-    q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
-    tau = 1 / math.sqrt(192)
+    cfg, cache, q, tau = _case("snapmla", B, H, S, L, r, d)
     kw = dict(num_splits=splits, tile="gluon", warp_specialize=True)
     assert mla_decode_plan(q, cache, tau, cfg, **kw).launches[0].name == "decode_gluon_seesaw_fp8"
     out, lse = mla_decode(q, cache, tau, cfg, **kw)

@@ -398,15 +398,16 @@ if HAVE_GLUON:
     @gluon.jit
     def store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, n_rows, stride_ob, stride_om, stride_os,
                     stride_lb, stride_lm, stride_ls, R: gl.constexpr, LSE_NATURAL: gl.constexpr, BM: gl.constexpr,
-                    o_l: gl.constexpr):
-        """The 64-row kernels' epilogue: O [BM, R] (rows along axis 0, in the PV accumulator's layout) and
-        the softmax state -> the split's partial output and LSE (`store_result`)."""
+                    o_l: gl.constexpr, CH0: gl.constexpr = 0, STORE_LSE: gl.constexpr = True):
+        """The 64-row kernels' epilogue: O [BM, R] (rows along axis 0, in the PV accumulator's layout; output
+        channels CH0 .. CH0 + R - 1, as a seesaw warpgroup's half) and the softmax state -> the split's
+        partial output and (STORE_LSE) LSE (`store_result`)."""
         orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
         rows = row0 + gl.arange(0, BM, layout=orow_l)
         store_result(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l),
                       gl.convert_layout(pi_i, orow_l), O_PART, LSE_PART, b64, split, rows, rows < n_rows,
                       stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, R, LSE_NATURAL,
-                      gl.SliceLayout(0, o_l), 0)
+                      gl.SliceLayout(0, o_l), 0, CH0, STORE_LSE)
 
     @gluon.jit
     def widen_boxes(lat_smem, c16_smem, box0, K_LO: gl.constexpr, K_HI: gl.constexpr, base, length, offs_tc,

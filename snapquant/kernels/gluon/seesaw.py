@@ -45,7 +45,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .common import page_p16, query_operands, row_state, split_run, store_result, tma_load, zero_tail_rows
+    from .common import page_p16, query_operands, row_state, split_run, store_rows, tma_load, zero_tail_rows
 
     BM_ROWS = gl.constexpr(BM)
     WORKER_REGS_C = gl.constexpr(WORKER_REGS)
@@ -228,11 +228,9 @@ if HAVE_GLUON:
                                    z_l)
                     mbarrier.arrive(free0, count=1)
 
-        rows = row0 + gl.arange(0, BM, layout=orow_l)
-        store_result(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l),
-                     gl.convert_layout(pi_i, orow_l), O_PART, LSE_PART, b64, split, rows, rows < S * H,
-                     stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, HALF, LSE_NATURAL,
-                     gl.SliceLayout(0, o_l), 0, K * HALF, K == 0)
+        # this warpgroup's half of the channels; warpgroup 0 also writes the LSE
+        store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
+                   stride_lb, stride_lm, stride_ls, HALF, LSE_NATURAL, BM, o_l, K * HALF, K == 0)
 
     @gluon.jit
     def _seesaw_default(a, S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,

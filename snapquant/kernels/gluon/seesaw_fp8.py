@@ -52,7 +52,7 @@ if HAVE_GLUON:
         query_operands,
         row_state,
         split_run,
-        store_result,
+        store_rows,
         tma_load,
     )
 
@@ -290,11 +290,9 @@ if HAVE_GLUON:
                     acc = _pv_half(p_smem.index(0), tile_smem, 0, zero, acc, beta_o, 1, HALF)
                     mbarrier.arrive(free0, count=1)
 
-        rows = row0 + gl.arange(0, BM, layout=orow_l)
-        store_result(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l),
-                     gl.convert_layout(pi_i, orow_l), O_PART, LSE_PART, b64, split, rows, rows < S * H,
-                     stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls, HALF, LSE_NATURAL,
-                     gl.SliceLayout(0, o_l), 0, K * HALF, K == 0)
+        # this warpgroup's half of the channels; warpgroup 0 also writes the LSE
+        store_rows(acc, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
+                   stride_lb, stride_lm, stride_ls, HALF, LSE_NATURAL, BM, o_l, K * HALF, K == 0)
 
     @gluon.jit
     def _seesaw_fp8_default(a, S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
