@@ -15,6 +15,7 @@
 # "FlashMLA not installed". Results: results/bench/{decode,bench}_anchor_h200.*, results/bench/e2e_anchor_h200.*;
 # logs in $OUT, everything in $OUT/device_anchor.tar.gz.
 set -o pipefail
+source scripts/commit_env.sh  # the commit the results record (stops here without one)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/device_anchor}"
 RES=results/bench

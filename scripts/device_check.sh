@@ -6,6 +6,7 @@
 # (a copied checkout can carry git metadata older than its files, so `git rev-parse` there may name the wrong commit)
 # Logs go to $OUT; the full outputs (kernels_check.*, decode_h200.*, bench_h200.*, PTX) to $OUT/device_check.tar.gz.
 set -o pipefail
+source scripts/commit_env.sh  # the commit the results record (stops here without one)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/device_check}"
 W=$(mktemp -d)

@@ -24,6 +24,7 @@
 # Logs go to $OUT (default /tmp/device_eval) and the results folder; case 4 also packs them into
 # $OUT/device_eval4.tgz.
 set -o pipefail
+source scripts/commit_env.sh  # the commit the results record (stops here without one)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/device_eval}"
 mkdir -p "$OUT" results/bench

@@ -14,12 +14,12 @@
 # profile_logs.tar.gz (logs + the CSV exports of every report), ncu_<shape>.tar.gz (that shape's .ncu-rep files,
 # open with `ncu-ui` or `ncu --import`), device_anchor.tar.gz (ANCHOR=1).
 set -o pipefail
+source scripts/commit_env.sh  # the commit the results record (stops here without one)
 T0=$(date +%s)
 TOTAL_S=${TOTAL_S:-560}
 ANCHOR=${ANCHOR:-0}
 if [ "$ANCHOR" = 1 ]; then PROFILE_S=${PROFILE_S:-330}; else PROFILE_S=${PROFILE_S:-$((TOTAL_S - 40))}; fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export SNAPQUANT_GIT_COMMIT="${SNAPQUANT_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 OUT="${OUT:-/tmp/device_profile}"
 NCU_DIR="$(mktemp -d)/ncu"
 RES=results/kernels

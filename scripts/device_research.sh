@@ -9,6 +9,7 @@
 # folder so far: model card, JSON/CSV, figures) -- unpack with
 #   tar -xzf research_results.tar.gz -C results/research_model
 set -o pipefail
+source scripts/commit_env.sh  # the commit the results record (stops here without one)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 CALL="${1:?usage: device_research.sh 1|2|3}"
 OUT="${OUT:-/tmp/research_out}"

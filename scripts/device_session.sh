@@ -9,6 +9,7 @@
 # Rows land in results/bench/ on an H200 and in results/h100/ on any other GPU (never in the H200 tables).
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_session.sh [decode|eval|tests]
 set -o pipefail
+source scripts/commit_env.sh  # the commit the results record (stops here without one)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/device_session}"
 PART="${1:-decode}"

@@ -10,6 +10,7 @@
 # call; TEST_S=0 skips the tests. Results: results/bench/decode_<TAG>_h200.* on an H200, results/h100/decode_<TAG>_h100.* elsewhere (a
 # non-H200 machine's rows never go into the H200 tables); logs in $OUT.
 set -o pipefail
+source scripts/commit_env.sh  # the commit the results record (stops here without one)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/device_widen}"
 mkdir -p "$OUT"

@@ -57,3 +57,23 @@ def test_eval_case_7_smoke_runs_every_part_into_out_only(tmp_path):
         ("lmeval", "bf16", 128), ("lmeval", "snapmla", 128), ("lmeval", "bf16", 32), ("lmeval", "snapmla", 32),
         ("loop", "bf16", 32), ("loop", "snapmla", 32)}
     assert {p: p.stat().st_mtime_ns for p in tables} == before
+
+
+DEVICE_SCRIPTS = [p for p in SCRIPTS if p.name.startswith("device_")]
+
+
+@pytest.mark.parametrize("script", DEVICE_SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("commit", ["", "ref: refs/heads/main", "bd41308"])
+def test_device_script_stops_without_the_full_commit_hash(script, commit, tmp_path):
+    """Every device script records the commit of its results from SNAPQUANT_GIT_COMMIT (the device's copy of the
+    tree can carry stale git metadata, which once labelled a session's results with an older commit): without a
+    full 40-character hash it stops at once, exit 2, naming the variable, before it writes or runs anything."""
+    import os
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("SNAPQUANT_GIT_COMMIT", "SMOKE")}
+    env.update(SNAPQUANT_GIT_COMMIT=commit, OUT=str(tmp_path / "out"))
+    out = subprocess.run(["bash", str(script.relative_to(root))], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "SNAPQUANT_GIT_COMMIT must be the full 40-character hash" in out.stderr, out
+    assert not (tmp_path / "out").exists()
