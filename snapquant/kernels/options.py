@@ -20,9 +20,10 @@ query rows, GPU); a field set by the caller is a request, and one the chosen ker
                 times 2^-8 undone on the fp32 accumulators: the same bits, except NaN codes) | "int_qk" /
                 "int_pv" (one product each way) | "int_pv2" / "int_qk_pv2" (two of PV's four 128-channel
                 boxes by integers: both units busy); None: the kernel's default
-    warp_specialize  past 16 query rows of the bf16 layout on Hopper (r = 512, d = 64): two warpgroups in
-                different roles over page pairs (`gluon.seesaw`, the default there: None or True) or one chain on
-                8 warps (`gluon.wide`: False)
+    warp_specialize  past 16 query rows on Hopper (r = 512, d = 64): two warpgroups in different roles over
+                page pairs (True; on the bf16 layout `gluon.seesaw`, its default there with None; on the
+                snapmla layout `gluon.seesaw_fp8`, opt-in: measured slower than `gluon.wide`) or one chain on
+                8 warps (`gluon.wide`: False, and the snapmla layout's default)
     pdl         launch the split combine as a programmatic dependent of stage 1 (compute capability >= 9.0): it
                 may launch as stage 1's programs exit and waits for the grid on the GPU (FlashMLA launches its
                 combine this way); the same arithmetic and bits. Opt-in: on an H100 it changed no decode time by
@@ -82,7 +83,7 @@ class DecodeOptions:
         object.__setattr__(self, "fp8_mma", mma)
         if self.warp_specialize is not None and not isinstance(self.warp_specialize, bool):
             raise ConfigError(f"warp_specialize={self.warp_specialize!r} is not valid; allowed values: True, False, "
-                              "None (the default: gluon.seesaw where it runs)")
+                              "None (the default: gluon.seesaw on the bf16 layout where it runs, else gluon.wide)")
         if not isinstance(self.pdl, bool):
             raise ConfigError(f"pdl={self.pdl!r} is not valid; allowed values: True, False")
         _positive_int("num_splits", self.num_splits)
