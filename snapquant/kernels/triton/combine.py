@@ -23,10 +23,12 @@ def mla_decode_combine(
     stride_pb, stride_pm, stride_ps, stride_lb, stride_lm, stride_ls,
     stride_ob, stride_om, stride_eb,
     NSPLIT, NSPLIT_P2: tl.constexpr, NB: tl.constexpr, BW: tl.constexpr, NATIVE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, SB: tl.constexpr = 8,
 ):
     """out = sum_s w_s out_s / sum_s w_s with w_s = 2^(lse_s - max lse); lse = max + log2(sum w), as ln.
-    PDL: launched as a programmatic dependent of stage 1, so wait for that grid (and its writes) first."""
+    PDL: launched as a programmatic dependent of stage 1, so wait for that grid (and its writes) first.
+    The partial rows are read SB splits at a time, one [SB, BW] tile: one split per iteration left each
+    load's latency bare (ncu: 82 % long_scoreboard, ~2 programs per SM), SB of them are in flight together."""
     if PDL:
         gdc_wait()
     b = tl.program_id(0).to(tl.int64)
@@ -39,12 +41,15 @@ def mla_decode_combine(
     mx_ref = tl.where(mx == float("-inf"), 0.0, mx)
     total = rsum(tl.exp2(lse - mx_ref), 0, NATIVE)
     offs_w = tl.arange(0, BW)
+    offs_b = tl.arange(0, SB)
     acc = tl.full([BW], 0.0, tl.float32)
     o_ptr = O_PART + b * stride_pb + row * stride_pm + chunk * BW + offs_w
-    for s in range(NSPLIT):
-        w = tl.exp2(tl.load(lse_ptr + s * stride_ls) - mx_ref)
-        o = tl.load(o_ptr + s * stride_ps)
-        acc += tl.where(w > 0, w * o, 0.0)
+    for s0 in range(0, NSPLIT, SB):
+        split = s0 + offs_b
+        w = tl.exp2(tl.load(lse_ptr + split * stride_ls, mask=split < NSPLIT, other=float("-inf")) - mx_ref)
+        o = tl.load(o_ptr[None, :] + split[:, None] * stride_ps, mask=split[:, None] < NSPLIT, other=0.0)
+        # w = 0 (an empty split, or past NSPLIT): its partial row is never read into the sum (it may be NaN)
+        acc += rsum(tl.where(w[:, None] > 0, w[:, None] * o, 0.0), 0, NATIVE)
     out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
     tl.store(OUT + b * stride_ob + row * stride_om + chunk * BW + offs_w, out)
     if chunk == 0:
