@@ -52,7 +52,8 @@ def _model(o_part, lse_part):
 
 @pytest.mark.parametrize("nsplit,sb", [(1, 8), (5, 8), (8, 8), (13, 8), (33, 8), (70, 8), (33, 4), (9, 16)])
 def test_combine_matches_the_float64_formula(nsplit, sb):
-    g = torch.Generator().manual_seed(nsplit * 100 + sb)
+    seed = torch.seed()  # fresh inputs every run; the seed is in every failure message
+    g = torch.Generator().manual_seed(seed)
     B, rows, r = 2, 3, 2 * BW
     o_part = torch.randn(B, rows, nsplit, r, generator=g)
     lse_part = torch.randn(B, rows, nsplit, generator=g) * 4
@@ -64,12 +65,12 @@ def test_combine_matches_the_float64_formula(nsplit, sb):
     o_part[empty] = float("nan")
     out, lse = _combine(o_part, lse_part, sb)
     ref, ref_lse, bound = _model(o_part, lse_part)
-    assert torch.isfinite(out).all()
-    assert torch.equal(out[0, 0], torch.zeros(r)) and lse[0, 0] == float("-inf")
+    assert torch.isfinite(out).all(), seed
+    assert torch.equal(out[0, 0], torch.zeros(r)) and lse[0, 0] == float("-inf"), seed
     # fp32: each of the <= nsplit products and additions, the exp2 weights (a few ulp each) and the division
     # move the result by a few units of 2^-24 of sum_s w_s |o_s| / sum_s w_s
     tol = (nsplit + 8) * 2.0 ** -24 * 4
-    assert ((out.double() - ref).abs() <= tol * bound + 1e-30).all()
+    assert ((out.double() - ref).abs() <= tol * bound + 1e-30).all(), seed
     seen = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), seen)
-    assert ((lse.double() - ref_lse)[seen].abs() <= 1e-5).all()
+    assert torch.equal(torch.isfinite(lse), seen), seed
+    assert ((lse.double() - ref_lse)[seen].abs() <= 1e-5).all(), seed

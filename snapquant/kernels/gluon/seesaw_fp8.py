@@ -16,8 +16,8 @@ layout; what the fp8 layout changes:
     warpgroup 1 reads slot 1's upper half itself, just before it widens the next page there;
   * the page's arithmetic is `common.page_p` (fp8_scale_fused P^ = e4m3(f / pi), f = e times the token's
     scale), the row state (m, l, pi, pi_max) and the accumulator rescale beta handed over with P through
-    shared memory, as `seesaw.py` hands over (alpha, m, l); the query's scale sigma reaches the worker the
-    same way. Products are exact (fp16 MMAs on e4m3 values, fp32 sums): the reference's arithmetic page
+    shared memory, as `seesaw.py` hands over (alpha, m, l); each warpgroup quantizes 32 of the query's rows
+    and both halves (and their sigma) meet in shared memory. Products are exact (fp16 MMAs on e4m3 values, fp32 sums): the reference's arithmetic page
     by page, up to fp32 summation order.
 
 Shared memory: two slots of [64, 512] fp16 + [64, 64] bf16 RoPE (144 KB), the query's latent part in fp16

@@ -27,8 +27,8 @@ def mla_decode_combine(
 ):
     """out = sum_s w_s out_s / sum_s w_s with w_s = 2^(lse_s - max lse); lse = max + log2(sum w), as ln.
     PDL: launched as a programmatic dependent of stage 1, so wait for that grid (and its writes) first.
-    The partial rows are read SB splits at a time, one [SB, BW] tile: one split per iteration left each
-    load's latency bare (ncu: 82 % long_scoreboard, ~2 programs per SM), SB of them are in flight together."""
+    The partial rows are read SB splits at a time, one [SB, BW] tile, so SB loads are in flight together: the
+    one-split loop compiled to about two in flight (ncu: 82 % long_scoreboard, ~2 programs per SM)."""
     if PDL:
         gdc_wait()
     b = tl.program_id(0).to(tl.int64)
