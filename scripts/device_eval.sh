@@ -90,10 +90,10 @@ huggingface_hub.__version__, 'transformers', transformers.__version__, 'torch', 
      dest=results/bench/eval_h200
      nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 || dest=results/h100/eval_e2e_h100
      smoke=(); [ -n "$SMOKE" ] && { smoke=(--smoke); dest="$OUT/eval_smoke7"; }
-     timeout 150 python -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_experts.py tests/test_expert_kernels.py tests/test_generation.py \
+     timeout 150 python -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_experts.py tests/test_expert_kernels.py tests/test_rms_norm.py tests/test_generation.py \
        tests/test_graphs.py 2>&1 | tee "$OUT/pytest_gpu_eval7.txt" | tail -4
      timeout 220 python scripts/bench_eval.py "${smoke[@]}" --out "$dest" --models v2lite --presets bf16,snapmla \
-       --e2e-lmeval --e2e-batches 128,32 --e2e-prompt 1024 --e2e-new-tokens 256 --e2e-n-batches 2 --paths "" \
+       --e2e-lmeval --e2e-batches 128,32 --e2e-prompt 1024 --e2e-new-tokens 256 --e2e-n-batches 3 --paths "" \
        --budget-s 200 2>&1 | tee "$OUT/eval_part7a.log" | grep -v "^USDT" | tail -8
      left=$((${CASE_S:-530} - SECONDS))
      [ "$left" -gt 60 ] && timeout $((left - 10)) python scripts/bench_eval.py "${smoke[@]}" --out "$dest" \

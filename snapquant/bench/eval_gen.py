@@ -269,6 +269,7 @@ def eager_step_split(model, preset: str, batch: int, context: int, steps: int = 
     from ..cache import LatentCache
     from ..graphs import DecodeGraph
     from ..models.experts import decode_experts, expert_modules
+    from ..models.norms import fused_rms_norms
     from ..models.registry import find_mla_modules
 
     dev = next(model.parameters()).device
@@ -284,7 +285,8 @@ def eager_step_split(model, preset: str, batch: int, context: int, steps: int = 
 
     plain: list[float] = []
     parts: list[dict[str, float]] = []
-    with decode_experts(model), torch.no_grad():
+    # the experts and norms as the decode loop runs them on this device (DecodeLoop.step_modules)
+    with decode_experts(model), fused_rms_norms(model, dev.type == "cuda"), torch.no_grad():
         graph = DecodeGraph(model, cache, capture=False)
         for _ in range(2):  # warm-up: kernel selection, allocator
             graph.step(ids)
@@ -366,13 +368,14 @@ def step_and_prefill_kernels(model, preset: str, batch: int, context: int, promp
     from ..cache import LatentCache
     from ..graphs import DecodeGraph
     from ..models.experts import decode_experts
+    from ..models.norms import fused_rms_norms
 
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
     cache = fill_cache(LatentCache(preset, model, max_cache_len=context + replays + 8), model, batch, context)
     ids = torch.full((batch, 1), 5, dtype=torch.long, device=dev)
     out: dict[str, Any] = {}
-    with decode_experts(model), torch.no_grad():
+    with decode_experts(model), fused_rms_norms(model, cuda), torch.no_grad():
         graph = DecodeGraph(model, cache, capture=cuda)
         for _ in range(2):
             graph.step(ids)
@@ -513,7 +516,8 @@ def run_e2e(model, tokenizer, preset: str, batch: int, n_batches: int, prompt_le
     paths = "; ".join(f"{b['path']} x{b['count']} ({b['reason']})" for b in info["batches"])
     out: dict[str, Any] = {
         "tokens_per_s": sum(tokens) / (t1 - t0), "steady_tokens_per_s": sum(tokens[-len(steady):]) / steady_s,
-        "gen_tokens": statistics.mean(b["new"] for b in batches), "gen_path": f"{paths}; steps={info['steps']}",
+        "gen_tokens": statistics.mean(b["new"] for b in batches), "gen_path": f"{paths}; steps={info['steps']}"
+                    + ("; norms=fused" if (info.get("fused_norms") or {}).get("on") else ""),
         "cell_1319_s": cell_s, "cells_per_hour": 3600.0 / cell_s, "total_s": t1 - t0, "batches": len(batches),
         "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
     out["answer_tokens_per_s"] = sum(b["answer"] for b in batches) / (t1 - t0)

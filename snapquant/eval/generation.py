@@ -37,7 +37,8 @@ from __future__ import annotations
 import inspect
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,7 @@ import torch
 
 from ..cache import LatentCache
 from ..errors import ConfigError, ShapeError
+from ..models.norms import fused_rms_norms, plan_fused_norms
 from ..models.stepping import cache_kwarg
 from ..patching import patch_state
 
@@ -216,11 +218,14 @@ class DecodeLoop:
     ('auto': `snapquant.models.experts.plan_decode_experts`; None keeps the model's; eager steps always
     keep the model's, as HF generate on CPU does). `time_steps`: time every decode step (a CUDA event after
     each on the stream, no host sync; `perf_counter` on CPU) into `GenerationResult.step_seconds`, for
-    benchmarks that compare step times with an interval.
+    benchmarks that compare step times with an interval. `fused_norms`: run the model's T5-style RMSNorms
+    through one Triton kernel each while the loop runs (`snapquant.models.norms`; 'auto' = on CUDA with
+    fixed-shape steps, whose outputs already differ from HF generate's by bf16 rounding; True / False).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, steps: str = "auto", check_every: int = 16,
-                 experts: str | None = "auto", time_steps: bool = False) -> None:
+                 experts: str | None = "auto", time_steps: bool = False,
+                 fused_norms: bool | str = "auto") -> None:
         state = patch_state(model)
         if state is None:
             raise ConfigError("model: the decode loop needs a model patched with snapquant.patch(model, preset)")
@@ -236,10 +241,19 @@ class DecodeLoop:
             raise ConfigError(f"steps='graph' needs the model on CUDA (it is on {self.device}); use 'static' or 'eager'")
         self.steps, self.check_every, self.time_steps = steps, check_every, bool(time_steps)
         self.experts = experts if steps != "eager" else None
+        self.fused_norms, self.norms_reason = plan_fused_norms(self.device, steps, fused_norms)
         self._cache_kw = cache_kwarg(model)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._slot: tuple | None = None  # (batch, capacity, cache, graph) kept for the next batch
         self.captures = 0  # CUDA graphs captured so far (one per batch size / capacity)
+
+    @contextmanager
+    def step_modules(self) -> Iterator[None]:
+        """The model's experts and norms as the loop runs them (sync-free experts, fused norms), restored after."""
+        from ..models.experts import decode_experts
+
+        with decode_experts(self.model, self.experts), fused_rms_norms(self.model, self.fused_norms):
+            yield
 
     # ------------------------------------------------------------------ cache and graph
     def _cache(self, batch: int, need: int) -> tuple[LatentCache, Any]:
@@ -305,8 +319,6 @@ class DecodeLoop:
         `cache.get_seq_length()` positions of `input_ids` (HF's convention for continuing from a cache: only
         the rest is prefilled); benchmarks fill it with random latents instead of running long prefills.
         `keep_logits=n` keeps the fp32 logits of the first n token selections (`result.logits`)."""
-        from ..models.experts import decode_experts
-
         if input_ids.dim() != 2:
             raise ShapeError(f"input_ids must be [B, P], got {tuple(input_ids.shape)}")
         B, P = input_ids.shape
@@ -320,7 +332,7 @@ class DecodeLoop:
         rule = StopRule(self.tokenizer, stop, B, max_new, plan.eos_token_ids)
         times = {"prefill": 0.0, "decode": 0.0, "host_check": 0.0}
         t0 = time.perf_counter()
-        with decode_experts(self.model, self.experts):
+        with self.step_modules():
             own = cache is None
             past = 0 if own else cache.get_seq_length()
             if not own and not 0 < past < P:

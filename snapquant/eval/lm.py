@@ -252,6 +252,8 @@ class SnapquantLM(HFLM):
                 "default_path": self._gen_default[0],
                 "default_reason": self._gen_default[1],
                 "steps": self._loop.steps if self._loop is not None else self.gen_steps,
+                "fused_norms": None if self._loop is None else {"on": self._loop.fused_norms,
+                                                                "why": self._loop.norms_reason},
                 "check_every": self.gen_check_every,
                 "gen_batch_size": self.gen_batch_size,
                 "refill": self.gen_refill,

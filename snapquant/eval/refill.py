@@ -102,7 +102,6 @@ def run_queue(loop: DecodeLoop, prompts: Sequence[Sequence[int]], *, slots: int,
     """Generate for every prompt (token ids, no padding) through `slots` fixed slots; see the module doc."""
     from ..cache import LatentCache
     from ..graphs import DecodeGraph
-    from ..models.experts import decode_experts
 
     if refill not in REFILL_MODES:
         raise ConfigError(f"refill must be True, False or 'auto', got {refill!r}")
@@ -142,7 +141,7 @@ def run_queue(loop: DecodeLoop, prompts: Sequence[Sequence[int]], *, slots: int,
         if st.rule[s].feed([[first]]) is not None:  # stopped at its first token
             finish(s, 1)
 
-    with decode_experts(loop.model, loop.experts):
+    with loop.step_modules():
         cache, graph = loop.acquire_cache(B, need)
 
         def prefill_batch() -> torch.Tensor:
