@@ -361,7 +361,7 @@ def kernel_table(run, calls: int, cuda: bool, top: int = 12) -> dict[str, Any]:
 
 
 def step_and_prefill_kernels(model, preset: str, batch: int, context: int, prompt: int = 1024,
-                             replays: int = 10) -> dict[str, Any]:
+                             replays: int = 10, top: int = 12) -> dict[str, Any]:
     """`kernel_table` of the decode step as the loop runs it (captured on CUDA, the static step on CPU) after
     `context` cached tokens, and of one eager prefill of `prompt` tokens per request (what a lm-eval batch
     pays before its first token)."""
@@ -385,7 +385,7 @@ def step_and_prefill_kernels(model, preset: str, batch: int, context: int, promp
             graph.step(ids)
             graph.rewind(1)
 
-        out["step"] = kernel_table(step, replays, cuda)
+        out["step"] = kernel_table(step, replays, cuda, top)
     del step, graph, cache
     g = torch.Generator().manual_seed(3)
     prompt_ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=g).to(dev)
@@ -396,8 +396,9 @@ def step_and_prefill_kernels(model, preset: str, batch: int, context: int, promp
                   **({"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters
                      else {}))
 
-    prefill()  # warm-up
-    out["prefill"] = kernel_table(prefill, 1, cuda)
+    with decode_experts(model), fused_rms_norms(model, cuda):  # as the loop's prefill runs (DecodeLoop.step_modules)
+        prefill()  # warm-up
+        out["prefill"] = kernel_table(prefill, 1, cuda, top)
     return out
 
 
