@@ -427,6 +427,13 @@ JOBS: tuple[Job, ...] = (
         ("decode_seesaw8c_h200.*", "bench_seesaw8c_h200.json"), "our BF16 and FP8 defaults and gluon.seesaw_fp8 "
         "(opt-in) beside FlashMLA at the eight anchor shapes, on an H200 (at e850de4; `TAG=seesaw8c ... bash "
         "scripts/device_widen.sh`)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "sidebyside_h100", "--no-append", "--budget-s",
+         "260", "--shapes", ANCHOR_SHAPES, "--variants", "bf16,snapmla,snapmla+gluon+fp8mma"),
+        ("decode_sidebyside_h100.*", "bench_sidebyside_h100.json"), "the side-by-side table (our BF16, the FP8 "
+        "default, the native FP8 kernel, FlashMLA BF16) at the eight anchor shapes, on an H100 (`bash "
+        "scripts/device_session.sh decode`, which writes decode_sidebyside_h200.* on an H200)", manual=True,
+        code=BENCH),
     Job("results/research_model", "gpu", ("scripts/train_research_model.py", "all", "--out", "results/research_model"),
         ("README.md", "*.json", "*.jsonl", "*.csv", "*.npz", "*.png", "*.pdf", "device_call*.log"),
         "the research-scale model at DeepSeek-V2-Lite attention dims: data, training, card, activation study, "
