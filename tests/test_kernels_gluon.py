@@ -858,6 +858,57 @@ def test_integer_widening_gives_the_cvt_kernels_bits(widen, B=6, H=16, L=700, r=
     assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
 
 
+@needs_gluon
+@pytest.mark.parametrize("preset,kernel", [("snapmla", "decode_gluon_narrow"), ("bf16", "decode_gluon_narrow_bf16")])
+@pytest.mark.parametrize("ahead", [1, 2, 4])
+def test_l2_prefetch_adds_bulk_prefetches_and_nothing_else(preset, kernel, ahead):
+    """l2_prefetch=n: the narrow kernels ask the L2 for a page (latent and RoPE rows: two bulk prefetches) in
+    the loop and for the n - 1 pages the loop's first prefetch passes over in the prologue; the same MMAs and
+    shared memory as without (the prefetch holds no slot), none at n = 0."""
+    base = sm90_stats(preset, **NARROW, tile="gluon", num_stages=2)
+    st = sm90_stats(preset, **NARROW, tile="gluon", num_stages=2, l2_prefetch=ahead)
+    assert st["kernel"] == kernel
+    assert base["l2_prefetch"] == 0
+    assert st["l2_prefetch"] >= 2 * ahead  # >=: the compiler may peel or unroll the loop's
+    assert st["wgmma_kinds"] == base["wgmma_kinds"] and st["smem"] == base["smem"]
+    _unserialized(st)
+
+
+@needs_gluon
+def test_l2_prefetch_is_refused_where_the_narrow_kernels_do_not_run():
+    assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", l2_prefetch=2).launches[0].name == "decode_gluon_narrow"
+    for knobs, kernel in [(dict(tile="gluon", num_stages=1), "gluon.narrow_tile"), (dict(tile="pairs"), "triton.pairs")]:
+        with pytest.raises(ConfigError, match=f"l2_prefetch=2 is a knob of gluon.narrow / gluon.narrow_bf16.*{kernel}"):
+            _meta_plan(PRESETS["snapmla"], 16, l2_prefetch=2, **knobs)
+    with pytest.raises(ConfigError, match=r"l2_prefetch=2 is a knob.*gluon.wide"):
+        _meta_plan(PRESETS["snapmla"], 64, tile="gluon", l2_prefetch=2)
+    for bad in (-1, 9, 1.5, True):
+        with pytest.raises(ConfigError, match=r"l2_prefetch=.* is not valid; allowed values: an int from 0"):
+            _meta_plan(PRESETS["snapmla"], 16, tile="gluon", l2_prefetch=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("preset", ["snapmla", "bf16"])
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_l2_prefetch_gives_the_same_bits(preset, ahead, B=6, H=16, L=1500, r=512, d=64):
+    """A prefetch changes when bytes arrive, not which: output and LSE bit for bit those without it, on mixed
+    lengths (runs shorter than the prefetch distance included) and several splits."""
+    torch.manual_seed(12)
+    cfg = PRESETS[preset]
+    lengths = torch.tensor([max(1, L - 230 * i) for i in range(B)], dtype=torch.int32)
+    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
+    cache.append(3 * torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
+    cache.lengths.copy_(lengths.cuda())
+    q = torch.randn(B, 1, H, r + d, device="cuda").to(torch.bfloat16)
+    for splits in (1, 3):
+        base = mla_decode(q, cache, 0.07, cfg, tile="gluon", num_stages=2, num_splits=splits)
+        got = mla_decode(q, cache, 0.07, cfg, tile="gluon", num_stages=2, num_splits=splits, l2_prefetch=ahead)
+        assert torch.isfinite(got[0]).all()
+        assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
+
+
 # ------------------------------------------------------------------ one Triton version's exact counts
 # The wgmma instructions each case compiles to, per Triton version: an exact record (a change means the
 # kernel or the compiler changed what a page issues) that the properties above only bound. Other

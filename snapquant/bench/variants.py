@@ -244,6 +244,12 @@ VARIANTS: tuple[Variant, ...] = (
        tile="gluon", widen="int_pv2", note="two of PV's four boxes by integer ops, the rest by cvt"),
     _v("snapmla+int_qk_pv2", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=0.0, where="rows16",
        tile="gluon", widen="int_qk_pv2", note="QK and two PV boxes by integer ops, two PV boxes by cvt"),
+    # L2 prefetch a few pages ahead of the narrow kernels' two-slot ring (one bulk prefetch per page and tensor,
+    # issued by one thread): the same reads and arithmetic, so the same bits (tol 0)
+    *(_v(f"{p}+pf{n}", fam, p, *fmt, priority=1, check=p, tol=0.0, where="rows16", tile="gluon", l2_prefetch=n,
+         note=f"{kern} asking the L2 for the page {n} after the ring's next one")
+      for p, fam, fmt, kern in (("snapmla", "fp8", (Q8, P8), "gluon.narrow"), ("bf16", "bf16", (), "gluon.narrow_bf16"))
+      for n in (1, 2, 4)),
     # the combine as a programmatic dependent launch of stage 1 (opt-in pdl=True): it may launch as stage 1's
     # programs exit and waits for the grid on the GPU; the same arithmetic, so the same bits (tol 0)
     _v("bf16+pdl", "bf16", "bf16", priority=1, check="bf16", tol=0.0, pdl=True,

@@ -22,6 +22,7 @@ target (sm_90 = Hopper by default) and reads back:
                         C7512 "wgmma serialized: insufficient register resources", C7515 "...: non
                         wgmma instructions defining accumulator registers"), "" when none
     cvt_e4m3            fp8 -> 16-bit conversion instructions in the PTX
+    l2_prefetch         bulk L2 prefetches (cp.async.bulk.prefetch.L2) in the PTX
     loop_*              the SASS instruction mix of the page loop (the backward branch whose body
                         holds the most MMA instructions): total, MMA, conversions (F2FP/F2F/I2F...),
                         shared-memory loads/stores, global loads, MUFU (exp2, rcp), FP32 ALU
@@ -135,6 +136,7 @@ def kernel_stats(compiled: Any) -> dict[str, Any]:
         **tile_loads(ttgir),
         "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"), "wgmma_kinds": wgmma_kinds(ptx),
         "cvt_e4m3": len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)),
+        "l2_prefetch": ptx.count("cp.async.bulk.prefetch.L2"),
     }
     cubin = asm.get("cubin")
     tool = _tool("cuobjdump")

@@ -363,6 +363,9 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
     kernel = getattr(importlib.import_module(f"{__package__}.{module}"), fn)
     if choice.kernel in ("gluon.narrow", "gluon.narrow_tile", "gluon.narrow_bf16"):
         consts.update(STAGES=choice.num_stages)
+        if choice.kernel != "gluon.narrow_tile":
+            args += _prefetch_args(ops, lat, lp, lt, rp, rt, opts.l2_prefetch)
+            consts.update(PF=opts.l2_prefetch)
         if choice.kernel == "gluon.narrow":
             qk_int, pv_int = WIDENS[opts.widen or DEFAULT_WIDEN]
             consts.update(QK_INT=qk_int, PV_INT=pv_int)
@@ -376,6 +379,21 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
         elif choice.kernel not in ("gluon.seesaw", "gluon.seesaw_fp8"):
             consts.update(STAGES=choice.num_stages)
     return KernelLaunch(name, kernel, grid, args, dict(**consts, num_warps=choice.num_warps))
+
+
+def _prefetch_args(ops, lat: torch.Tensor, lp: int, lt: int, rp: int, rt: int, ahead: int) -> tuple:
+    """The narrow kernels' L2 prefetch operands: the latent and RoPE tensors (their base addresses), the byte
+    stride of a page in each and the bytes from a page's first row to the end of its last (64 rows)."""
+    rope = ops.rope
+    es_l, es_r = lat.element_size(), rope.element_size()
+    lat_span = ((PAGE_SIZE - 1) * lt + lat.shape[-1]) * es_l
+    rope_span = ((PAGE_SIZE - 1) * rt + rope.shape[-1]) * es_r
+    page_bytes = (lp * es_l, rp * es_r)
+    if ahead and (any(t.data_ptr() % 16 for t in (lat, rope)) or any(b % 16 for b in page_bytes)):
+        raise ConfigError(f"l2_prefetch={ahead} needs 16-byte aligned pages (the bulk prefetch's unit); the cache's "
+                          f"latent / RoPE start at {lat.data_ptr() % 16} / {rope.data_ptr() % 16} mod 16 with page "
+                          f"strides of {page_bytes[0]} / {page_bytes[1]} bytes")
+    return (lat, rope, *page_bytes, -(-lat_span // 16) * 16, -(-rope_span // 16) * 16)
 
 
 # ------------------------------------------------------------------------------------------- checks

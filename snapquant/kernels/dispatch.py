@@ -185,6 +185,10 @@ def choose_kernel(ops: KernelOperands, config: KVQuantConfig, rows: int, target:
         raise ConfigError(f"widen={opts.widen!r} is a knob of gluon.narrow (<= {GLUON_ROWS} query rows on Hopper, "
                           f"exact fp16 MMAs, kv_lora_rank 512, two or more ring slots); the kernel here is "
                           f"{choice.kernel}")
+    if opts.l2_prefetch and choice.kernel not in ("gluon.narrow", "gluon.narrow_bf16"):
+        raise ConfigError(f"l2_prefetch={opts.l2_prefetch!r} is a knob of gluon.narrow / gluon.narrow_bf16 (<= "
+                          f"{GLUON_ROWS} query rows on Hopper, two or more ring slots); the kernel here is "
+                          f"{choice.kernel}")
     if opts.warp_specialize and choice.kernel not in SEESAW_KERNELS.values():
         raise ConfigError(f"warp_specialize=True is a knob of gluon.seesaw / gluon.seesaw_fp8 (the bf16 and snapmla "
                           f"layouts past {GLUON_ROWS} query rows on Hopper, tile='gluon'); the kernel here is "

@@ -77,6 +77,11 @@ WIDEN_INT_SCALE = 256.0  # what undoes the 2^-8: exact in fp32, applied to the a
 DIV_RN_FAST_PTX = ("{ .reg .f32 r, e, nb, q, s; neg.f32 nb, $2; rcp.approx.ftz.f32 r, $2; "
                    "fma.rn.f32 e, nb, r, 0f3F800000; fma.rn.f32 r, r, e, r; mul.rn.f32 q, $1, r; "
                    "fma.rn.f32 s, nb, q, $1; fma.rn.f32 $0, r, s, q; }")
+# One thread asks the L2 to fetch a byte range ahead of its TMA load (Hopper's bulk prefetch: no shared memory, no
+# barrier, nothing waits on it). The ring's two slots keep at most two pages in flight per program; a page
+# already in L2 when its slot asks for it arrives in L2 latency, not DRAM's.
+L2_PREFETCH_PTX = ("{ .reg .pred p; setp.ne.s32 p, $1, 0; "
+                   "@p cp.async.bulk.prefetch.L2.global [$2], $3; mov.u32 $0, 0; }")
 E4M3_TO_F16_CVT_PTX = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
 
 
@@ -114,6 +119,7 @@ if HAVE_GLUON:
     E4M3_TO_F16_CVT_PTX_C = gl.constexpr(E4M3_TO_F16_CVT_PTX)
     DIV_RN_FAST_PTX_C = gl.constexpr(DIV_RN_FAST_PTX)
     E4M3_TO_F16_INT_PTX_C = gl.constexpr(E4M3_TO_F16_INT_PTX)
+    L2_PREFETCH_PTX_C = gl.constexpr(L2_PREFETCH_PTX)
     WIDEN_INT_SCALE_C = gl.constexpr(WIDEN_INT_SCALE)
 
     _qk_channel = gluon.jit(qk_channel)
@@ -131,6 +137,25 @@ if HAVE_GLUON:
         for k in gl.static_range(NBOX):
             tma_load(lat_desc, [lat_row, k * BOXW], bar, lat_smem.index(BOX0 + slot * NBOX + k), pred=pred)
         tma_load(rope_desc, [rope_row, 0], bar, rope_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def prefetch_l2(base, nbytes, go, num_warps: gl.constexpr):
+        """`cp.async.bulk.prefetch.L2` of `nbytes` (a multiple of 16) from byte address `base` (int64, 16-byte
+        aligned), issued by thread 0 of the program when `go`: the rows of a page the ring will ask for later."""
+        tid_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        tid = gl.arange(0, 32 * num_warps, layout=tid_l)  # one element per thread: its index
+        flag = ((tid == 0) & go).to(gl.int32)
+        gl.inline_asm_elementwise(L2_PREFETCH_PTX_C, "=r,r,l,r",
+                                  [flag, gl.zeros_like(tid).to(gl.int64) + base, gl.zeros_like(tid) + nbytes],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def prefetch_page(LAT, ROPE, page, lat_page_bytes, rope_page_bytes, lat_span, rope_span, go,
+                      num_warps: gl.constexpr):
+        """Ask the L2 for a page's latent and RoPE rows (`*_span` bytes from the page's first row; the page
+        strides `*_page_bytes`), e.g. the page a ring slot will load a few iterations later."""
+        prefetch_l2(LAT.to(gl.int64, bitcast=True) + page * lat_page_bytes, lat_span, go, num_warps)
+        prefetch_l2(ROPE.to(gl.int64, bitcast=True) + page * rope_page_bytes, rope_span, go, num_warps)
 
     @gluon.jit
     def issue_tile_page(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, slot, page, lat_page_rows,

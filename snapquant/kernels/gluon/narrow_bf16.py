@@ -41,6 +41,7 @@ if HAVE_GLUON:
         cta_barrier,
         issue_tile_page,
         page_p16,
+        prefetch_page,
         query_operands,
         row_state,
         split_run,
@@ -53,9 +54,10 @@ if HAVE_GLUON:
         Q, lat_desc, rope_desc, SCALE, BT, LENS, O_PART, LSE_PART, sm_scale_log2,
         stride_qb, stride_qs, stride_qh, lat_page_rows, rope_page_rows, stride_sp, stride_st, stride_bt,
         stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
-        H, NSPLIT,
+        H, NSPLIT, LAT, ROPE, lat_page_bytes, rope_page_bytes, lat_span, rope_span,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
+        PF: gl.constexpr = 0,
     ):
         gl.static_assert(num_warps == 4)
         gl.static_assert(PAGE == 64)
@@ -95,6 +97,10 @@ if HAVE_GLUON:
             page = gl.load(bt_row + s, mask=s < n_run, other=0).to(gl.int64)
             issue_tile_page(lat_desc, rope_desc, tile_smem, tile_smem, rope_smem, bars, s, page, lat_page_rows,
                             rope_page_rows, s < n_run, False, NBOX, BOXW)
+        for j in gl.static_range(1, PF):  # L2 prefetch (PF > 0): the pages the ring asks for before the loop's
+            idx = STAGES - 1 + j          # first prefetch lands
+            prefetch_page(LAT, ROPE, gl.load(bt_row + idx, mask=idx < n_run, other=0).to(gl.int64), lat_page_bytes,
+                          rope_page_bytes, lat_span, rope_span, idx < n_run, num_warps)
 
         sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN,
                                 False, q_l, False)  # bf16 query, sigma = 1
@@ -114,6 +120,10 @@ if HAVE_GLUON:
             # the slot of page it - 1 is free: its last reads were before last iteration's barrier
             issue_tile_page(lat_desc, rope_desc, tile_smem, tile_smem, rope_smem, bars, nxt % STAGES, page_next,
                             lat_page_rows, rope_page_rows, nxt < n_run, False, NBOX, BOXW)
+            if PF > 0:  # and the page PF after it into L2: when its slot asks for it, it comes from L2
+                pf = nxt + PF
+                prefetch_page(LAT, ROPE, gl.load(bt_row + pf, mask=pf < n_run, other=0).to(gl.int64),
+                              lat_page_bytes, rope_page_bytes, lat_span, rope_span, pf < n_run, num_warps)
             page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
             base = (p_lo + it) * PAGE
             tile = tile_smem.index(slot)
