@@ -257,11 +257,8 @@ class _MLAHook:
     def store_new(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> None:
         """Append the new tokens' latent `[B, 1, S, r]` and RoPE key to the layer; record their stored rows."""
         call, layer = self.call, self.call.layer
-        if call.static:
-            before = layer.lengths.clone()  # (a preallocated store updates its lengths in place)
+        if call.static:  # one real token per request: the attention reads the store's lengths after it
             layer.append_static(kv_nope[:, 0], k_rot[:, 0])
-            S = kv_nope.shape[2]
-            call.positions = before[:, None] + torch.arange(S, device=before.device)[None, :]
             return
         before = layer.lengths.clone() if layer.lengths is not None else torch.zeros(
             kv_nope.shape[0], dtype=torch.long, device=kv_nope.device)
@@ -322,7 +319,8 @@ class _MLAHook:
         w_uk, w_uv = self.weights()
         tau = scaling if scaling is not None else float(self.module.qk_head_dim) ** -0.5
         return absorbed_attention(
-            query, w_uk, w_uv, layer.store.segments(static=static), call.positions, softmax_scale=tau,
+            query, w_uk, w_uv, layer.store.segments(static=static), None if static else call.positions,
+            lengths=layer.lengths if static else None, softmax_scale=tau,
             config=cfg, backend=static_backend(backend, options) if static else backend.bind(options),
             round_16bit=round_16bit,
             visibility=visibility, sinks=kwargs.get("s_aux"),

@@ -33,6 +33,9 @@ from .storage import Segment
 
 # Work per backend call is bounded by this many fp32 elements of gathered or blocked intermediates.
 _CHUNK_ELEMENTS = 1 << 25
+# On CUDA the two projections run as one Triton launch each (`kernels/triton/absorb.py`: the same exact products,
+# fp32 sums in another order) instead of ~15 small torch kernels per layer and decode step; False keeps torch's.
+FUSED_PROJECTIONS = True
 
 
 def absorbed_attention(
@@ -40,7 +43,7 @@ def absorbed_attention(
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     segments: list[Segment],
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     *,
     softmax_scale: float,
     config: KVQuantConfig,
@@ -48,18 +51,27 @@ def absorbed_attention(
     round_16bit: bool,
     visibility: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of HF-layout `query [B, H, S, dn + dr]` over cached segments -> `[B, S, H, dv]` (query dtype).
 
     positions: `[B, S]` the stored-row index of each query token (-1 for padding rows, whose output is 0).
     visibility: `[B, S, L]` bool over stored rows; None = standard padding + causal.
+    lengths: instead of positions, the fixed-shape decode step's stored rows per request `[B]` after its one
+    token each (every query real: its row is the last), as the device holds them: no bookkeeping launches.
     """
     B, H, S, _ = query.shape
     dn = w_uk.shape[1]
     q = query.transpose(1, 2)  # [B, S, H, dn + dr]
     # fp32 products of the weights as stored (no per-step fp32 copy of W_UK / W_UV where torch can).
-    q_abs = absorb_query(q[..., :dn], q[..., dn:], w_uk, fp32=True)  # [B, S, H, r + dr] fp32
-    if visibility is None and len(segments) == 1:
+    q_abs = _absorb(q[..., :dn], q[..., dn:], w_uk)  # [B, S, H, r + dr] fp32
+    if lengths is not None:
+        if S != 1 or visibility is not None or len(segments) != 1:
+            raise ValueError("lengths describes one real query token per request over one segment")
+        out, lse = backend(q_abs[:, 0], segments[0].kv, lengths, softmax_scale, config, causal=True,
+                           round_16bit=round_16bit)
+        out, lse = out[:, None], lse[:, None]
+    elif visibility is None and len(segments) == 1:
         out, lse = _standard(q_abs, segments[0], positions, softmax_scale, config, backend, round_16bit)
     else:
         if visibility is None:
@@ -68,8 +80,27 @@ def absorbed_attention(
     if sinks is not None:
         sink = sinks.to(device=lse.device, dtype=torch.float32).view(1, 1, H)
         out = out * torch.sigmoid(lse - sink).nan_to_num(0.0)[..., None]
-    out = out.masked_fill((positions < 0).view(B, S, 1, 1), 0.0)
-    return project_output(out, w_uv, fp32=True).to(query.dtype)
+    if positions is not None:
+        out = out.masked_fill((positions < 0).view(B, S, 1, 1), 0.0)
+    return _project(out, w_uv, query.dtype)
+
+
+def _absorb(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    if FUSED_PROJECTIONS and q_nope.is_cuda:
+        from ..kernels.triton.absorb import absorb_query_fused, absorb_reason
+
+        if absorb_reason(q_nope, q_rope, w_uk) is None:
+            return absorb_query_fused(q_nope, q_rope, w_uk)
+    return absorb_query(q_nope, q_rope, w_uk, fp32=True)
+
+
+def _project(out: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if FUSED_PROJECTIONS and out.is_cuda:
+        from ..kernels.triton.absorb import project_output_fused, project_reason
+
+        if project_reason(out, w_uv, dtype) is None:
+            return project_output_fused(out, w_uv, dtype)
+    return project_output(out, w_uv, fp32=True).to(dtype)
 
 
 def _standard(q_abs, seg: Segment, positions, tau, config, backend, round_16bit):
