@@ -143,3 +143,14 @@ def test_kernel_table_names_real_modules_and_docs_list_every_kernel():
         assert (ROOT / "snapquant" / "kernels" / spec.module).is_file(), spec.module
         assert spec.status in ("default", "opt-in", "experimental")
         assert f"`{name}`" in docs and spec.module in docs, name
+
+
+def test_dense_block_tables_are_built_once_and_reused():
+    """The dense rows' block table (every decode step of a preallocated cache asks for the same one) is
+    built once per shape and device and reused; its values are the row layout's."""
+    from snapquant.kernels.backend import dense_block_table
+
+    t = dense_block_table(3, 200, 4, torch.device("cpu"))
+    assert t.dtype == torch.int32 and t.tolist() == [[b * 200 + 64 * p for p in range(4)] for b in range(3)]
+    assert dense_block_table(3, 200, 4, torch.device("cpu")) is t
+    assert dense_block_table(3, 201, 4, torch.device("cpu")) is not t

@@ -24,7 +24,7 @@ from ..config import KVQuantConfig
 from ..errors import ShapeError
 from ..quant.quantizer import QuantizedKV
 from ..reference import mla_decode_reference
-from ..runtime import lengths_trusted, warn_once
+from ..runtime import lengths_trusted, stream_capturing, warn_once
 from ._checks import raise_on_flags
 from .decode import launch_decode
 from .layouts import PAGE_SIZE, layout_of, unsupported_reason
@@ -108,8 +108,7 @@ def operands_from_kv(kv: QuantizedKV, lengths: torch.Tensor | None, config: KVQu
         raise ShapeError(f"the cache spans {(B - 1) * rows + T} rows, beyond int32 page ids")
     dev = latent.device
     n_pages = math.ceil(T / PAGE_SIZE)
-    block_table = (torch.arange(B, device=dev)[:, None] * rows
-                   + torch.arange(n_pages, device=dev)[None, :] * PAGE_SIZE).to(torch.int32)
+    block_table = dense_block_table(B, rows, n_pages, dev)
     if lengths is None:
         lens = torch.full((B,), T, dtype=torch.int32, device=dev)
     else:
@@ -129,6 +128,29 @@ def operands_from_kv(kv: QuantizedKV, lengths: torch.Tensor | None, config: KVQu
     return KernelOperands(layout, lat_arg, rope.view(torch.int16), scale_arg, (st_l, st_l), (st_r, st_r),
                           s_strides, block_table, lens, kv.latent.width, kv.rope.width,
                           1 if scale is None else scale.shape[-1])
+
+
+_BLOCK_TABLES: dict[tuple, torch.Tensor] = {}
+_MAX_BLOCK_TABLES = 64
+
+
+def dense_block_table(B: int, rows: int, n_pages: int, device: torch.device) -> torch.Tensor:
+    """`[B, n_pages]` int32: page p of request b at row b * rows + 64 p of one table of rows.
+
+    The same few shapes recur every decode step (a preallocated cache's), and building one is five small
+    launches per layer and step; so each is built once, eagerly, and reused (the kernels only read it). While
+    a CUDA graph is being captured a missing table is built inside the graph and not kept: a tensor recorded
+    there holds its values only once the graph runs."""
+    key = (B, rows, n_pages, device.type, device.index)
+    table = _BLOCK_TABLES.get(key)
+    if table is None:
+        table = (torch.arange(B, device=device)[:, None] * rows
+                 + torch.arange(n_pages, device=device)[None, :] * PAGE_SIZE).to(torch.int32)
+        if not stream_capturing():
+            if len(_BLOCK_TABLES) >= _MAX_BLOCK_TABLES:
+                _BLOCK_TABLES.pop(next(iter(_BLOCK_TABLES)))
+            _BLOCK_TABLES[key] = table
+    return table
 
 
 def _rows_per_request(tensors: list[torch.Tensor]) -> int | None:
