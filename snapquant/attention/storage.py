@@ -259,14 +259,15 @@ class DenseLatentStore:
                 f"append_static expects latent [B={self.batch_size}, S, {self.r}] and rope [B, S, {self.d}], got "
                 f"{tuple(latent.shape)} and {tuple(rope.shape)}"
             )
-        rows = self.lengths.view(B, 1) + self._arange(S).view(1, S)  # [B, S] destination rows
         paged = self._paged_view(latent, rope)
         if paged is not None:
             from ..kernels import quantize_append
 
-            slots = rows + self._arange(B).view(B, 1) * self.capacity
+            # slot of (b, s) = lengths[b] + s + b * capacity: one add to a cached offset table per step
+            slots = self.lengths.view(B, 1) + self._slot_offsets(B, S)
             quantize_append(latent.contiguous(), rope.contiguous(), paged, slots, self.config, check_bounds=False)
         else:
+            rows = self.lengths.view(B, 1) + self._arange(S).view(1, S)  # [B, S] destination rows
             if self.identity:
                 q = self._quantize(latent, rope)
             else:
@@ -282,6 +283,14 @@ class DenseLatentStore:
         t = self._static.get(key)
         if t is None:
             t = self._static[key] = torch.arange(n, device=self.lengths.device)
+        return t
+
+    def _slot_offsets(self, B: int, S: int) -> torch.Tensor:
+        """`[B, S]`: s + b * capacity, the paged view's slot of token s of request b past its length."""
+        key = ("slots", B, S)
+        t = self._static.get(key)
+        if t is None:
+            t = self._static[key] = self._arange(S).view(1, S) + self._arange(B).view(B, 1) * self.capacity
         return t
 
     def _paged_view(self, latent: torch.Tensor, rope: torch.Tensor):
