@@ -268,9 +268,9 @@ def eager_step_split(model, preset: str, batch: int, context: int, steps: int = 
     the graph step."""
     from ..cache import LatentCache
     from ..graphs import DecodeGraph
-    from ..models.experts import decode_experts, expert_modules
-    from ..models.norms import fused_rms_norms
+    from ..models.experts import expert_modules
     from ..models.registry import find_mla_modules
+    from ..models.step_kernels import step_kernels
 
     dev = next(model.parameters()).device
     clock = _Clock(dev.type == "cuda")
@@ -286,7 +286,7 @@ def eager_step_split(model, preset: str, batch: int, context: int, steps: int = 
     plain: list[float] = []
     parts: list[dict[str, float]] = []
     # the experts and norms as the decode loop runs them on this device (DecodeLoop.step_modules)
-    with decode_experts(model), fused_rms_norms(model, dev.type == "cuda"), torch.no_grad():
+    with step_kernels(model, fused=dev.type == "cuda"), torch.no_grad():
         graph = DecodeGraph(model, cache, capture=False)
         for _ in range(2):  # warm-up: kernel selection, allocator
             graph.step(ids)
@@ -367,15 +367,14 @@ def step_and_prefill_kernels(model, preset: str, batch: int, context: int, promp
     pays before its first token)."""
     from ..cache import LatentCache
     from ..graphs import DecodeGraph
-    from ..models.experts import decode_experts
-    from ..models.norms import fused_rms_norms
+    from ..models.step_kernels import step_kernels
 
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
     cache = fill_cache(LatentCache(preset, model, max_cache_len=context + replays + 8), model, batch, context)
     ids = torch.full((batch, 1), 5, dtype=torch.long, device=dev)
     out: dict[str, Any] = {}
-    with decode_experts(model), fused_rms_norms(model, cuda), torch.no_grad():
+    with step_kernels(model, fused=cuda), torch.no_grad():
         graph = DecodeGraph(model, cache, capture=cuda)
         for _ in range(2):
             graph.step(ids)
@@ -396,7 +395,7 @@ def step_and_prefill_kernels(model, preset: str, batch: int, context: int, promp
                   **({"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters
                      else {}))
 
-    with decode_experts(model), fused_rms_norms(model, cuda):  # as the loop's prefill runs (DecodeLoop.step_modules)
+    with step_kernels(model, fused=cuda):  # as the loop's prefill runs (DecodeLoop.step_modules)
         prefill()  # warm-up
         out["prefill"] = kernel_table(prefill, 1, cuda, top)
     return out

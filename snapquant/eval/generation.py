@@ -46,7 +46,8 @@ import torch
 
 from ..cache import LatentCache
 from ..errors import ConfigError, ShapeError
-from ..models.norms import fused_rms_norms, plan_fused_norms
+from ..models.norms import plan_fused_norms
+from ..models.step_kernels import step_kernels
 from ..models.stepping import cache_kwarg
 from ..patching import patch_state
 
@@ -220,7 +221,9 @@ class DecodeLoop:
     each on the stream, no host sync; `perf_counter` on CPU) into `GenerationResult.step_seconds`, for
     benchmarks that compare step times with an interval. `fused_norms`: run the model's T5-style RMSNorms
     through one Triton kernel each while the loop runs (`snapquant.models.norms`; 'auto' = on CUDA with
-    fixed-shape steps, whose outputs already differ from HF generate's by bf16 rounding; True / False).
+    fixed-shape steps, whose outputs already differ from HF generate's by bf16 rounding; True / False), and
+    with them DeepSeek-V2's rotary embedding where its kernel gives torch's bits (`snapquant.models.rotary`;
+    `rotary_mode` says which contraction matched, None: not switched).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, steps: str = "auto", check_every: int = 16,
@@ -242,6 +245,7 @@ class DecodeLoop:
         self.steps, self.check_every, self.time_steps = steps, check_every, bool(time_steps)
         self.experts = experts if steps != "eager" else None
         self.fused_norms, self.norms_reason = plan_fused_norms(self.device, steps, fused_norms)
+        self.rotary_mode: tuple[int, int] | None = None  # set while step_modules runs
         self._cache_kw = cache_kwarg(model)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._slot: tuple | None = None  # (batch, capacity, cache, graph) kept for the next batch
@@ -250,9 +254,8 @@ class DecodeLoop:
     @contextmanager
     def step_modules(self) -> Iterator[None]:
         """The model's experts and norms as the loop runs them (sync-free experts, fused norms), restored after."""
-        from ..models.experts import decode_experts
-
-        with decode_experts(self.model, self.experts), fused_rms_norms(self.model, self.fused_norms):
+        with step_kernels(self.model, experts=self.experts, fused=self.fused_norms) as info:
+            self.rotary_mode = info["rotary_mode"]
             yield
 
     # ------------------------------------------------------------------ cache and graph
