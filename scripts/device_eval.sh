@@ -16,7 +16,7 @@
 #                                      # batch 32 / 128 and 1K / 32K with --kernels (profiler tables of the captured
 #                                      # step and of one 1K prefill) and per-step samples (ratio intervals), then the
 #                                      # V3 shape's snapmla batch-128 32K cell again (the cache fill is chunked now)
-#   bash scripts/device_eval.sh 7      # < 400 s: GPU tests of the experts, loop and graphs, then V2-Lite bf16 + snapmla
+#   bash scripts/device_eval.sh 7      # < 400 s: GPU tests of the experts, norms, rotary, projections, loop and graphs, then V2-Lite bf16 + snapmla
 #                                      # end to end (1K prompts, 256 new tokens, batch 128 / 32) and the 32K batch-32
 #                                      # decode-loop rows; into results/bench/eval_h200 on an H200, results/h100/eval_e2e_h100 otherwise
 #   CASE_S=470 bash scripts/device_eval.sh 6  # a case's later parts stop earlier (default 530 s)
@@ -91,7 +91,7 @@ huggingface_hub.__version__, 'transformers', transformers.__version__, 'torch', 
      nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 || dest=results/h100/eval_e2e_h100
      smoke=(); [ -n "$SMOKE" ] && { smoke=(--smoke); dest="$OUT/eval_smoke7"; }
      timeout 150 python -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_experts.py tests/test_expert_kernels.py tests/test_rms_norm.py tests/test_generation.py \
-       tests/test_graphs.py 2>&1 | tee "$OUT/pytest_gpu_eval7.txt" | tail -4
+       tests/test_graphs.py tests/test_absorb_kernels.py tests/test_rotary.py 2>&1 | tee "$OUT/pytest_gpu_eval7.txt" | tail -4
      timeout 220 python scripts/bench_eval.py "${smoke[@]}" --out "$dest" --models v2lite --presets bf16,snapmla \
        --e2e-lmeval --e2e-batches 128,32 --e2e-prompt 1024 --e2e-new-tokens 256 --e2e-n-batches 3 --paths "" \
        --budget-s 200 2>&1 | tee "$OUT/eval_part7a.log" | grep -v "^USDT" | tail -8
