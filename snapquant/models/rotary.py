@@ -20,7 +20,10 @@ from typing import Any
 import torch
 
 NAME = "apply_rotary_emb"
-_PROBE = dict(B=64, H=16, S=64, D=64)  # 2.2M channel pairs of query and key
+# 2.2M channel pairs of query and key, one token per request in the decode step's layout, so that the probe
+# and the step share one compiled specialization of the kernel (Triton specializes S == 1 and strides)
+_PROBE = dict(B=4096, H=16, S=1, D=64)
+_MODES: dict[tuple, tuple[int, int] | None] = {}  # (function, device, dtype) -> the matching mode
 
 
 def _modules_with_rotary(model: torch.nn.Module) -> list[Any]:
@@ -47,7 +50,15 @@ def _probe(device: torch.device, dtype: torch.dtype):
 
 
 def matching_mode(fn: Any, device: torch.device, dtype: torch.dtype) -> tuple[int, int] | None:
-    """The kernel's contraction mode whose bits equal `fn`'s (a module's apply_rotary_emb) on the probe, or None."""
+    """The kernel's contraction mode whose bits equal `fn`'s (a module's apply_rotary_emb) on the probe, or None
+    (probed once per function, device and dtype; the modes tried in MODES' order, the first equal kept)."""
+    key = (fn, device.type, device.index, dtype)
+    if key not in _MODES:
+        _MODES[key] = _probe_modes(fn, device, dtype)
+    return _MODES[key]
+
+
+def _probe_modes(fn: Any, device: torch.device, dtype: torch.dtype) -> tuple[int, int] | None:
     from ..kernels.triton.rotary import MODES, rotary_fused, rotary_reason
 
     q, k, f = _probe(device, dtype)
