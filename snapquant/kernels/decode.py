@@ -32,7 +32,7 @@ from ._launch import for_device
 from .dispatch import KernelChoice, Target, choose_kernel
 from .layouts import LAYOUT_ID, PAGE_SIZE, layout_of, unsupported_reason
 from .operands import KernelOperands
-from .options import DEFAULT_WIDEN, P_DIVS, WIDENS, DecodeOptions, as_options
+from .options import DEFAULT_L2_PREFETCH, DEFAULT_WIDEN, P_DIVS, WIDENS, DecodeOptions, as_options
 from .paged import PagedMLACache
 from .triton.combine import mla_decode_combine, mla_decode_combine_balanced
 from .triton.common import OP_BF16, OP_F32, OP_FP8, OP_FP16
@@ -364,8 +364,9 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
     if choice.kernel in ("gluon.narrow", "gluon.narrow_tile", "gluon.narrow_bf16"):
         consts.update(STAGES=choice.num_stages)
         if choice.kernel != "gluon.narrow_tile":
-            args += _prefetch_args(ops, lat, lp, lt, rp, rt, opts.l2_prefetch)
-            consts.update(PF=opts.l2_prefetch)
+            ahead = DEFAULT_L2_PREFETCH if opts.l2_prefetch is None else opts.l2_prefetch
+            args += _prefetch_args(ops, lat, lp, lt, rp, rt, ahead)
+            consts.update(PF=ahead)
         if choice.kernel == "gluon.narrow":
             qk_int, pv_int = WIDENS[opts.widen or DEFAULT_WIDEN]
             consts.update(QK_INT=qk_int, PV_INT=pv_int)

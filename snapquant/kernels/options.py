@@ -31,7 +31,7 @@ query rows, GPU); a field set by the caller is a request, and one the chosen ker
     l2_prefetch pages ahead of the ring's next page that `gluon.narrow` / `gluon.narrow_bf16` ask the L2 to fetch
                 (Hopper's bulk prefetch, issued by one thread a page): the ring's two slots keep at most two pages
                 in flight per program, a prefetched page arrives in L2 latency; 0 (the default) off. Reads and
-                arithmetic unchanged, so the same bits
+                arithmetic unchanged, so the same bits; None: DEFAULT_L2_PREFETCH
     num_warps, num_stages, maxnreg   launch parameters (num_stages: ring slots of the Gluon kernels)
 """
 
@@ -52,6 +52,7 @@ FP8_MMA = (False, "qk", "pv", True)
 WIDENS = {"cvt": (False, 0), "int": (True, 4), "int_qk": (True, 0), "int_pv": (False, 4), "int_pv2": (False, 2),
           "int_qk_pv2": (True, 2)}
 DEFAULT_WIDEN = "cvt"
+DEFAULT_L2_PREFETCH = 0  # off until measured faster on the H200 (docs/performance.md)
 MAX_L2_PREFETCH = 8  # pages ahead: 264 programs x 8 x 40 KB = 84 MB would already exceed an H200's L2
 _FP8_MMA_ALIASES = {"none": False, "both": True}
 
@@ -72,7 +73,7 @@ class DecodeOptions:
     widen: str | None = None
     warp_specialize: bool | None = None
     pdl: bool = False
-    l2_prefetch: int = 0
+    l2_prefetch: int | None = None
 
     def __post_init__(self) -> None:
         if self.tile is not None and self.tile not in TILES:
@@ -92,10 +93,11 @@ class DecodeOptions:
                               "None (the default: gluon.seesaw on the bf16 layout where it runs, else gluon.wide)")
         if not isinstance(self.pdl, bool):
             raise ConfigError(f"pdl={self.pdl!r} is not valid; allowed values: True, False")
-        if not (isinstance(self.l2_prefetch, int) and not isinstance(self.l2_prefetch, bool)
+        if self.l2_prefetch is not None and not (
+                isinstance(self.l2_prefetch, int) and not isinstance(self.l2_prefetch, bool)
                 and 0 <= self.l2_prefetch <= MAX_L2_PREFETCH):
             raise ConfigError(f"l2_prefetch={self.l2_prefetch!r} is not valid; allowed values: an int from 0 (off) "
-                              f"to {MAX_L2_PREFETCH} (pages ahead)")
+                              f"to {MAX_L2_PREFETCH} (pages ahead), or None (the kernel's default)")
         _positive_int("num_splits", self.num_splits)
         _positive_int("num_stages", self.num_stages)
         _positive_int("maxnreg", self.maxnreg)
