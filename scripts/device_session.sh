@@ -6,6 +6,7 @@
 #   tests             `pytest -m gpu` (the whole GPU suite) into results/<h200|h100>/pytest_gpu_*.txt, ~115 s on
 #                     an H200 (TESTS_S bounds it, default 500)
 #   all               tests (bounded to 250 s), then decode: both in one machine start
+#   step              the fused step kernels' GPU tests and A/B probes, the L2 prefetch's timings (~480 s, any GPU)
 # Rows land in results/bench/ on an H200 and in results/h100/ on any other GPU (never in the H200 tables).
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_session.sh [decode|eval|tests|all]
 set -o pipefail
@@ -37,10 +38,22 @@ case "$PART" in
   eval)
     OUT="$OUT/eval" bash scripts/device_eval.sh 7 2>&1 | tail -12 ;;
   tests) run_tests ;;
+  step)  # this session's step changes on any GPU: their GPU tests, the projections A/B (1K, b32 / b128), the L2
+         # prefetch's kernel timings at H = 16 beside FlashMLA, and its A/B in the 32K batch-32 step (~480 s)
+    source scripts/wheels_env.sh > "$OUT/wheels.txt" 2>&1
+    timeout 120 python -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_absorb_kernels.py tests/test_rotary.py \
+      tests/test_kernels_gluon.py tests/test_graphs.py -k "l2_prefetch or projections or switch or graph" 2>&1 \
+      | grep -v "^USDT" | tee "$OUT/pytest_step.txt" | tail -4
+    timeout 110 python scripts/probe_step_ab.py --switch projections --presets snapmla --batches 32,128 --contexts 1024 \
+      --steps 40 --out "$OUT/ab_projections.json" 2>&1 | grep -v "^USDT" | tail -3
+    OUT="$OUT/pf" TAG=pf TEST_S=0 BENCH_S=130 SHAPES=128x16x4096,32x16x16384,32x16x32768 \
+      VARIANTS=bf16,snapmla,snapmla+pf1,snapmla+pf2,snapmla+pf4,bf16+pf2 bash scripts/device_widen.sh 2>&1 | tail -14
+    timeout 110 python scripts/probe_step_ab.py --switch prefetch --prefetch 2 --presets snapmla --batches 32 \
+      --contexts 32768 --steps 24 --out "$OUT/ab_prefetch.json" 2>&1 | grep -v "^USDT" | tail -2 ;;
   all)
     TESTS_S=250 run_tests
     run_decode ;;
   *)
-    echo "unknown part '$PART': decode | eval | tests | all"; exit 2 ;;
+    echo "unknown part '$PART': decode | eval | tests | all | step"; exit 2 ;;
 esac
 exit 0
