@@ -120,3 +120,19 @@ def test_fused_projections_on_the_gpu_within_the_bounds(B, H, dn=128, d=64, dv=1
         assert ((out.double() - exact).abs() <= bound).all()
     ref = project_output(o, w_uv, fp32=True).to(torch.bfloat16)
     assert ((out.double() - ref.double()).abs() <= 2 * bound + 2.0 ** -8 * ref.double().abs()).all()
+
+
+def test_the_runtime_check_passes_the_kernels_and_catches_a_wrong_one(monkeypatch):
+    """`fused_projections_ok` (run once per GPU before the kernels are used) accepts the kernels and, given a
+    projection that is off, refuses them with a warning, so the attention keeps the torch operations."""
+    from snapquant.kernels.triton import absorb
+
+    assert absorb._probe(torch.device("cpu")) == (True, "ok")
+    real = absorb.project_output_fused
+    monkeypatch.setattr(absorb, "project_output_fused", lambda o, w, dt: real(o, w, dt) * 1.01)
+    assert absorb._probe(torch.device("cpu")) == (False, "output projection outside its bound")
+    monkeypatch.setattr(absorb, "_VERIFIED", {})
+    monkeypatch.setattr(absorb, "_probe", lambda device: (False, "output projection outside its bound"))
+    with pytest.warns(UserWarning, match="fused MLA projections failed their check"):
+        assert absorb.fused_projections_ok(torch.device("cuda", 7)) is False
+    assert absorb.fused_projections_ok(torch.device("cuda", 7)) is False  # remembered: checked once

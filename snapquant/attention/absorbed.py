@@ -87,18 +87,18 @@ def absorbed_attention(
 
 def _absorb(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     if FUSED_PROJECTIONS and q_nope.is_cuda:
-        from ..kernels.triton.absorb import absorb_query_fused, absorb_reason
+        from ..kernels.triton.absorb import absorb_query_fused, absorb_reason, fused_projections_ok
 
-        if absorb_reason(q_nope, q_rope, w_uk) is None:
+        if absorb_reason(q_nope, q_rope, w_uk) is None and fused_projections_ok(q_nope.device):
             return absorb_query_fused(q_nope, q_rope, w_uk)
     return absorb_query(q_nope, q_rope, w_uk, fp32=True)
 
 
 def _project(out: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if FUSED_PROJECTIONS and out.is_cuda:
-        from ..kernels.triton.absorb import project_output_fused, project_reason
+        from ..kernels.triton.absorb import fused_projections_ok, project_output_fused, project_reason
 
-        if project_reason(out, w_uv, dtype) is None:
+        if project_reason(out, w_uv, dtype) is None and fused_projections_ok(out.device):
             return project_output_fused(out, w_uv, dtype)
     return project_output(out, w_uv, fp32=True).to(dtype)
 

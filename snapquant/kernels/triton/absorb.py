@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...runtime import stream_capturing, warn_once
 from .._launch import for_device, interpreting
 from .common import bf16_bits_to_f32, store_bf16_bits
 
@@ -186,3 +187,48 @@ def project_output_fused(o_latent: torch.Tensor, w_uv: torch.Tensor, out_dtype: 
             out.stride(1), R=r, DV=dv, BM=BLOCK_M, BV=BLOCK_V, BK=BLOCK_K, OUT_BF16=bf16, NATIVE=native,
             **({"num_warps": 4} if native else {}))
     return out.view(*lead, H, dv)
+
+
+_VERIFIED: dict[tuple, bool] = {}
+_U = 2.0 ** -24
+
+
+def fused_projections_ok(device: torch.device) -> bool:
+    """Whether both kernels, compiled on this GPU, are within their error bounds of float64 on a probe (checked
+    once per device, outside any CUDA-graph capture; until then, and after a failure, the torch operations
+    run, with a warning naming what failed). A guard for a compiler or GPU the tests never ran on."""
+    key = (device.type, device.index)
+    if key in _VERIFIED:
+        return _VERIFIED[key]
+    if stream_capturing():
+        return False  # a probe cannot run inside a capture; the graph keeps the torch operations
+    try:
+        ok, what = _probe(device)
+    except Exception as e:
+        ok, what = False, f"{type(e).__name__}: {e}"
+    if not ok:
+        warn_once(f"snapquant: the fused MLA projections failed their check on {device} ({what}); "
+                  f"using the torch operations")
+    _VERIFIED[key] = ok
+    return ok
+
+
+def _probe(device: torch.device) -> tuple[bool, str]:
+    g = torch.Generator().manual_seed(0)
+    M, H, dn, d, dv, r = 37, 3, 128, 64, 128, 512
+    q = torch.randn(M, H, dn + d, generator=g).to(torch.bfloat16).to(device)
+    w = (torch.randn(H, dn + dv, r, generator=g) / r ** 0.5).to(torch.bfloat16).to(device)
+    w_uk, w_uv = w[:, :dn], w[:, dn:]
+    got = absorb_query_fused(q[..., :dn], q[..., dn:], w_uk).double()
+    qd, wk = q[..., :dn].double(), w_uk.double()
+    exact = torch.einsum("mhn,hnr->mhr", qd, wk)
+    bound = dn * _U * 1.01 * torch.einsum("mhn,hnr->mhr", qd.abs(), wk.abs())
+    if not ((got[..., :r] - exact).abs() <= bound).all() or not torch.equal(got[..., r:], q[..., dn:].double()):
+        return False, "query projection outside its bound"
+    o = torch.randn(M, H, r, generator=g).to(device)
+    got = project_output_fused(o, w_uv, torch.float32).double()
+    exact = torch.einsum("mhr,hvr->mhv", o.double(), w_uv.double())
+    bound = 3 * r * _U * 1.01 * torch.einsum("mhr,hvr->mhv", o.double().abs(), w_uv.double().abs())
+    if not ((got - exact).abs() <= bound).all():
+        return False, "output projection outside its bound"
+    return True, "ok"
