@@ -6,6 +6,8 @@
 #   tests             `pytest -m gpu` (the whole GPU suite) into results/<h200|h100>/pytest_gpu_*.txt, ~115 s on
 #                     an H200 (TESTS_S bounds it, default 500)
 #   all               tests (bounded to 250 s), then decode: both in one machine start
+#   quick             the fused step kernels' GPU tests, the 32K batch-32 rows of both presets, the projections A/B
+#                     at 1K (~320 s, any GPU)
 #   step              the fused step kernels' GPU tests and A/B probes, the L2 prefetch's timings (~480 s, any GPU)
 # Rows land in results/bench/ on an H200 and in results/h100/ on any other GPU (never in the H200 tables).
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_session.sh [decode|eval|tests|all]
@@ -38,6 +40,19 @@ case "$PART" in
   eval)
     OUT="$OUT/eval" bash scripts/device_eval.sh 7 2>&1 | tail -12 ;;
   tests) run_tests ;;
+  quick)  # ~320 s: the step kernels' GPU tests, the 32K batch-32 decode-loop rows of both presets (the ratio the
+          # end-to-end issue asks for), the projections A/B at 1K batch 32
+    source scripts/wheels_env.sh > "$OUT/wheels.txt" 2>&1
+    dest=results/bench/eval_h200; echo "$gpu" | grep -q H200 || dest=results/h100/eval_e2e_h100
+    timeout 110 python -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_absorb_kernels.py tests/test_rotary.py \
+      tests/test_kernels_gluon.py tests/test_graphs.py tests/test_generation.py -k "l2_prefetch or projections or \
+      switch or graph or loop or generat" 2>&1 | grep -v "^USDT" | tee "$OUT/pytest_quick.txt" | tail -4
+    timeout 150 python scripts/bench_eval.py --out "$dest" --models v2lite --presets bf16,snapmla --paths loop \
+      --batches 32 --contexts 32768 --new-tokens 64 --check-tokens 0 --no-split --budget-s 140 2>&1 \
+      | grep -v "^USDT" | tail -6
+    cp "$dest".* "$OUT"/
+    timeout 70 python scripts/probe_step_ab.py --switch projections --presets snapmla --batches 32 --contexts 1024 \
+      --steps 40 --out "$OUT/ab_projections.json" 2>&1 | grep -v "^USDT" | tail -2 ;;
   step)  # this session's step changes on any GPU: their GPU tests, the projections A/B (1K, b32 / b128), the L2
          # prefetch's kernel timings at H = 16 beside FlashMLA, and its A/B in the 32K batch-32 step (~480 s)
     source scripts/wheels_env.sh > "$OUT/wheels.txt" 2>&1
@@ -54,6 +69,6 @@ case "$PART" in
     TESTS_S=250 run_tests
     run_decode ;;
   *)
-    echo "unknown part '$PART': decode | eval | tests | all | step"; exit 2 ;;
+    echo "unknown part '$PART': decode | eval | tests | all | quick | step"; exit 2 ;;
 esac
 exit 0
