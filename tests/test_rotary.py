@@ -100,3 +100,18 @@ def test_the_switch_uses_a_mode_with_torchs_bits_on_the_gpu(dtype):
     assert mod.apply_rotary_emb is original
     want = original(q, k, f)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_kernel_that_fails_on_the_device_keeps_torchs_function(monkeypatch):
+    """Any failure of the probe (a compile error on an untested GPU) leaves the model's function in place, with
+    a warning, and is remembered."""
+    from snapquant.models import rotary
+
+    def boom(*a, **k):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(rotary, "_MODES", {})
+    monkeypatch.setattr(rotary, "_probe_modes", boom)
+    with pytest.warns(UserWarning, match="fused rotary kernel failed"):
+        assert matching_mode(rotary_reference, torch.device("cuda", 5), torch.bfloat16) is None
+    assert matching_mode(rotary_reference, torch.device("cuda", 5), torch.bfloat16) is None

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..runtime import warn_once
+
 NAME = "apply_rotary_emb"
 # 2.2M channel pairs of query and key, one token per request in the decode step's layout, so that the probe
 # and the step share one compiled specialization of the kernel (Triton specializes S == 1 and strides)
@@ -54,7 +56,12 @@ def matching_mode(fn: Any, device: torch.device, dtype: torch.dtype) -> tuple[in
     (probed once per function, device and dtype; the modes tried in MODES' order, the first equal kept)."""
     key = (fn, device.type, device.index, dtype)
     if key not in _MODES:
-        _MODES[key] = _probe_modes(fn, device, dtype)
+        try:
+            _MODES[key] = _probe_modes(fn, device, dtype)
+        except Exception as e:  # a kernel that fails to compile or run here: torch's operations stay
+            warn_once(f"snapquant: the fused rotary kernel failed on {device} ({type(e).__name__}: {e}); "
+                      f"keeping transformers' apply_rotary_emb")
+            _MODES[key] = None
     return _MODES[key]
 
 
