@@ -136,3 +136,15 @@ def test_the_runtime_check_passes_the_kernels_and_catches_a_wrong_one(monkeypatc
     with pytest.warns(UserWarning, match="fused MLA projections failed their check"):
         assert absorb.fused_projections_ok(torch.device("cuda", 7)) is False
     assert absorb.fused_projections_ok(torch.device("cuda", 7)) is False  # remembered: checked once
+
+
+def test_the_runtime_check_may_read_the_device_inside_a_sync_free_block(monkeypatch):
+    """The one-off check reads its verdict on the host; a first decode step run inside `no_host_sync()` must not
+    fail on that (the check is exempt by name), and nothing is checked again afterwards."""
+    from snapquant.graphs import no_host_sync
+    from snapquant.kernels.triton import absorb
+
+    monkeypatch.setattr(absorb, "_VERIFIED", {})
+    monkeypatch.setattr(absorb, "_probe", lambda device: (bool((torch.ones(3) > 0).all()), "ok"))
+    with no_host_sync():
+        assert absorb.fused_projections_ok(torch.device("cuda", 6)) is True

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..runtime import warn_once
+from ..runtime import allow_host_sync, warn_once
 
 NAME = "apply_rotary_emb"
 # 2.2M channel pairs of query and key, one token per request in the decode step's layout, so that the probe
@@ -57,7 +57,8 @@ def matching_mode(fn: Any, device: torch.device, dtype: torch.dtype) -> tuple[in
     key = (fn, device.type, device.index, dtype)
     if key not in _MODES:
         try:
-            _MODES[key] = _probe_modes(fn, device, dtype)
+            with allow_host_sync("the fused rotary kernel's one-off bit check"):
+                _MODES[key] = _probe_modes(fn, device, dtype)
         except Exception as e:  # a kernel that fails to compile or run here: torch's operations stay
             warn_once(f"snapquant: the fused rotary kernel failed on {device} ({type(e).__name__}: {e}); "
                       f"keeping transformers' apply_rotary_emb")

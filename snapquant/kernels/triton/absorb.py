@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...runtime import stream_capturing, warn_once
+from ...runtime import allow_host_sync, stream_capturing, warn_once
 from .._launch import for_device, interpreting
 from .common import bf16_bits_to_f32, store_bf16_bits
 
@@ -203,7 +203,8 @@ def fused_projections_ok(device: torch.device) -> bool:
     if stream_capturing():
         return False  # a probe cannot run inside a capture; the graph keeps the torch operations
     try:
-        ok, what = _probe(device)
+        with allow_host_sync("the fused projections' one-off check against float64"):
+            ok, what = _probe(device)
     except Exception as e:
         ok, what = False, f"{type(e).__name__}: {e}"
     if not ok:
