@@ -7,12 +7,13 @@ transformers' DeepSeek-V2 attention rotates its RoPE channels as complex numbers
     xq_out = view_as_real(xq_ * freqs_cis).flatten(3).type_as(xq)
 
 six kernels per layer and decode step (two fp32 copies, two complex products, two roundings back). Here one
-launch rotates both, element pairs in blocks, with the same arithmetic: for a pair (a, b) and a rotation (c, d), torch's complex product is a*c - b*d and a*d + b*c in fp32, then each rounded to
-the input dtype. How the compiler that built torch contracted those into fmas decides their last bits, so
-the kernel has the four candidates (`MODES`, each part with or without an fma and which product it keeps)
-and `snapquant.models.rotary` picks, on the GPU it runs on, the one whose bits equal torch's on a probe input
-(none matching: torch's operations stay). The interpreter (CPU tests) checks every mode against its own
-definition in float64 terms; launched with fp contraction off, so only the fmas written here are fmas.
+launch rotates both with the same arithmetic: for a pair (a, b) and a rotation (c, d), torch's complex
+product is a*c - b*d and a*d + b*c in fp32, each then rounded to the input dtype. How the compiler that built
+torch contracted those into fmas decides their last bits, so the kernel has five candidates (`MODES`: each
+part with or without an fma, and which product the fma keeps exact) and `snapquant.models.rotary` picks, on
+the GPU it runs on, the one whose bits equal torch's on a probe input (none matching: torch's operations
+stay). The interpreter (CPU tests) checks every mode against its own definition in float64 terms; the kernel
+is launched with fp contraction off, so only the fmas written here are fmas.
 """
 
 from __future__ import annotations
