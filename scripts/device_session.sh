@@ -62,7 +62,7 @@ case "$PART" in
     timeout 110 python scripts/probe_step_ab.py --switch projections --presets snapmla --batches 32,128 --contexts 1024 \
       --steps 40 --out "$OUT/ab_projections.json" 2>&1 | grep -v "^USDT" | tail -3
     OUT="$OUT/pf" TAG=pf TEST_S=0 BENCH_S=130 SHAPES=128x16x4096,32x16x16384,32x16x32768 \
-      VARIANTS=bf16,snapmla,snapmla+pf1,snapmla+pf2,snapmla+pf4,bf16+pf2 bash scripts/device_widen.sh 2>&1 | tail -14
+      VARIANTS=bf16,snapmla,snapmla+pf1,snapmla+pf2,snapmla+pf4,bf16+pf2,snapmla+splits8+narrow bash scripts/device_widen.sh 2>&1 | tail -14
     timeout 110 python scripts/probe_step_ab.py --switch prefetch --prefetch 2 --presets snapmla --batches 32 \
       --contexts 32768 --steps 24 --out "$OUT/ab_prefetch.json" 2>&1 | grep -v "^USDT" | tail -2 ;;
   all)

@@ -158,6 +158,10 @@ VARIANTS: tuple[Variant, ...] = (
     # ---- 2: sweeps (headline shapes)
     _v("bf16+splits8", "bf16", "bf16", priority=2, check="bf16", where="headline", num_splits=8),
     _v("snapmla+splits8", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_splits=8),
+    # <= 16 rows at long contexts: one wave of 64-page runs instead of the default's cap of 32 pages a program
+    # (32x16x32768: 256 programs instead of 512, two waves); the partials merge in another order (tol as above)
+    _v("snapmla+splits8+narrow", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="rows16",
+       tile="gluon", num_splits=8),
     _v("bf16+splits16", "bf16", "bf16", priority=2, check="bf16", where="headline", num_splits=16),
     _v("snapmla+splits16", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline", num_splits=16),
     _v("snapmla+balanced+parts1", "fp8", "snapmla", Q8, P8, priority=2, check="snapmla", where="headline",
