@@ -3,9 +3,12 @@ model switch (`models/rotary.py`).
 
 The kernel's arithmetic per channel pair (a, b) and rotation (c, d): real a c - b d and imaginary a d + b c in
 fp32, with or without an fma per part (MODES), then rounded to the input dtype. Each mode is checked against
-its own definition computed here in float64 from the same fp32 roundings (exact: a double holds an fp32 product
-exactly, and an fma is the exact value rounded once), so every bit of every mode is tested on CPU; which mode
-equals torch's CUDA kernel is what the switch probes on the GPU (and the GPU test checks).
+its own definition computed here in float64 with the same fp32 roundings: a double holds an fp32 product
+exactly, and an fma is taken as the float64 sum rounded to fp32, which is what the interpreter computes too
+(IEEE arithmetic, the same on every CPU). That double rounding differs from a true fma's single one only when
+the float64 sum lands exactly halfway between two fp32 values (about 2^-29 of random inputs), so the GPU's
+modes are these; which mode equals torch's CUDA kernel is what the switch probes on the GPU, bit for bit
+(and the GPU test checks).
 """
 
 from __future__ import annotations

@@ -253,7 +253,8 @@ class DecodeLoop:
 
     @contextmanager
     def step_modules(self) -> Iterator[None]:
-        """The model's experts and norms as the loop runs them (sync-free experts, fused norms), restored after."""
+        """The model's modules as the loop runs them (`models.step_kernels`: sync-free experts, fused norms and
+        rotary), restored after."""
         with step_kernels(self.model, experts=self.experts, fused=self.fused_norms) as info:
             self.rotary_mode = info["rotary_mode"]
             yield

@@ -158,6 +158,14 @@ if HAVE_GLUON:
         prefetch_l2(ROPE.to(gl.int64, bitcast=True) + page * rope_page_bytes, rope_span, go, num_warps)
 
     @gluon.jit
+    def prefetch_run_page(LAT, ROPE, bt_row, idx, n_run, lat_page_bytes, rope_page_bytes, lat_span, rope_span,
+                          num_warps: gl.constexpr):
+        """`prefetch_page` of the run's page `idx` (its id from the block table row `bt_row`), if the run has it."""
+        ok = idx < n_run
+        page = gl.load(bt_row + idx, mask=ok, other=0).to(gl.int64)
+        prefetch_page(LAT, ROPE, page, lat_page_bytes, rope_page_bytes, lat_span, rope_span, ok, num_warps)
+
+    @gluon.jit
     def issue_tile_page(lat_desc, rope_desc, box_smem, tile_smem, rope_smem, bars, slot, page, lat_page_rows,
                     rope_page_rows, pred, FP8: gl.constexpr, NBOX: gl.constexpr, BOXW: gl.constexpr):
         """Ask the TMA unit for one page into slot `slot`: fp8 boxes into the upper half of the slot's fp16

@@ -48,7 +48,7 @@ if HAVE_GLUON:
         cta_barrier,
         issue_page,
         page_p_smem,
-        prefetch_page,
+        prefetch_run_page,
         query_operands,
         row_state,
         split_run,
@@ -123,10 +123,10 @@ if HAVE_GLUON:
         bt_row = BT + b64 * stride_bt + p_lo
         start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,
                     STAGES, STAGES - 1, NBOX, BOXW, 0)
-        for j in gl.static_range(1, PF):  # L2 prefetch (PF > 0): the pages the ring asks for before the loop's
-            idx = STAGES - 1 + j          # first prefetch lands
-            prefetch_page(LAT, ROPE, gl.load(bt_row + idx, mask=idx < n_run, other=0).to(gl.int64), lat_page_bytes,
-                          rope_page_bytes, lat_span, rope_span, idx < n_run, num_warps)
+        # L2 prefetch (PF > 0): the pages the ring asks for before the loop's first prefetch lands
+        for j in gl.static_range(1, PF):
+            prefetch_run_page(LAT, ROPE, bt_row, STAGES - 1 + j, n_run, lat_page_bytes, rope_page_bytes,
+                              lat_span, rope_span, num_warps)
 
         # ---- query: q^ as fp16 in the QK view's channel order, q~r as bf16; sigma per row
         sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN,
@@ -155,9 +155,8 @@ if HAVE_GLUON:
             issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
                         rope_page_rows, nxt < n_run, NBOX, BOXW, 0)
             if PF > 0:  # and the page PF after it into L2: when its slot asks for it, it comes from L2
-                pf = nxt + PF
-                prefetch_page(LAT, ROPE, gl.load(bt_row + pf, mask=pf < n_run, other=0).to(gl.int64),
-                              lat_page_bytes, rope_page_bytes, lat_span, rope_span, pf < n_run, num_warps)
+                prefetch_run_page(LAT, ROPE, bt_row, nxt + PF, n_run, lat_page_bytes, rope_page_bytes, lat_span,
+                                  rope_span, num_warps)
             page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
             page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
             base = (p_lo + it) * PAGE

@@ -41,7 +41,7 @@ if HAVE_GLUON:
         cta_barrier,
         issue_tile_page,
         page_p16,
-        prefetch_page,
+        prefetch_run_page,
         query_operands,
         row_state,
         split_run,
@@ -97,10 +97,10 @@ if HAVE_GLUON:
             page = gl.load(bt_row + s, mask=s < n_run, other=0).to(gl.int64)
             issue_tile_page(lat_desc, rope_desc, tile_smem, tile_smem, rope_smem, bars, s, page, lat_page_rows,
                             rope_page_rows, s < n_run, False, NBOX, BOXW)
-        for j in gl.static_range(1, PF):  # L2 prefetch (PF > 0): the pages the ring asks for before the loop's
-            idx = STAGES - 1 + j          # first prefetch lands
-            prefetch_page(LAT, ROPE, gl.load(bt_row + idx, mask=idx < n_run, other=0).to(gl.int64), lat_page_bytes,
-                          rope_page_bytes, lat_span, rope_span, idx < n_run, num_warps)
+        # L2 prefetch (PF > 0): the pages the ring asks for before the loop's first prefetch lands
+        for j in gl.static_range(1, PF):
+            prefetch_run_page(LAT, ROPE, bt_row, STAGES - 1 + j, n_run, lat_page_bytes, rope_page_bytes,
+                              lat_span, rope_span, num_warps)
 
         sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN,
                                 False, q_l, False)  # bf16 query, sigma = 1
@@ -121,9 +121,8 @@ if HAVE_GLUON:
             issue_tile_page(lat_desc, rope_desc, tile_smem, tile_smem, rope_smem, bars, nxt % STAGES, page_next,
                             lat_page_rows, rope_page_rows, nxt < n_run, False, NBOX, BOXW)
             if PF > 0:  # and the page PF after it into L2: when its slot asks for it, it comes from L2
-                pf = nxt + PF
-                prefetch_page(LAT, ROPE, gl.load(bt_row + pf, mask=pf < n_run, other=0).to(gl.int64),
-                              lat_page_bytes, rope_page_bytes, lat_span, rope_span, pf < n_run, num_warps)
+                prefetch_run_page(LAT, ROPE, bt_row, nxt + PF, n_run, lat_page_bytes, rope_page_bytes, lat_span,
+                                  rope_span, num_warps)
             page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
             base = (p_lo + it) * PAGE
             tile = tile_smem.index(slot)

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ...runtime import allow_host_sync, stream_capturing, warn_once
 from .._launch import for_device, interpreting
-from .common import bf16_bits_to_f32, store_bf16_bits
+from .common import OP_BF16, OP_F32, bf16_bits_to_f32, bits16, mma, store_bf16_bits
 
 BLOCK_M = 32  # query rows (requests x tokens) per program: a decode batch of 32 in one block
 BLOCK_R = 128  # latent channels per absorb program
@@ -40,36 +40,20 @@ BLOCK_K = 64  # latent channels per project step
 
 
 @triton.jit
-def _load_bf16(ptrs, mask, NATIVE: tl.constexpr):
-    """bf16 values (an int16 view) -> bf16 on the GPU (for the tensor cores), exact fp32 in the interpreter."""
-    bits = tl.load(ptrs, mask=mask, other=0)
-    if NATIVE:
-        return bits.to(tl.bfloat16, bitcast=True)
-    else:
-        return bf16_bits_to_f32(bits)
-
-
-@triton.jit
-def _dot(a, b, acc, NATIVE: tl.constexpr):
-    if NATIVE:
-        return tl.dot(a, b, acc)
-    else:
-        return tl.dot(a, b, acc, input_precision="ieee")
-
-
-@triton.jit
 def _absorb_kernel(QN, QR, W, OUT, M, stride_qm, stride_qh, stride_rm, stride_rh, stride_wh, stride_wn, stride_wr,
                    stride_om, stride_oh, DN: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-                   BR: tl.constexpr, NATIVE: tl.constexpr):
+                   BR: tl.constexpr, NATIVE: tl.constexpr, KIND: tl.constexpr):
     h = tl.program_id(0)
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     c = tl.program_id(2) * BR + tl.arange(0, BR)
     m_ok = m < M
     m64 = m.to(tl.int64)
     n = tl.arange(0, DN)
-    a = _load_bf16(QN + m64[:, None] * stride_qm + h * stride_qh + n[None, :], m_ok[:, None], NATIVE)  # [BM, DN]
-    b = _load_bf16(W + h * stride_wh + n[:, None] * stride_wn + c[None, :] * stride_wr, (c < R)[None, :], NATIVE)
-    acc = _dot(a, b, tl.full([BM, BR], 0.0, tl.float32), NATIVE)
+    a = bits16(tl.load(QN + m64[:, None] * stride_qm + h * stride_qh + n[None, :], mask=m_ok[:, None], other=0),
+               NATIVE)  # [BM, DN]
+    b = bits16(tl.load(W + h * stride_wh + n[:, None] * stride_wn + c[None, :] * stride_wr, mask=(c < R)[None, :],
+                       other=0), NATIVE)
+    acc = mma(a, b, tl.full([BM, BR], 0.0, tl.float32), KIND)
     out_row = OUT + m64[:, None] * stride_om + h * stride_oh
     tl.store(out_row + c[None, :], acc, mask=m_ok[:, None] & (c < R)[None, :])
     if tl.program_id(2) == 0:  # the RoPE columns, exactly (bf16 -> fp32)
@@ -91,7 +75,7 @@ def _split3(x):
 @triton.jit
 def _project_kernel(OL, W, OUT, M, stride_om, stride_oh, stride_wh, stride_wv, stride_wr, stride_xm, stride_xh,
                     R: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-                    OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
+                    OUT_BF16: tl.constexpr, NATIVE: tl.constexpr, KIND: tl.constexpr):
     h = tl.program_id(0)
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     v = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -102,15 +86,15 @@ def _project_kernel(OL, W, OUT, M, stride_om, stride_oh, stride_wh, stride_wv, s
     for k0 in tl.static_range(0, R, BK):
         k = k0 + tl.arange(0, BK)
         o = tl.load(OL + m64[:, None] * stride_om + h * stride_oh + k[None, :], mask=m_ok[:, None], other=0.0)
-        wt = _load_bf16(W + h * stride_wh + v[None, :] * stride_wv + k[:, None] * stride_wr, v_ok[None, :],
-                        NATIVE)  # [BK, BV] = W_UV[h]^T
+        wt = bits16(tl.load(W + h * stride_wh + v[None, :] * stride_wv + k[:, None] * stride_wr, mask=v_ok[None, :],
+                            other=0), NATIVE)  # [BK, BV] = W_UV[h]^T
         if NATIVE:
             hi, mid, lo = _split3(o)
-            acc = tl.dot(hi, wt, acc)
-            acc = tl.dot(mid, wt, acc)
-            acc = tl.dot(lo, wt, acc)
+            acc = mma(hi, wt, acc, KIND)
+            acc = mma(mid, wt, acc, KIND)
+            acc = mma(lo, wt, acc, KIND)
         else:
-            acc = tl.dot(o, wt, acc, input_precision="ieee")
+            acc = mma(o, wt, acc, KIND)
     ptrs = OUT + m64[:, None] * stride_xm + h * stride_xh + v[None, :]
     mask = m_ok[:, None] & v_ok[None, :]
     if OUT_BF16:
@@ -151,7 +135,8 @@ def absorb_query_fused(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.T
         for_device(_absorb_kernel, q_nope.device)[(H, triton.cdiv(M, BLOCK_M), triton.cdiv(r, BLOCK_R))](
             qn.view(torch.int16), qr.view(torch.int16), wv, out, M, qn.stride(0), qn.stride(1), qr.stride(0),
             qr.stride(1), wv.stride(0), wv.stride(1), wv.stride(2), out.stride(0), out.stride(1),
-            DN=dn, R=r, D=d, BM=BLOCK_M, BR=BLOCK_R, NATIVE=native, **({"num_warps": 4} if native else {}))
+            DN=dn, R=r, D=d, BM=BLOCK_M, BR=BLOCK_R, NATIVE=native, KIND=OP_BF16 if native else OP_F32,
+            **({"num_warps": 4} if native else {}))
     return out.view(*lead, H, r + d)
 
 
@@ -185,6 +170,7 @@ def project_output_fused(o_latent: torch.Tensor, w_uv: torch.Tensor, out_dtype: 
         for_device(_project_kernel, o_latent.device)[(H, triton.cdiv(M, BLOCK_M), triton.cdiv(dv, BLOCK_V))](
             o, wv, xv, M, o.stride(0), o.stride(1), wv.stride(0), wv.stride(1), wv.stride(2), out.stride(0),
             out.stride(1), R=r, DV=dv, BM=BLOCK_M, BV=BLOCK_V, BK=BLOCK_K, OUT_BF16=bf16, NATIVE=native,
+            KIND=OP_BF16 if native else OP_F32,
             **({"num_warps": 4} if native else {}))
     return out.view(*lead, H, dv)
 
