@@ -70,7 +70,7 @@ from .results import ratio_interval
 COLUMNS = ("model", "layers", "preset", "batch", "context", "path", "new_tokens", "tokens_per_s", "step_ms",
            "eager_step_ms", "eager_attention_ms", "eager_experts_ms", "eager_rest_ms", "split_sum_over_step",
            "split_clock", "prefill_s", "capture_s", "peak_gib", "cache_gib", "weights_gib", "experts",
-           "steady_tokens_per_s", "gen_tokens", "batches", "cell_1319_s", "cells_per_hour", "gen_path", "status")
+           "steady_tokens_per_s", "gen_tokens", "batches", "cell_1319_s", "cell_tokens_per_s", "cells_per_hour", "gen_path", "status")
 E2E_PATH = "lmeval"  # the `path` of rows timed through SnapquantLM.generate_until
 KEY = ("model", "preset", "batch", "context", "path")
 V2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
@@ -518,7 +518,9 @@ def run_e2e(model, tokenizer, preset: str, batch: int, n_batches: int, prompt_le
         "tokens_per_s": sum(tokens) / (t1 - t0), "steady_tokens_per_s": sum(tokens[-len(steady):]) / steady_s,
         "gen_tokens": statistics.mean(b["new"] for b in batches), "gen_path": f"{paths}; steps={info['steps']}"
                     + ("; norms=fused" if (info.get("fused_norms") or {}).get("on") else ""),
-        "cell_1319_s": cell_s, "cells_per_hour": 3600.0 / cell_s, "total_s": t1 - t0, "batches": len(batches),
+        "cell_1319_s": cell_s, "cells_per_hour": 3600.0 / cell_s,
+        # the cell's own throughput: its first batch (compilation, probes, capture) spread over 1319 answers
+        "cell_tokens_per_s": 1319 * new_tokens / cell_s, "total_s": t1 - t0, "batches": len(batches),
         "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
     out["answer_tokens_per_s"] = sum(b["answer"] for b in batches) / (t1 - t0)
     out["answer_tokens"] = sum(b["answer"] for b in batches) / len(reqs)
@@ -651,14 +653,16 @@ def write_outputs(out: Path, rows: list[dict], checks: list[dict], env: dict) ->
                   "one captures the graph) and over the later ones (steady). 1319-prompt cell = the first batch + "
                   "ceil(1319 / batch) - 1 steady batches: gsm8k's test split at this prompt length, every answer "
                   "running to the token limit (an upper bound; real prompts are shorter or longer); a +refill row served "
-                  "all its requests as one queue, so its cell is its seconds x 1319 / requests.", "",
+                  "all its requests as one queue, so its cell is its seconds x 1319 / requests; cell tokens/s = "
+                  "1319 x new tokens / cell seconds (the first batch's one-off costs spread over the cell).", "",
                   "| model | preset | batch | prompt | new | batches | tokens/s | steady tokens/s | ms/step | prefill s "
-                  "| 1319-prompt cell s | cells/h | peak GiB | path | status |", "|" + "---|" * 15]
+                  "| 1319-prompt cell s | cell tokens/s | cells/h | peak GiB | path | status |", "|" + "---|" * 16]
         for r in sorted(e2e, key=order):
             lines.append(f"| {r['model']} ({r.get('layers')}L) | {r['preset']} | {r['batch']} | {r['context']} | "
                          f"{f(r.get('gen_tokens'), '.0f')} | {r.get('batches', '')} | {f(r.get('tokens_per_s'), '.0f')} | "
                          f"{f(r.get('steady_tokens_per_s'), '.0f')} | {f(r.get('step_ms'), '.2f')} | "
                          f"{f(r.get('prefill_s'), '.2f')} | {f(r.get('cell_1319_s'), '.0f')} | "
+                         f"{f(r.get('cell_tokens_per_s'), '.0f')} | "
                          f"{f(r.get('cells_per_hour'), '.1f')} | {f(r.get('peak_gib'), '.1f')} | {r['path']}: {r.get('gen_path') or ''}"
                          f"{_refill_note(r)} | "
                          f"{r.get('status', '')} |")
