@@ -280,7 +280,7 @@ def test_wide_gluon_tile_plans_and_refusals():
         s_cap = -(-pages // 32)
         chosen = _one_wave_splits(programs, pages, 264, 32)
 
-        def cost(s: int) -> int:  # waves x pages per run, the rule's model
+        def cost(s: int, programs: int = programs, pages: int = pages) -> int:  # waves x pages per run
             return -(-programs * s // 264) * -(-pages // s)
 
         assert cost(chosen) <= cost(min(max(264 // programs, s_cap), pages, 64)), (programs, pages)
