@@ -232,6 +232,8 @@ def test_kernels_option_profiles_the_step_and_a_prefill(tmp_path):
                  "--kernels", "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert rows and all(r["status"] == "ok" for r in rows)
+    # the loop rows say which step kernels ran: on CPU neither fused norms nor the fused rotary
+    assert {r["step_fusions"] for r in rows} == {"norms=torch; rotary=torch"}
     for r in rows:
         k = r["kernels"]
         for part in ("step", "prefill"):

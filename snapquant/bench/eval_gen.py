@@ -69,7 +69,7 @@ from .results import ratio_interval
 
 COLUMNS = ("model", "layers", "preset", "batch", "context", "path", "new_tokens", "tokens_per_s", "step_ms",
            "eager_step_ms", "eager_attention_ms", "eager_experts_ms", "eager_rest_ms", "split_sum_over_step",
-           "split_clock", "prefill_s", "capture_s", "peak_gib", "cache_gib", "weights_gib", "experts",
+           "split_clock", "prefill_s", "capture_s", "peak_gib", "cache_gib", "weights_gib", "experts", "step_fusions",
            "steady_tokens_per_s", "gen_tokens", "batches", "cell_1319_s", "cell_tokens_per_s", "cells_per_hour", "gen_path", "status")
 E2E_PATH = "lmeval"  # the `path` of rows timed through SnapquantLM.generate_until
 KEY = ("model", "preset", "batch", "context", "path")
@@ -192,8 +192,12 @@ def run_cell(model, preset: str, batch: int, context: int, path: str, new_tokens
     t0 = time.perf_counter()
     if loop:
         plan = decoding_plan(model, {"do_sample": False})
-        res = DecodeLoop(model, None, steps=steps, check_every=16, time_steps=True).generate(
-            ids, am, max_length=context + 1 + new_tokens, plan=plan, cache=cache, keep_logits=keep_logits)
+        dloop = DecodeLoop(model, None, steps=steps, check_every=16, time_steps=True)
+        res = dloop.generate(ids, am, max_length=context + 1 + new_tokens, plan=plan, cache=cache,
+                             keep_logits=keep_logits)
+        # which step kernels ran (the fused rotary only where its bits match torch's on this GPU)
+        rotary = "torch" if dloop.rotary_mode is None else "mode" + str(tuple(dloop.rotary_mode))
+        out["step_fusions"] = f"norms={'fused' if dloop.fused_norms else 'torch'}; rotary={rotary}"
         _sync(dev)
         out.update(tokens=res.sequences[:, context + 1:], logits=res.logits, prefill_s=res.seconds["prefill"],
                    step_s=res.seconds["decode"] / max(res.steps, 1), decode_s=res.seconds["decode"],
@@ -517,7 +521,9 @@ def run_e2e(model, tokenizer, preset: str, batch: int, n_batches: int, prompt_le
     out: dict[str, Any] = {
         "tokens_per_s": sum(tokens) / (t1 - t0), "steady_tokens_per_s": sum(tokens[-len(steady):]) / steady_s,
         "gen_tokens": statistics.mean(b["new"] for b in batches), "gen_path": f"{paths}; steps={info['steps']}"
-                    + ("; norms=fused" if (info.get("fused_norms") or {}).get("on") else ""),
+                    + ("; norms=fused" if (info.get("fused_norms") or {}).get("on") else "")
+                    + (f"; rotary=mode{tuple(mode)}" if (mode := (info.get("fused_norms") or {}).get("rotary_mode"))
+                       is not None else ""),
         "cell_1319_s": cell_s, "cells_per_hour": 3600.0 / cell_s,
         # the cell's own throughput: its first batch (compilation, probes, capture) spread over 1319 answers
         "cell_tokens_per_s": 1319 * new_tokens / cell_s, "total_s": t1 - t0, "batches": len(batches),
@@ -941,7 +947,7 @@ def _measure(model, preset: str, B: int, L: int, path: str, args, steps: str, cu
         res = run_cell(model, preset, B, L, path, args.new_tokens, steps)
         row = {"tokens_per_s": res["tokens_per_s"], "step_ms": res["step_s"] * 1e3, "prefill_s": res["prefill_s"],
                "capture_s": res["capture_s"], "peak_gib": res["peak_gib"], "cache_gib": res["cache_gib"],
-               "status": "ok"}
+               "status": "ok", "step_fusions": res.get("step_fusions")}
         if res.get("step_ms_samples"):  # each decode step (JSON only): the intervals of the ratios to bf16
             row["step_ms_samples"] = res["step_ms_samples"]
         del res
