@@ -9,6 +9,7 @@
 #   quick             the fused step kernels' GPU tests, the 32K batch-32 rows of both presets, the projections A/B
 #                     at 1K (~320 s, any GPU)
 #   step              the fused step kernels' GPU tests and A/B probes, the L2 prefetch's timings (~480 s, any GPU)
+#   splits            the narrow kernels' split-count rule, A/B in the 32K batch-32 step of both presets (~90 s)
 # Rows land in results/bench/ on an H200 and in results/h100/ on any other GPU (never in the H200 tables).
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_session.sh [decode|eval|tests|all]
 set -o pipefail
@@ -65,10 +66,13 @@ case "$PART" in
       VARIANTS=bf16,snapmla,snapmla+pf1,snapmla+pf2,snapmla+pf4,bf16+pf2,snapmla+splits8+narrow bash scripts/device_widen.sh 2>&1 | tail -14
     timeout 110 python scripts/probe_step_ab.py --switch prefetch --prefetch 2 --presets snapmla --batches 32 \
       --contexts 32768 --steps 24 --out "$OUT/ab_prefetch.json" 2>&1 | grep -v "^USDT" | tail -2 ;;
+  splits)  # the split-count rule's A/B in the 32K batch-32 step, both presets (~90 s on an H100)
+    timeout 200 python scripts/probe_step_ab.py --switch splits --presets bf16,snapmla --batches 32 \
+      --contexts 32768 --steps 24 --out "$OUT/ab_splits.json" 2>&1 | grep -v "^USDT" | tail -3 ;;
   all)
     TESTS_S=250 run_tests
     run_decode ;;
   *)
-    echo "unknown part '$PART': decode | eval | tests | all | quick | step"; exit 2 ;;
+    echo "unknown part '$PART': decode | eval | tests | all | quick | step | splits"; exit 2 ;;
 esac
 exit 0

@@ -1,6 +1,6 @@
 """One switch of the decode loop's step, A/B in one process (V2-Lite shape, random weights).
 
-    python scripts/probe_step_ab.py --switch norms|projections|prefetch [--batches 32,128 --contexts 1024
+    python scripts/probe_step_ab.py --switch norms|projections|prefetch|splits [--batches 32,128 --contexts 1024
         --steps 64 --prefetch 2 --presets bf16,snapmla --out rows.json]
 
 The switches, off (A) and on (B):
@@ -8,6 +8,8 @@ The switches, off (A) and on (B):
     projections  `snapquant.attention.absorbed.FUSED_PROJECTIONS`: the query / output projections of absorbed
                  attention as torch operations or one Triton launch each
     prefetch     the decode kernels' `l2_prefetch` knob: 0 or --prefetch pages ahead (kernel_options)
+    splits       `snapquant.kernels.dispatch.TRIM_PARTIAL_WAVES`: the narrow kernels' split count capped at 32
+                 pages a program (A), or fewer splits where that cap leaves a partial last wave (B)
 For each preset, batch and context: a cache filled with `context` random latents, then `steps` greedy tokens
 through `DecodeLoop` (captured graph), A B A B, every step timed (CUDA events); prints the median ms per step of
 each, their ratio with its 95 % bootstrap interval, and the first logits' largest difference relative to the
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from snapquant.bench.eval_gen import build_model, fill_cache
 
-SWITCHES = ("norms", "projections", "prefetch")
+SWITCHES = ("norms", "projections", "prefetch", "splits")
 
 
 def _ratio_interval(a: list[float], b: list[float], seed: int = 0, n: int = 2000) -> tuple[float, float]:
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from snapquant.attention import absorbed
     from snapquant.cache import LatentCache
     from snapquant.eval.generation import DecodeLoop, decoding_plan
+    from snapquant.kernels import dispatch
 
     base = build_model("v2lite", None, torch.bfloat16, "cuda", 102400)
     rows = []
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                     options = {"l2_prefetch": args.prefetch} if args.switch == "prefetch" and flag else None
                     model = snapquant.patch(base, preset, backend="triton", kernel_options=options).eval()
                     absorbed.FUSED_PROJECTIONS = flag if args.switch == "projections" else True
+                    dispatch.TRIM_PARTIAL_WAVES = flag if args.switch == "splits" else True
                     plan = decoding_plan(model, {"do_sample": False})
                     cache = fill_cache(LatentCache(preset, model, max_cache_len=c + args.steps + 1), model, b, c)
                     norms = flag if args.switch == "norms" else "auto"
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                     ms[flag] += [x * 1e3 for x in res.step_seconds[2:]]
                     first[flag] = res.logits[0]
                     del cache, res
-                absorbed.FUSED_PROJECTIONS = True
+                absorbed.FUSED_PROJECTIONS = dispatch.TRIM_PARTIAL_WAVES = True
                 a, f = statistics.median(ms[False]), statistics.median(ms[True])
                 lo, hi = _ratio_interval(ms[False], ms[True])
                 diff = float((first[True] - first[False]).abs().max() / first[False].abs().max())

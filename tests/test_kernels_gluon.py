@@ -276,6 +276,13 @@ def test_wide_gluon_tile_plans_and_refusals():
     # 512 pages). Full last waves and cheaper partial ones stay as they were.
     assert _one_wave_splits(32, 514, 264, 32) == 8 and _one_wave_splits(32, 512, 264, 32) == 8
     assert _one_wave_splits(64, 1030, 264, 32) == 33 and _one_wave_splits(300, 514, 264, 32) == 17
+    from snapquant.kernels import dispatch
+
+    dispatch.TRIM_PARTIAL_WAVES = False  # the A/B probe's "off": the plain 32-page cap
+    try:
+        assert _one_wave_splits(32, 514, 264, 32) == 17 and _one_wave_splits(32, 512, 264, 32) == 16
+    finally:
+        dispatch.TRIM_PARTIAL_WAVES = True
     for programs, pages in [(32, 514), (8, 514), (64, 512), (300, 514), (100, 700), (3, 9000)]:
         s_cap = -(-pages // 32)
         chosen = _one_wave_splits(programs, pages, 264, 32)

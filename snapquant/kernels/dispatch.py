@@ -44,6 +44,9 @@ MAX_PARTS = 8192  # balanced schedule: partial buffers are [parts + B, rows, r] 
 # GPU), and a batch of mixed lengths is as slow as its longest request's run; 32 pages keeps every uniform
 # 16-row shape measured at its one-wave split count (docs/kernels.md).
 NARROW_MAX_RUN = 32
+# Take fewer splits where the run cap would leave a partial last wave (`one_wave_splits`); a switch so that
+# `scripts/probe_step_ab.py --switch splits` can time the rule against the plain cap in one process.
+TRIM_PARTIAL_WAVES = True
 
 
 @dataclass(frozen=True)
@@ -408,7 +411,8 @@ def one_wave_splits(programs: int, max_pages: int, slots: int, max_run: int | No
     # (a table 514 pages wide at 32 requests: 17 splits, 544 programs, 3 waves of 31 pages); the count that
     # fills one wave fewer is taken while its longer runs cost no more than that wave (514 pages: 16 splits,
     # 2 waves of 33; then 8, 1 wave of 65). Measured at 32x16x32768 (512 pages): 8 splits 0.95x 16's time.
-    while (waves := triton.cdiv(programs * splits, slots)) > 1 and programs * splits < waves * slots:
+    while (TRIM_PARTIAL_WAVES and max_run is not None and (waves := triton.cdiv(programs * splits, slots)) > 1
+           and programs * splits < waves * slots):
         fewer = (waves - 1) * slots // programs
         if fewer < 1 or (waves - 1) * triton.cdiv(max_pages, fewer) > waves * triton.cdiv(max_pages, splits):
             break
