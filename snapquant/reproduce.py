@@ -434,6 +434,25 @@ JOBS: tuple[Job, ...] = (
         "default, the native FP8 kernel, FlashMLA BF16) at the eight anchor shapes, on an H100 (`bash "
         "scripts/device_session.sh decode`, which writes decode_sidebyside_h200.* on an H200)", manual=True,
         code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "pf_h100", "--no-append", "--budget-s", "130",
+         "--shapes", "128x16x4096,32x16x16384,32x16x32768", "--variants",
+         "bf16,snapmla,snapmla+pf1,snapmla+pf2,snapmla+pf4,bf16+pf2,snapmla+splits8+narrow"),
+        ("decode_pf_h100.csv", "bench_pf_h100.json"), "the narrow kernels' L2 prefetch (1, 2, 4 pages ahead) and 8 "
+        "splits of 64 pages at <= 16 rows beside the defaults and FlashMLA, on an H100 (at b47338a: `bash "
+        "scripts/device_session.sh step`; its markdown and plots were not brought back)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
+        ("scripts/probe_step_ab.py", "--switch", "projections", "--presets", "snapmla", "--batches", "32,128",
+         "--contexts", "1024", "--steps", "40", "--out", "results/h100/ab_projections_h100.json"),
+        ("ab_projections_h100.json",), "the fused query / output projections of absorbed attention against the torch "
+        "operations, A/B in the V2-Lite decode step, on an H100 (at b47338a, `bash scripts/device_session.sh step`)",
+        manual=True, code=("snapquant/attention", "snapquant/kernels", "snapquant/eval/generation.py")),
+    Job("results/h100", "gpu",
+        ("scripts/probe_step_ab.py", "--switch", "prefetch", "--prefetch", "2", "--presets", "snapmla", "--batches",
+         "32", "--contexts", "32768", "--steps", "24", "--out", "results/h100/ab_prefetch_h100.json"),
+        ("ab_prefetch_h100.json",), "the L2 prefetch (2 pages ahead) A/B in the 32K batch-32 decode step, on an H100 "
+        "(at b47338a, `bash scripts/device_session.sh step`)", manual=True,
+        code=("snapquant/kernels", "snapquant/eval/generation.py")),
     Job("results/research_model", "gpu", ("scripts/train_research_model.py", "all", "--out", "results/research_model"),
         ("README.md", "*.json", "*.jsonl", "*.csv", "*.npz", "*.png", "*.pdf", "device_call*.log"),
         "the research-scale model at DeepSeek-V2-Lite attention dims: data, training, card, activation study, "
