@@ -135,6 +135,8 @@ def test_e2e_lmeval_mode_times_generate_until_and_records_the_path(tmp_path):
     assert r["gen_path"].startswith("loop x2") and "steps=static" in r["gen_path"]
     assert float(r["cells_per_hour"]) == pytest.approx(3600 / float(r["cell_1319_s"]))
     assert float(r["cell_tokens_per_s"]) == pytest.approx(1319 * 6 / float(r["cell_1319_s"]))  # 6 new tokens asked
+    row = json.loads(out.with_suffix(".json").read_text())["rows"][0]
+    assert 0 < row["first_prefill_s"] + row["first_decode_s"] <= row["first_batch_s"] <= row["total_s"]
     md = out.with_suffix(".md").read_text()
     assert "End to end through lm-eval's `generate_until`" in md and "| tiny (2L) | snapmla | 2 | 24 |" in md
     data = json.loads(out.with_suffix(".json").read_text())

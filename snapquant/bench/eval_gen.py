@@ -539,6 +539,10 @@ def run_e2e(model, tokenizer, preset: str, batch: int, n_batches: int, prompt_le
         out["prefill_s"] = statistics.mean(x["prefill"] for x in later)
         out["capture_s"] = loop_seconds[0].get("capture", 0.0)
         out["step_ms"] = statistics.mean(x["decode"] / max(x["steps"], 1) for x in later) * 1e3
+        # where the first batch's extra time goes (compilation and one-off probes land in its prefill or capture)
+        out["first_batch_s"] = first_s
+        out["first_prefill_s"] = loop_seconds[0]["prefill"]
+        out["first_decode_s"] = loop_seconds[0]["decode"]
     return out
 
 
