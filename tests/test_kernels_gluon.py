@@ -270,11 +270,11 @@ def test_wide_gluon_tile_plans_and_refusals():
     assert _one_wave_splits(8, 512, 264) == 33 and _one_wave_splits(8, 20, 264) == 20  # capped by the pages
     # the narrow kernel's run cap: a table 512 pages wide (a 32K request among shorter ones) gets 16 splits
     assert _one_wave_splits(64, 512, 264, 32) == 16 and _one_wave_splits(128, 64, 264, 32) == 2
-    # ... unless the cap spills programs into a partial last wave that fewer, longer runs avoid at no more cost:
-    # 32 requests of a 514-page table (a 32K cache with room for 64 new tokens) would take 17 splits = 544
-    # programs = 3 waves of 31 pages; one wave of 65 pages is cheaper (and 8 splits measured 0.95x 16's time at
-    # 512 pages). Full last waves and cheaper partial ones stay as they were.
-    assert _one_wave_splits(32, 514, 264, 32) == 8 and _one_wave_splits(32, 512, 264, 32) == 8
+    # ... unless the cap spills programs into a partial last wave: 32 requests of a 514-page table (a 32K cache
+    # with room for 64 new tokens) would take 17 splits = 544 programs = 3 waves of 31 pages; 16 splits are 2 waves
+    # of 33. It stops there: 8 splits (one wave of 65 pages) would cost 1 % less for equal lengths but double the
+    # run of a long request among short ones (the rule minimises waves x run^2). Full last waves stay as they were.
+    assert _one_wave_splits(32, 514, 264, 32) == 16 and _one_wave_splits(32, 512, 264, 32) == 16
     assert _one_wave_splits(64, 1030, 264, 32) == 33 and _one_wave_splits(300, 514, 264, 32) == 17
     from snapquant.kernels import dispatch
 
@@ -283,14 +283,16 @@ def test_wide_gluon_tile_plans_and_refusals():
         assert _one_wave_splits(32, 514, 264, 32) == 17 and _one_wave_splits(32, 512, 264, 32) == 16
     finally:
         dispatch.TRIM_PARTIAL_WAVES = True
-    for programs, pages in [(32, 514), (8, 514), (64, 512), (300, 514), (100, 700), (3, 9000)]:
-        s_cap = -(-pages // 32)
+    for programs, pages in [(32, 514), (8, 514), (64, 512), (300, 514), (100, 700), (3, 9000), (128, 66)]:
+        s_cap = min(max(264 // programs, -(-pages // 32)), pages, 64)  # the plain cap's count
         chosen = _one_wave_splits(programs, pages, 264, 32)
 
-        def cost(s: int, programs: int = programs, pages: int = pages) -> int:  # waves x pages per run
-            return -(-programs * s // 264) * -(-pages // s)
+        def waves_run(s: int, programs: int = programs, pages: int = pages) -> tuple[int, int]:
+            return -(-programs * s // 264), -(-pages // s)
 
-        assert cost(chosen) <= cost(min(max(264 // programs, s_cap), pages, 64)), (programs, pages)
+        (w, r), (w0, r0) = waves_run(chosen), waves_run(s_cap)
+        # never worse than the cap for equal lengths, never longer runs than the waves saved pay for
+        assert chosen <= s_cap and w * r <= w0 * r0 and w * r * r <= w0 * r0 * r0, (programs, pages)
     with pytest.raises(ConfigError, match="fp8_mma"):
         _meta_plan(PRESETS["snapmla"], 64, tile="gluon", fp8_mma="qk")
     with pytest.raises(ConfigError, match="fp8_mma=True"):  # native FP8 MMAs need the snapmla layout

@@ -407,14 +407,16 @@ def one_wave_splits(programs: int, max_pages: int, slots: int, max_run: int | No
     if max_run is not None:  # at least enough splits that no program runs more than max_run pages
         splits = max(splits, triton.cdiv(max_pages, max_run))
     splits = max(1, min(splits, max_pages, 64))
-    # The run cap can spill programs into a last, partial wave, which costs a whole run with the GPU part idle
-    # (a table 514 pages wide at 32 requests: 17 splits, 544 programs, 3 waves of 31 pages); the count that
-    # fills one wave fewer is taken while its longer runs cost no more than that wave (514 pages: 16 splits,
-    # 2 waves of 33; then 8, 1 wave of 65). Measured at 32x16x32768 (512 pages): 8 splits 0.95x 16's time.
+    # The run cap can spill programs into a last, partial wave that costs a whole run with most of the GPU idle
+    # (a table 514 pages wide at 32 requests: 17 splits, 544 programs, 3 waves of 31 pages). One wave fewer
+    # means longer runs, which a batch of equal lengths pays once per wave (waves x run) but a long request
+    # among short ones pays alone (run: its programs are the only ones with work). The count that fills one
+    # wave fewer is taken when it lowers the product of the two, waves x run^2: 514 pages -> 16 splits, two
+    # waves of 33 pages (not 8 splits, one wave of 65: 1% less for equal lengths, twice the long request's run).
     while (TRIM_PARTIAL_WAVES and max_run is not None and (waves := triton.cdiv(programs * splits, slots)) > 1
            and programs * splits < waves * slots):
         fewer = (waves - 1) * slots // programs
-        if fewer < 1 or (waves - 1) * triton.cdiv(max_pages, fewer) > waves * triton.cdiv(max_pages, splits):
+        if fewer < 1 or (waves - 1) * triton.cdiv(max_pages, fewer) ** 2 >= waves * triton.cdiv(max_pages, splits) ** 2:
             break
         splits = fewer
     return splits
