@@ -196,8 +196,8 @@ def run_cell(model, preset: str, batch: int, context: int, path: str, new_tokens
         res = dloop.generate(ids, am, max_length=context + 1 + new_tokens, plan=plan, cache=cache,
                              keep_logits=keep_logits)
         # which step kernels ran (the fused rotary only where its bits match torch's on this GPU)
-        rotary = "torch" if dloop.rotary_mode is None else "mode" + str(tuple(dloop.rotary_mode))
-        out["step_fusions"] = f"norms={'fused' if dloop.fused_norms else 'torch'}; rotary={rotary}"
+        out["step_fusions"] = (f"norms={'fused' if dloop.fused_norms else 'torch'}; "
+                               f"rotary={_rotary_label(dloop.rotary_mode) or 'torch'}")
         _sync(dev)
         out.update(tokens=res.sequences[:, context + 1:], logits=res.logits, prefill_s=res.seconds["prefill"],
                    step_s=res.seconds["decode"] / max(res.steps, 1), decode_s=res.seconds["decode"],
@@ -221,6 +221,11 @@ def run_cell(model, preset: str, batch: int, context: int, path: str, new_tokens
     out["tokens_per_s"] = batch * (new_tokens - 1) / out["decode_s"] if out["decode_s"] > 0 else float("nan")
     del cache
     return out
+
+
+def _rotary_label(mode: Any) -> str | None:
+    """The fused rotary kernel's contraction mode as the results name it ("mode(1, 0)"), None: not switched in."""
+    return None if mode is None else f"mode{tuple(mode)}"
 
 
 class _Clock:
@@ -522,8 +527,8 @@ def run_e2e(model, tokenizer, preset: str, batch: int, n_batches: int, prompt_le
         "tokens_per_s": sum(tokens) / (t1 - t0), "steady_tokens_per_s": sum(tokens[-len(steady):]) / steady_s,
         "gen_tokens": statistics.mean(b["new"] for b in batches), "gen_path": f"{paths}; steps={info['steps']}"
                     + ("; norms=fused" if (info.get("fused_norms") or {}).get("on") else "")
-                    + (f"; rotary=mode{tuple(mode)}" if (mode := (info.get("fused_norms") or {}).get("rotary_mode"))
-                       is not None else ""),
+                    + (f"; rotary={label}" if (label := _rotary_label((info.get("fused_norms") or {})
+                                                                       .get("rotary_mode"))) else ""),
         "cell_1319_s": cell_s, "cells_per_hour": 3600.0 / cell_s,
         # the cell's own throughput: its first batch (compilation, probes, capture) spread over 1319 answers
         "cell_tokens_per_s": 1319 * new_tokens / cell_s, "total_s": t1 - t0, "batches": len(batches),
