@@ -10,6 +10,8 @@
 #                     at 1K (~320 s, any GPU)
 #   step              the fused step kernels' GPU tests and A/B probes, the L2 prefetch's timings (~480 s, any GPU)
 #   splits            the narrow kernels' split-count rule, A/B in the 32K batch-32 step of both presets (~90 s)
+#   stream            the page-ring stream probe (scripts/probe_stream.py) beside FlashMLA, and its GPU test (carry
+#                     .anchors)
 # Rows land in results/bench/ on an H200 and in results/h100/ on any other GPU (never in the H200 tables).
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_session.sh [decode|eval|tests|all]
 set -o pipefail
@@ -69,10 +71,17 @@ case "$PART" in
   splits)  # the split-count rule's A/B in the 32K batch-32 step, both presets (~90 s on an H100)
     timeout 200 python scripts/probe_step_ab.py --switch splits --presets bf16,snapmla --batches 32 \
       --contexts 32768 --steps 24 --out "$OUT/ab_splits.json" 2>&1 | grep -v "^USDT" | tail -3 ;;
+  stream)  # the page-ring stream probe (which ring streams 40 KB pages at the read bandwidth) and its GPU test
+    source scripts/anchor_env.sh > "$OUT/anchor.txt" 2>&1  # FlashMLA for the ratios
+    dest=results/kernels/stream_h200; echo "$gpu" | grep -q H200 || dest=results/h100/stream_h100
+    timeout 60 python -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_stream_probe.py 2>&1 \
+      | grep -v "^USDT" | tee "$OUT/pytest_stream.txt" | tail -3
+    timeout 200 python scripts/probe_stream.py --out "$dest" 2>&1 | grep -v "^USDT" | tail -50
+    cp "$dest".* "$OUT"/ ;;
   all)
     TESTS_S=250 run_tests
     run_decode ;;
   *)
-    echo "unknown part '$PART': decode | eval | tests | all | quick | step | splits"; exit 2 ;;
+    echo "unknown part '$PART': decode | eval | tests | all | quick | step | splits | stream"; exit 2 ;;
 esac
 exit 0
