@@ -2,16 +2,18 @@
 
 A measuring instrument, not a decode kernel (`scripts/probe_stream.py` times it). The FP8 narrow kernel
 (`gluon.narrow`, <= 16 query rows) reads 40 KB pages (four [64, 128] e4m3 boxes and the [64, 64] bf16 RoPE
-rows) through two slots per program, two programs per SM; with all of its arithmetic removed that ring
-streamed at ~3.45 TB/s on an H200 (docs/performance.md, "What limits each kernel"), below FlashMLA's 4.05
-TB/s for its 72 KB bf16 pages, which sets a floor under the kernel's time at H = 16 above the target. This
-kernel asks which ring carries 40 KB pages at the read bandwidth:
+rows) through two slots per program, two programs per SM, at ~0.75x FlashMLA's BF16 time where the bytes allow
+0.56x. An ablation of that kernel with its arithmetic switched off once streamed at ~3.45 TB/s, which would
+put a floor under its time above the target whatever the arithmetic costs. This kernel asks the question
+without the kernel around it: which ring carries 40 KB pages at the read bandwidth (on an H200 every ring
+tried does, at 94-97 % of it: docs/performance.md, "The page ring streams at the read bandwidth"):
 
   * STAGES slots per program, each holding GROUP consecutive pages of the run (one mbarrier per slot: the
     slot is waited for, read and released as one unit, as a kernel computing GROUP pages at once would);
   * persistent programs: the grid is (programs,) and program p streams one contiguous share of the batch's
     pages in block-table order, so the ring never drains between requests (programs per SM = the grid /
-    SMs, which shared memory must allow; the probe checks the compiled kernel's shared memory);
+    SMs, which shared memory must allow: the probe skips a structure whose programs do not fit, counted by
+    `stream_smem_bytes`, which the compile test holds to the compiled kernel's shared memory);
   * per slot, what every decode kernel does with a page before its arithmetic: wait on the slot's
     barrier, then a short read of the slot (8 rows of its first box, summed into a sink so that nothing is
     dead code), then SPIN cycles of busy waiting standing in for the page's arithmetic (`%clock64`,
