@@ -12,6 +12,7 @@
 #   splits            the narrow kernels' split-count rule, A/B in the 32K batch-32 step of both presets (~90 s)
 #   stream            the page-ring stream probe (scripts/probe_stream.py) beside FlashMLA, and its GPU test (carry
 #                     .anchors)
+#   followup          splits, then stream, then the GPU suite (TESTS_S, default 280): ~500 s, any GPU
 # Rows land in results/bench/ on an H200 and in results/h100/ on any other GPU (never in the H200 tables).
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_session.sh [decode|eval|tests|all]
 set -o pipefail
@@ -79,10 +80,15 @@ case "$PART" in
     timeout 200 python scripts/probe_stream.py --spins "${SPINS:-0,1000,2000,3000,4000,6000,8000}" --out "$dest" 2>&1 \
       | grep -v "^USDT" | tail -60
     cp "$dest".* "$OUT"/ ;;
+  followup)  # what this checkout has not measured on a GPU yet, in one call (~500 s): the split rule's A/B, the
+             # stream probe's longer spin sweep, then the GPU suite for what is left of the call
+    OUT="$OUT" timeout 130 bash "$0" splits
+    OUT="$OUT" timeout 110 bash "$0" stream
+    TESTS_S="${TESTS_S:-280}" run_tests ;;
   all)
     TESTS_S=250 run_tests
     run_decode ;;
   *)
-    echo "unknown part '$PART': decode | eval | tests | all | quick | step | splits | stream"; exit 2 ;;
+    echo "unknown part '$PART': decode | eval | tests | all | quick | step | splits | stream | followup"; exit 2 ;;
 esac
 exit 0
