@@ -77,7 +77,7 @@ case "$PART" in
     dest=results/kernels/stream_h200; echo "$gpu" | grep -q H200 || dest=results/h100/stream_h100
     timeout 60 python -m pytest -m gpu -rfEs -q -p no:cacheprovider tests/test_stream_probe.py 2>&1 \
       | grep -v "^USDT" | tee "$OUT/pytest_stream.txt" | tail -3
-    timeout 200 python scripts/probe_stream.py --spins "${SPINS:-0,1000,2000,3000,4000,6000,8000}" --out "$dest" 2>&1 \
+    timeout 200 python scripts/probe_stream.py ${SPINS:+--spins "$SPINS"} --out "$dest" 2>&1 \
       | grep -v "^USDT" | tail -60
     cp "$dest".* "$OUT"/ ;;
   followup)  # what this checkout has not measured on a GPU yet, in one call (~500 s): the split rule's A/B, the

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from snapquant.errors import ShapeError
 from snapquant.kernels.gluon import HAVE_GLUON
 
 needs_gluon = pytest.mark.skipif(not HAVE_GLUON, reason="this triton has no Gluon")
@@ -58,7 +59,7 @@ def test_stream_launch_refuses_other_page_shapes():
     from snapquant.kernels.gluon.experimental.stream import stream_launch
 
     lat, rope = _cache(2)
-    with pytest.raises(ValueError, match=r"latent \(2, 64, 256\)"):
+    with pytest.raises(ShapeError, match=r"latent \(2, 64, 256\)"):
         stream_launch(lat[..., :256], rope, torch.zeros(1, 2, dtype=torch.int32), 1, 2, 1)
 
 

@@ -109,11 +109,12 @@ def stream_launch(latent, rope, block_table, programs: int, stages: int, group: 
     RoPE [pages, 64, 64] bf16 bits) in `block_table` order, on `programs` persistent programs."""
     import torch
 
+    from ....errors import ShapeError
     from ...decode import KernelLaunch
     from ..common import make_descriptors
 
     if latent.shape[-2:] != (64, 512) or rope.shape[-2:] != (64, 64):
-        raise ValueError(f"the stream probe reads snapmla pages [*, 64, 512] + [*, 64, 64], got latent "
+        raise ShapeError(f"the stream probe reads snapmla pages [*, 64, 512] + [*, 64, 64], got latent "
                          f"{tuple(latent.shape)} and rope {tuple(rope.shape)}")
     lat = latent.view(torch.float8_e4m3fn) if latent.dtype != torch.float8_e4m3fn else latent
     lat_desc, rope_desc = make_descriptors(lat, lat.stride(-2), rope.view(torch.bfloat16), rope.stride(-2), True)
