@@ -236,7 +236,9 @@ VARIANTS: tuple[Variant, ...] = (
     _v("snapmla+gluon+s3", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
        num_stages=3, note="gluon.narrow with three slots (~145 KB, 1 program/SM): slower than two (docs/performance.md)"),
     _v("snapmla+gluon+fp8qk", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows16",
-       tile="gluon", fp8_mma="qk", num_stages=2, note="native e4m3 QK from the TMA slots, overlapped with the tile conversion"),
+       tile="gluon", fp8_mma="qk", num_stages=2,
+       note="gluon.narrow with a native e4m3 QK straight from the TMA slots (PV's operand still widened in registers, "
+            "exact fp16 MMA), 2 programs/SM"),
     # how gluon.narrow widens e4m3 into its register A operands: the same bits (tol 0), different units
     _v("snapmla+int", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=0.0, where="rows16", tile="gluon",
        widen="int", note="gluon.narrow widening QK and PV operands by integer ops instead of cvt (same bits)"),

@@ -370,7 +370,7 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
         if choice.kernel == "gluon.narrow":
             qk_int, pv_int = WIDENS[opts.widen or DEFAULT_WIDEN]
             consts.update(QK_INT=qk_int, PV_INT=pv_int)
-        if choice.kernel == "gluon.narrow_tile":
+        if choice.kernel in ("gluon.narrow", "gluon.narrow_tile"):
             consts.update(QK_FP8=opts.fp8_mma == "qk")
         grid = (B, 1, splits)
     else:

@@ -37,7 +37,7 @@ from ..errors import ConfigError
 from ._launch import interpreting
 from .layouts import GLUON_BOX, GLUON_ROWS, GLUON_WIDE_ROWS
 from .operands import KernelOperands
-from .options import DecodeOptions
+from .options import DEFAULT_WIDEN, WIDENS, DecodeOptions
 
 MAX_PARTS = 8192  # balanced schedule: partial buffers are [parts + B, rows, r] fp32
 # The narrow Gluon kernels' longest page run per program: the host cannot see the lengths (they live on the
@@ -62,11 +62,12 @@ class KernelSpec:
 KERNELS: dict[str, KernelSpec] = {
     "gluon.narrow": KernelSpec(
         "gluon", "gluon/narrow.py", "default",
-        "<= 16 query rows; snapmla layout, fp8 query and P, exact MMAs; kv_lora_rank 512; Hopper"),
+        "<= 16 query rows; snapmla layout, fp8 query and P, exact MMAs; kv_lora_rank 512; with fp8_mma='qk' "
+        "(experimental) native FP8 QK from the TMA slot; Hopper"),
     "gluon.narrow_tile": KernelSpec(
         "gluon", "gluon/narrow_tile.py", "default",
         "<= 16 query rows; snapmla layout, fp8 query and P, exact MMAs; kv_lora_rank 128 or 256 (or num_stages=1); "
-        "with fp8_mma='qk' (experimental) native FP8 QK; Hopper"),
+        "with fp8_mma='qk' and num_stages=1 (experimental) native FP8 QK; Hopper"),
     "gluon.narrow_bf16": KernelSpec(
         "gluon", "gluon/narrow_bf16.py", "default",
         "<= 16 query rows; the bf16 layout (bf16 query and P); kv_lora_rank 128, 256 or 512; 2 ring slots (one "
@@ -188,6 +189,9 @@ def choose_kernel(ops: KernelOperands, config: KVQuantConfig, rows: int, target:
         raise ConfigError(f"widen={opts.widen!r} is a knob of gluon.narrow (<= {GLUON_ROWS} query rows on Hopper, "
                           f"exact fp16 MMAs, kv_lora_rank 512, two or more ring slots); the kernel here is "
                           f"{choice.kernel}")
+    if opts.fp8_mma == "qk" and WIDENS[opts.widen or DEFAULT_WIDEN][0]:
+        raise ConfigError(f"widen={opts.widen!r} widens QK's operand by integer operations, but fp8_mma='qk' runs QK "
+                          f"as a native FP8 MMA that widens nothing; use widen='cvt' or 'int_pv' / 'int_pv2'")
     if opts.l2_prefetch and choice.kernel not in ("gluon.narrow", "gluon.narrow_bf16"):
         raise ConfigError(f"l2_prefetch={opts.l2_prefetch!r} is a knob of gluon.narrow / gluon.narrow_bf16 (<= "
                           f"{GLUON_ROWS} query rows on Hopper, two or more ring slots); the kernel here is "
@@ -307,11 +311,12 @@ def narrow_stages(num_stages: int | None, fp8_mma: bool | str, r: int, layout: s
 
 
 def narrow_kernel(stages: int, fp8_mma: bool | str, layout: str = "snapmla") -> str:
-    """The <= 16-row Gluon kernel: gluon.narrow_bf16 for the bf16 layout; for snapmla register operands
-    (gluon.narrow) with exact MMAs and two or more slots, else the fp16 tile (gluon.narrow_tile)."""
+    """The <= 16-row Gluon kernel: gluon.narrow_bf16 for the bf16 layout; for snapmla two or more slots run
+    gluon.narrow (register operands; with fp8_mma="qk" a native e4m3 QK from the slot), one the in-place
+    fp16 tile (gluon.narrow_tile)."""
     if layout == "bf16":
         return "gluon.narrow_bf16"
-    return "gluon.narrow" if stages >= 2 and fp8_mma != "qk" else "gluon.narrow_tile"
+    return "gluon.narrow" if stages >= 2 else "gluon.narrow_tile"
 
 
 # the pair-schedule kernel of each layout, and the layouts where it is the default past 16 rows (measured faster
@@ -338,12 +343,12 @@ def uses_seesaw(ops: KernelOperands, rows: int, opts: DecodeOptions) -> bool:
 
 def narrow_resident(stages: int, fp8_mma: bool | str, layout: str = "snapmla", r: int = 512, d: int = 64) -> int:
     """Programs of the <= 16-row kernel per SM (shared memory): the in-place slot (~98 KB) and the
-    register-operand kernel with two slots (~105 KB) fit two; the bf16 kernel two where its slots and
-    query fit half an SM (`narrow_bf16_smem`: one 72 KB slot at r = 512, two at r <= 256); the other
-    configurations one."""
+    register-operand kernel with two slots (~105 KB; ~97 KB with the fp8 query of fp8_mma="qk") fit two;
+    the bf16 kernel two where its slots and query fit half an SM (`narrow_bf16_smem`: one 72 KB slot at
+    r = 512, two at r <= 256); the other configurations one."""
     if layout == "bf16":
         return 2 if narrow_bf16_smem(stages, r, d) <= HALF_SM_SMEM else 1
-    return 2 if stages == 1 or (stages == 2 and fp8_mma != "qk") else 1
+    return 2 if stages <= 2 else 1
 
 
 HALF_SM_SMEM = 113 * 1024  # Hopper: 228 KB of shared memory per SM, 1 KB of it reserved per resident block

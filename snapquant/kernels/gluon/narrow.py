@@ -85,12 +85,14 @@ if HAVE_GLUON:
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr,
         num_warps: gl.constexpr, QK_INT: gl.constexpr = False, PV_INT: gl.constexpr = 0, PF: gl.constexpr = 0,
+        QK_FP8: gl.constexpr = False,
     ):
         gl.static_assert(num_warps == 4)
         gl.static_assert(PV_INT >= 0)
         gl.static_assert(PV_INT <= 4)
         gl.static_assert(R == 512)  # four boxes, four PV accumulators (the host checks)
         gl.static_assert(PAGE == 64)
+        gl.static_assert(not (QK_FP8 and QK_INT))  # a native QK widens nothing
         BN: gl.constexpr = 16  # query rows (wgmma N)
         BOXW: gl.constexpr = 128
         NBOX: gl.constexpr = R // BOXW
@@ -98,6 +100,8 @@ if HAVE_GLUON:
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, BN, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
+        mma8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 32])  # e4m3 wgmma's k step
         tok_l: gl.constexpr = gl.SliceLayout(1, mma_l)  # along M (tokens / channels)
         row_l: gl.constexpr = gl.SliceLayout(0, mma_l)  # along N (query rows)
         sm_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])  # as narrow_tile: a warp per row
@@ -114,7 +118,12 @@ if HAVE_GLUON:
 
         lat_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * NBOX, PAGE, BOXW], lat_desc.layout)
         rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
-        q_smem = gl.allocate_shared_memory(gl.float16, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
+        if QK_FP8:  # q^ as e4m3 in the natural channel order: the B operand of the native QK
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BN, R],
+                                               gl.NVMMASharedLayout.get_default_for([BN, R], gl.float8e4nv))
+        else:
+            q_smem = gl.allocate_shared_memory(gl.float16, [BN, R],
+                                               gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16))
         p_smem = gl.allocate_shared_memory(gl.float16, [BN, PAGE], gl.NVMMASharedLayout.get_default_for([BN, PAGE], gl.float16))
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -130,7 +139,7 @@ if HAVE_GLUON:
 
         # ---- query: q^ as fp16 in the QK view's channel order, q~r as bf16; sigma per row
         sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN,
-                                False, q_l, True, True, Q_RCP=True)
+                                QK_FP8, q_l, True, not QK_FP8, Q_RCP=True)
         rows = row0 + gl.arange(0, BN, layout=row_l)
         row_ok = rows < S * H
         limit, coef, m_i, l_i, pi_i, pi_max = row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
@@ -139,6 +148,7 @@ if HAVE_GLUON:
         acc2 = gl.zeros([BOXW, BN], gl.float32, mma_l)
         acc3 = gl.zeros([BOXW, BN], gl.float32, mma_l)
         zero_s = gl.zeros([PAGE, BN], gl.float32, mma_l)
+        zero_s8 = gl.zeros([PAGE, BN], gl.float32, mma8_l)
         zero_sm = gl.zeros([PAGE, BN], gl.float32, sm_l)
         offs_t = gl.arange(0, PAGE, layout=stok_l)
         fence_async_shared()
@@ -165,26 +175,43 @@ if HAVE_GLUON:
             mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
             if base + PAGE > length:
                 _zero_tail(lat_smem, box0, base, length, NBOX, PAGE, cvt_l)
+                if QK_FP8:  # the native QK reads the zeroed codes through the async proxy
+                    fence_async_shared()
                 cta_barrier()
 
-            # scores^T [PAGE, BN]: four boxes of e4m3 values widened in registers (exact fp16 products)
-            # plus RoPE (bf16), fp32 accumulation
+            # scores^T [PAGE, BN] = C Q^T (NoPE: products of e4m3 values) + R Q_r^T (RoPE, bf16), fp32 accumulation
             rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
-            # one box's A operand live at a time: each MMA is waited for before the box after next
-            # is loaded (an async wgmma holds its register operands until it completes)
-            qk = warpgroup_mma(widen_e4m3(_box_view(lat_smem, box0, QK_VIEW, [PAGE, BOXW]).load(a_l), QK_INT),
-                               q_smem.slice(0, BOXW, dim=1).permute((1, 0)), zero_s, use_acc=False,
-                               is_async=True)
-            for k in gl.static_range(1, NBOX):
-                a16 = widen_e4m3(_box_view(lat_smem, box0 + k, QK_VIEW, [PAGE, BOXW]).load(a_l), QK_INT)
-                qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
-                qk = warpgroup_mma(a16, q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)), qk, is_async=True)
-            qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
-            if QK_INT:  # the integer widening gave the codes' values times 2^-8: one exact fma undoes it
-                qk = qk * WIDEN_INT_SCALE_C + rd
+            if QK_FP8:
+                # native e4m3 wgmma straight from the TMA boxes (K-major as they land): no register operand,
+                # no widening. One accumulator per 128-channel box, summed in fp32 as `narrow_tile` does (the
+                # reference's fp8_mma="qk" arithmetic: Hopper's FP8 MMA keeps ~14 bits inside a chain)
+                q8 = q_smem.permute((1, 0))
+                k0 = warpgroup_mma(lat_smem.index(box0), q8.slice(0, BOXW), zero_s8, use_acc=False, is_async=True)
+                k1 = warpgroup_mma(lat_smem.index(box0 + 1), q8.slice(BOXW, BOXW), zero_s8, use_acc=False,
+                                   is_async=True)
+                k2 = warpgroup_mma(lat_smem.index(box0 + 2), q8.slice(2 * BOXW, BOXW), zero_s8, use_acc=False,
+                                   is_async=True)
+                k3 = warpgroup_mma(lat_smem.index(box0 + 3), q8.slice(3 * BOXW, BOXW), zero_s8, use_acc=False,
+                                   is_async=True)
+                k0, k1, k2, k3, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, k2, k3, rd))
+                qk = gl.convert_layout((k0 + k1) + (k2 + k3), mma_l) + rd  # the same registers (no data movement)
             else:
-                qk = qk + rd
+                # four boxes of e4m3 values widened in registers (exact fp16 products); one box's A operand
+                # live at a time: each MMA is waited for before the box after next is loaded (an async wgmma
+                # holds its register operands until it completes)
+                qk = warpgroup_mma(widen_e4m3(_box_view(lat_smem, box0, QK_VIEW, [PAGE, BOXW]).load(a_l), QK_INT),
+                                   q_smem.slice(0, BOXW, dim=1).permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
+                for k in gl.static_range(1, NBOX):
+                    a16 = widen_e4m3(_box_view(lat_smem, box0 + k, QK_VIEW, [PAGE, BOXW]).load(a_l), QK_INT)
+                    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+                    qk = warpgroup_mma(a16, q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)), qk, is_async=True)
+                qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
+                if QK_INT:  # the integer widening gave the codes' values times 2^-8: one exact fma undoes it
+                    qk = qk * WIDEN_INT_SCALE_C + rd
+                else:
+                    qk = qk + rd
 
             rescale, m_i, l_i, pi_i, pi_max = page_p_smem(gl.convert_layout(qk, sm_l), s_cur, coef, base + offs_t,
                                                            limit, m_i, l_i, pi_i, pi_max, zero_sm, p_smem, P_DIV)
