@@ -59,17 +59,21 @@ def test_narrow_gluon_kernels_compile_to_exact_16bit_wgmma(stages, kernel):
 
 
 @needs_gluon
-@pytest.mark.parametrize("stages", [2, 1])
-def test_native_fp8_qk_variant_compiles_to_e4m3_qk_and_exact_pv(stages):
+@pytest.mark.parametrize("stages,kernel", [(2, "decode_gluon_narrow"), (1, "decode_gluon_narrow_tile")])
+def test_native_fp8_qk_variant_compiles_to_e4m3_qk_and_exact_pv(stages, kernel):
     """fp8_mma="qk": QK as e4m3 m64n16k32 straight from the TMA slot (r / 32 per page, half the exact
-    kernel's QK instructions), RoPE d / 16 bf16, PV still exact fp16 (r / 16)."""
+    kernel's QK instructions), RoPE d / 16 bf16, PV still exact fp16 (r / 16). With two slots (gluon.narrow)
+    the QK widens nothing: only PV's codes are converted, half the exact kernel's conversions, and the fp8
+    query keeps two programs on an SM."""
     st = sm90_stats("snapmla", **NARROW, tile="gluon", fp8_mma="qk", num_stages=stages)
-    assert st["kernel"] == "decode_gluon_narrow_tile"
+    assert st["kernel"] == kernel
     assert wgmma_mix(st, ROPE16) == {ROPE16: 1, "e4m3.e4m3 m64n16k32": 512 / 32 / 4, "f16.f16 m64n16k16": 512 / 16 / 4}
-    exact = sm90_stats("snapmla", **NARROW, tile="gluon", num_stages=1)
+    exact = sm90_stats("snapmla", **NARROW, tile="gluon", num_stages=stages)
     assert st["wgmma"] < exact["wgmma"] and st["mma_sync"] == 0
-    if stages == 1:  # in place, fp8 query operand: two programs per SM
-        assert st["smem"] <= SMEM_LIMIT // 2 - 1024
+    assert st["smem"] <= SMEM_LIMIT // 2 - 1024
+    if stages == 2 and st.get("loop_cvt") is not None:
+        assert st["loop_cvt"] <= exact["loop_cvt"] / 2 + 8, (st["loop_cvt"], exact["loop_cvt"])
+        assert st["smem"] < exact["smem"]  # the e4m3 query is half the fp16 one
     _unserialized(st)
 
 
@@ -820,7 +824,14 @@ def test_register_operand_kernel_plans_and_refusals():
     plan = _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_stages=2)
     assert plan.launches[0].name == "decode_gluon_narrow"
     assert plan.knobs["num_splits"] == 4  # two programs per SM: 264 slots / 2 requests, capped by the 4 pages
-    assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_stages=2, fp8_mma="qk").launches[0].name == "decode_gluon_narrow_tile"
+    qk = _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_stages=2, fp8_mma="qk")
+    assert qk.launches[0].name == "decode_gluon_narrow" and qk.knobs["num_splits"] == 4  # two programs per SM too
+    assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_stages=1, fp8_mma="qk").launches[0].name \
+        == "decode_gluon_narrow_tile"
+    with pytest.raises(ConfigError, match=r"widen='int_qk'.*fp8_mma='qk'"):
+        _meta_plan(PRESETS["snapmla"], 16, tile="gluon", fp8_mma="qk", widen="int_qk")
+    assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", fp8_mma="qk", widen="int_pv").launches[0].name \
+        == "decode_gluon_narrow"
     with pytest.raises(ConfigError, match="kv_lora_rank 512"):
         _meta_plan(PRESETS["snapmla"], 16, r=256, d=32, tile="gluon", num_stages=2)
 
@@ -940,6 +951,7 @@ SNAPSHOT_CASES = {
     "narrow": ("snapmla", NARROW, {"tile": "gluon", "num_stages": 2}),
     "narrow_tile": ("snapmla", NARROW, {"tile": "gluon", "num_stages": 1}),
     "narrow_tile fp8 qk": ("snapmla", NARROW, {"tile": "gluon", "fp8_mma": "qk", "num_stages": 1}),
+    "narrow fp8 qk": ("snapmla", NARROW, {"tile": "gluon", "fp8_mma": "qk", "num_stages": 2}),
     "wide": ("snapmla", WIDE, {"tile": "gluon"}),
     "wide bf16": ("bf16", WIDE, {"tile": "gluon", "warp_specialize": False}),
     "narrow bf16": ("bf16", NARROW, {"tile": "gluon", "num_stages": 2}),
@@ -951,6 +963,7 @@ WGMMA_SNAPSHOTS = {
         "narrow": {ROPE16: 4, "f16.f16 m64n16k16": 64},
         "narrow_tile": {ROPE16: 4, "f16.f16 m64n16k16": 64},
         "narrow_tile fp8 qk": {ROPE16: 4, "e4m3.e4m3 m64n16k32": 16, "f16.f16 m64n16k16": 32},
+        "narrow fp8 qk": {ROPE16: 4, "e4m3.e4m3 m64n16k32": 16, "f16.f16 m64n16k16": 32},
         "wide": {ROPE32: 4, "f16.f16 m64n256k16": 4, "f16.f16 m64n32k16": 32},
         "wide bf16": {"bf16.bf16 m64n256k16": 4, ROPE32: 36},
         "narrow bf16": {ROPE16: 68},
