@@ -13,7 +13,8 @@
 #   stream            the page-ring stream probe (scripts/probe_stream.py) beside FlashMLA, and its GPU test (carry
 #                     .anchors)
 #   followup          splits, then stream, then the GPU suite (TESTS_S, default 280): ~500 s, any GPU
-#   qk8               the native e4m3 QK in gluon.narrow (fp8_mma="qk"): the narrow kernels' GPU tests, then the three
+#   qk8               the native e4m3 QK in gluon.narrow (fp8_mma="qk") and both products native at 16 rows (gluon.narrow8,
+#                     fp8_mma=True): the narrow kernels' GPU tests, then the three
 #                     H = 16 shapes and 32x16x32768 beside FlashMLA, then the split A/B (~400 s, any GPU)
 # Rows land in results/bench/ on an H200 and in results/h100/ on any other GPU (never in the H200 tables).
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_session.sh [decode|eval|tests|all]
@@ -90,7 +91,7 @@ case "$PART" in
   qk8)  # the native e4m3 QK of gluon.narrow against the exact default, its reference tests first
     OUT="$OUT/qk8" TAG=qk8 TEST_S=120 TESTS="narrow or (matches_the_reference and not wide and not seesaw)" \
       BENCH_S=200 SHAPES=128x16x4096,32x16x16384,8x16x32768,32x16x32768 \
-      VARIANTS=bf16,snapmla,snapmla+gluon+fp8qk,snapmla+gluon+fp8qk+s1 bash scripts/device_widen.sh 2>&1 | tail -24
+      VARIANTS=bf16,snapmla,snapmla+gluon+fp8qk,snapmla+gluon+fp8mma16,snapmla+gluon+fp8qk+s1 bash scripts/device_widen.sh 2>&1 | tail -24
     OUT="$OUT" timeout 130 bash "$0" splits ;;
   all)
     TESTS_S=250 run_tests

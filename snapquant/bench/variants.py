@@ -226,6 +226,9 @@ VARIANTS: tuple[Variant, ...] = (
        tile="gluon", fp8_mma=True,
        note="native e4m3 QK and PV past 16 rows: 32-row programs, two per SM (gluon.narrow8), V^T from the TMA slot "
             "into registers"),
+    _v("snapmla+gluon+fp8mma16", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows16",
+       tile="gluon", fp8_mma=True,
+       note="native e4m3 QK and PV at <= 16 rows: gluon.narrow8 with 16-row programs, two per SM"),
     _v("snapmla+gluon+fp8mma+bm64", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2,
        where="rows_gt16", tile="gluon", fp8_mma=True, block_m=64,
        note="native e4m3 QK and PV, 64-row programs (gluon.wide8, one per SM)"),

@@ -379,6 +379,8 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
             consts.update(FP8=fp8)
         elif choice.kernel not in ("gluon.seesaw", "gluon.seesaw_fp8"):
             consts.update(STAGES=choice.num_stages)
+        if choice.kernel == "gluon.narrow8":
+            consts.update(BN=choice.block_m)
     return KernelLaunch(name, kernel, grid, args, dict(**consts, num_warps=choice.num_warps))
 
 

@@ -10,6 +10,7 @@ schedule, never on launch knobs:
 
     Hopper GPU, uniform schedule, Gluon eligible:
         <= 16 rows, snapmla with fp8 query and P, exact MMAs   gluon.narrow (r = 512) / gluon.narrow_tile
+        <= 16 rows, fp8_mma=True (snapmla, r = 512)            gluon.narrow8 (16-row programs)
         <= 16 rows, bf16 layout (bf16 query and P)             gluon.narrow_bf16
         > 16 rows, bf16 layout, r = 512, d = 64                gluon.seesaw (warp_specialize=False: gluon.wide)
         > 16 rows, snapmla, r = 512, d = 64, warp_specialize   gluon.seesaw_fp8 (opt-in)
@@ -86,8 +87,8 @@ KERNELS: dict[str, KernelSpec] = {
         "warp_specialize=True: two warpgroups in different roles over page pairs; Hopper"),
     "gluon.narrow8": KernelSpec(
         "gluon", "gluon/experimental/narrow8.py", "opt-in",
-        "> 16 query rows (32-row programs, two per SM); snapmla, fp8 query and P, kv_lora_rank 512; "
-        "fp8_mma=True (block_m 32, its default); Hopper"),
+        "32-row programs past 16 query rows (block_m 32, its default), 16-row ones at <= 16, two per SM; snapmla, "
+        "fp8 query and P, kv_lora_rank 512; fp8_mma=True; Hopper"),
     "gluon.wide8": KernelSpec(
         "gluon", "gluon/experimental/wide8.py", "opt-in",
         "> 16 query rows (64-row programs); snapmla, fp8 query and P, kv_lora_rank 512; fp8_mma=True, block_m=64; "
@@ -256,15 +257,18 @@ def gluon_reason(ops: KernelOperands, config: KVQuantConfig, rows: int, target: 
     if wide:  # native FP8 MMAs past 16 rows (gluon.narrow8 / gluon.wide8): the snapmla layout only
         allowed = (False, True) if ops.layout == "snapmla" else (False,)
     else:
-        allowed = (False, "qk") if ops.layout == "snapmla" else (False,)
+        allowed = (False, "qk", True) if ops.layout == "snapmla" else (False,)
     if fp8_mma not in allowed:
-        native8 = " or fp8_mma=True (the snapmla layout)" if wide else " or fp8_mma=qk" if not bf16_narrow else ""
+        native8 = " or fp8_mma=True (the snapmla layout)" if wide else " or fp8_mma=qk / True" if not bf16_narrow else ""
         return f"tile='gluon' runs exact fp16 MMAs{native8} at {rows} query rows, got fp8_mma={fp8_mma!r}"
     if target.arch is not None and not target.hopper:
         return f"tile='gluon' runs on Hopper (sm_90) only, not {target.gpu_name or f'sm_{target.arch}'}"
-    if not wide and narrow_kernel(narrow_stages(num_stages, fp8_mma, ops.kv_lora_rank, ops.layout), fp8_mma,
-                                  ops.layout) == "gluon.narrow" \
-            and ops.kv_lora_rank != 512:
+    if not wide and fp8_mma is True and num_stages not in (None, 2):
+        return (f"tile='gluon' with fp8_mma=True at <= {GLUON_ROWS} query rows (gluon.narrow8, 16-row programs) runs "
+                f"num_stages=2 (two TMA slots), got num_stages={num_stages}")
+    if not wide and fp8_mma is not True \
+            and narrow_kernel(narrow_stages(num_stages, fp8_mma, ops.kv_lora_rank, ops.layout), fp8_mma,
+                              ops.layout) == "gluon.narrow" and ops.kv_lora_rank != 512:
         return (f"tile='gluon' at <= {GLUON_ROWS} rows with num_stages >= 2 (register operands, gluon.narrow) is "
                 f"written for kv_lora_rank 512 (four 128-channel boxes), got {ops.kv_lora_rank}")
     if fp8_mma in ("qk", True) and ops.kv_lora_rank != 512:
@@ -363,7 +367,9 @@ def narrow_bf16_smem(stages: int, r: int, d: int) -> int:
 
 def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOptions) -> KernelChoice:
     B, r = ops.block_table.shape[0], ops.kv_lora_rank
-    if rows <= GLUON_ROWS:
+    if rows <= GLUON_ROWS and opts.fp8_mma is True:  # both products native: gluon.narrow8 at 16 rows
+        kernel, block_m, stages, warps, resident, max_run = "gluon.narrow8", GLUON_ROWS, 2, 4, 2, NARROW_MAX_RUN
+    elif rows <= GLUON_ROWS:
         stages = narrow_stages(opts.num_stages, opts.fp8_mma, r, ops.layout)
         kernel, block_m, warps = narrow_kernel(stages, opts.fp8_mma, ops.layout), GLUON_ROWS, 4
         resident = narrow_resident(stages, opts.fp8_mma, ops.layout, r, ops.rope_dim)

@@ -55,6 +55,7 @@ if HAVE_GLUON:
     V_LOAD4 = gl.constexpr(gl.DistributedLinearLayout(*v_load_bases(2), block_bases=[], shape=[256, 64]))
     # a half accumulator [256, 32] in physical channel order, each thread's 8 contiguous channels first
     VT_STORE4 = gl.constexpr(gl.DistributedLinearLayout(*vt_store_bases(2, 32), block_bases=[], shape=[256, 32]))
+    VT_STORE4_16 = gl.constexpr(gl.DistributedLinearLayout(*vt_store_bases(2, 16), block_bases=[], shape=[256, 16]))
 
 
 if HAVE_GLUON:
@@ -67,12 +68,12 @@ if HAVE_GLUON:
         H, NSPLIT,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
         CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr, num_warps: gl.constexpr,
-        STAGES: gl.constexpr = 2,
+        STAGES: gl.constexpr = 2, BN: gl.constexpr = 32,
     ):
         gl.static_assert(num_warps == 4)
         gl.static_assert(R == 512)
         gl.static_assert(PAGE == 64)
-        BN: gl.constexpr = 32  # query rows (wgmma N)
+        gl.static_assert(BN == 32 or BN == 16)  # query rows (wgmma N): past 16 rows, or at most 16
         BOXW: gl.constexpr = 128
         NBOX: gl.constexpr = R // BOXW
         HALF: gl.constexpr = 256
@@ -81,7 +82,12 @@ if HAVE_GLUON:
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         a_o: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=4)
-        sm_l: gl.constexpr = gl.BlockedLayout([16, 1], [4, 8], [1, num_warps], [0, 1])  # a warp owns 8 rows
+        if BN == 32:
+            sm_l: gl.constexpr = gl.BlockedLayout([16, 1], [4, 8], [1, num_warps], [0, 1])  # a warp owns 8 rows
+            st_l: gl.constexpr = VT_STORE4
+        else:
+            sm_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, num_warps], [0, 1])  # a warp owns 4 rows
+            st_l: gl.constexpr = VT_STORE4_16
         srow_l: gl.constexpr = gl.SliceLayout(0, sm_l)
         stok_l: gl.constexpr = gl.SliceLayout(1, sm_l)
         orow_l: gl.constexpr = gl.SliceLayout(0, o_l)
@@ -162,6 +168,6 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
         store_vt(acc_a, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
-                  stride_lb, stride_lm, stride_ls, LSE_NATURAL, BN, o_l, 4, VT_STORE4, 0, True)
+                  stride_lb, stride_lm, stride_ls, LSE_NATURAL, BN, o_l, 4, st_l, 0, True)
         store_vt(acc_b, m_i, l_i, pi_i, O_PART, LSE_PART, b64, split, row0, S * H, stride_ob, stride_om, stride_os,
-                  stride_lb, stride_lm, stride_ls, LSE_NATURAL, BN, o_l, 4, VT_STORE4, HALF, False)
+                  stride_lb, stride_lm, stride_ls, LSE_NATURAL, BN, o_l, 4, st_l, HALF, False)
