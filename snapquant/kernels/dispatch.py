@@ -10,7 +10,7 @@ schedule, never on launch knobs:
 
     Hopper GPU, uniform schedule, Gluon eligible:
         <= 16 rows, snapmla with fp8 query and P, exact MMAs   gluon.narrow (r = 512) / gluon.narrow_tile
-        <= 16 rows, fp8_mma=True (snapmla, r = 512)            gluon.narrow8 (16-row programs)
+        <= 16 rows, fp8_mma="qk" / True with tile="gluon"      gluon.narrow / gluon.narrow8 (16-row programs)
         <= 16 rows, bf16 layout (bf16 query and P)             gluon.narrow_bf16
         > 16 rows, bf16 layout, r = 512, d = 64                gluon.seesaw (warp_specialize=False: gluon.wide)
         > 16 rows, snapmla, r = 512, d = 64, warp_specialize   gluon.seesaw_fp8 (opt-in)
