@@ -163,6 +163,9 @@ def test_kernel_numerics():
     assert (native8.qk_promote, native8.pv_promote) == (256, None)
     rows = MMANumerics.for_kernel("triton.rows", "qk")
     assert (rows.products, rows.qk_promote, rows.pv_promote) == ("qk", 32, 32)
+    narrow_qk = MMANumerics.for_kernel("gluon.narrow", "qk")  # narrow8's QK chains, exact PV
+    assert (narrow_qk.mode, narrow_qk.products, narrow_qk.qk_promote) == ("hopper_fp8", "qk", 256)
+    assert MMANumerics.for_kernel("gluon.narrow", False) == MMANumerics()
     with pytest.raises(ConfigError):
         MMANumerics.for_kernel("gluon.narrow_tile", "qk")
 

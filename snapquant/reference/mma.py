@@ -140,18 +140,19 @@ class MMANumerics:
 
         Without fp8_mma every kernel is exact. With it: the native8 Gluon kernels as the defaults say;
         the Triton tiles promote every 32 products (`max_num_imprecise_acc=32`: each K = 32 step starts
-        from zero and is added in fp32). The narrow Gluon kernel's fp8_mma="qk" sums its four 128-channel
-        chains pairwise, which this model does not express: a ConfigError."""
+        from zero and is added in fp32). gluon.narrow's fp8_mma="qk" runs narrow8's QK (two 256-channel chains)
+        and exact PV. gluon.narrow_tile's fp8_mma="qk" sums four 128-channel chains pairwise, which this model
+        does not express: a ConfigError."""
         mma = {"none": False, "both": True}.get(fp8_mma, fp8_mma) if isinstance(fp8_mma, str) else fp8_mma
         if mma is False:
             return cls()
         products = "both" if mma is True else str(mma)
-        if kernel in ("gluon.narrow8", "gluon.wide8"):
+        if kernel in ("gluon.narrow8", "gluon.wide8") or (kernel == "gluon.narrow" and products == "qk"):
             return cls(mode="hopper_fp8", products=products)
         if kernel.startswith("triton."):
             return cls(mode="hopper_fp8", products=products, qk_promote=32, pv_promote=32)
         raise ConfigError(f"no MMA numerics model for kernel {kernel!r} with fp8_mma={fp8_mma!r}; modelled: "
-                          "gluon.narrow8, gluon.wide8, triton.* (or fp8_mma=False: exact)")
+                          "gluon.narrow8, gluon.wide8, gluon.narrow with fp8_mma='qk', triton.* (or fp8_mma=False: exact)")
 
 
 def as_mma(mma: MMANumerics | Mapping[str, Any] | str | None) -> MMANumerics:

@@ -184,18 +184,17 @@ if HAVE_GLUON:
                                is_async=True)
             if QK_FP8:
                 # native e4m3 wgmma straight from the TMA boxes (K-major as they land): no register operand,
-                # no widening. One accumulator per 128-channel box, summed in fp32 as `narrow_tile` does (the
-                # reference's fp8_mma="qk" arithmetic: Hopper's FP8 MMA keeps ~14 bits inside a chain)
+                # no widening. Two chains of 256 channels (boxes 0-1, 2-3) summed in fp32, as gluon.narrow8's QK:
+                # Hopper's FP8 MMA keeps ~14 bits inside a chain, and the reference models exactly this structure
+                # (`reference.mma.MMANumerics.for_kernel`)
                 q8 = q_smem.permute((1, 0))
                 k0 = warpgroup_mma(lat_smem.index(box0), q8.slice(0, BOXW), zero_s8, use_acc=False, is_async=True)
-                k1 = warpgroup_mma(lat_smem.index(box0 + 1), q8.slice(BOXW, BOXW), zero_s8, use_acc=False,
+                k0 = warpgroup_mma(lat_smem.index(box0 + 1), q8.slice(BOXW, BOXW), k0, is_async=True)
+                k1 = warpgroup_mma(lat_smem.index(box0 + 2), q8.slice(2 * BOXW, BOXW), zero_s8, use_acc=False,
                                    is_async=True)
-                k2 = warpgroup_mma(lat_smem.index(box0 + 2), q8.slice(2 * BOXW, BOXW), zero_s8, use_acc=False,
-                                   is_async=True)
-                k3 = warpgroup_mma(lat_smem.index(box0 + 3), q8.slice(3 * BOXW, BOXW), zero_s8, use_acc=False,
-                                   is_async=True)
-                k0, k1, k2, k3, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, k2, k3, rd))
-                qk = gl.convert_layout((k0 + k1) + (k2 + k3), mma_l) + rd  # the same registers (no data movement)
+                k1 = warpgroup_mma(lat_smem.index(box0 + 3), q8.slice(3 * BOXW, BOXW), k1, is_async=True)
+                k0, k1, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, rd))
+                qk = gl.convert_layout(k0 + k1, mma_l) + rd  # the same registers (no data movement)
             else:
                 # four boxes of e4m3 values widened in registers (exact fp16 products); one box's A operand
                 # live at a time: each MMA is waited for before the box after next is loaded (an async wgmma
