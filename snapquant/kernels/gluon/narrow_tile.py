@@ -14,13 +14,11 @@
     fma-corrected division (P_DIV 2) by default: the same numbers as tile="pairs" up to fp32
     summation order inside the MMAs.
 
-Ring slots (STAGES, the launcher's num_stages): 1 is one slot converted in place, TMA writing the fp8
-boxes into the upper half of the fp16 tile's 64 KB: ~98 KB of shared memory, so two programs share an
-SM and hide each other's latency. 2 or 3 keep separate fp8 slots and prefetch STAGES - 1 pages (one
-program per SM); only the opt-in native FP8 QK (QK_FP8, fp8_mma="qk") uses them: with exact MMAs and
-two or more slots the launcher runs `narrow.py`, which never widens the page into a tile (the default
-at r = 512). Every wgmma is waited for within its own page: a wait deferred across the loop made ptxas
-serialize all of them (advisory C7515; `compile_stats` reports `wgmma_waits` and `ptxas_advice`).
+One ring slot (STAGES = 1, the launcher's num_stages), converted in place: TMA writes the fp8 boxes into
+the upper half of the fp16 tile's 64 KB, ~98 KB of shared memory, so two programs share an SM and hide
+each other's latency. With two or more slots the launcher runs `narrow.py` instead (register operands,
+never a tile; with fp8_mma="qk" its QK is native too). Every wgmma is waited for within its own page: a
+wait deferred across the loop made ptxas serialize all of them (advisory C7515; `compile_stats` reports `wgmma_waits` and `ptxas_advice`).
 """
 
 from __future__ import annotations
@@ -90,23 +88,19 @@ if HAVE_GLUON:
 
         # ---- shared memory: the TMA ring, the fp16 tile, the query operands, P^T, the barriers
         c16_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE, BOXW], gl.float16)
-        INPLACE: gl.constexpr = STAGES == 1
-        gl.static_assert(INPLACE or QK_FP8)  # exact MMAs with separate slots: narrow.py (the launcher's choice)
-        if INPLACE:
-            # One slot, converted in place: TMA writes the fp8 boxes into the upper half of the fp16
-            # tile's 64 KB; fp16 chunk k (channels 128k.., bytes 16K k..) only overwrites boxes already
-            # read. ~100 KB of shared memory: two programs share an SM and hide each other's waits.
-            c16_all = gl.allocate_shared_memory(gl.float16, [1, PAGE, R], c16_l)
-            c16_smem = c16_all.index(0)
-            if NEW_REINTERPRET:
-                lat_smem = c16_all.reinterpret(gl.float8e4nv, [2 * NBOX, PAGE, BOXW], lat_desc.layout)
-            else:
-                lat_smem = c16_all._reinterpret(gl.float8e4nv, [2 * NBOX, PAGE, BOXW], lat_desc.layout)
-            BOX0: gl.constexpr = NBOX
+        # one slot (two or more slots with register operands are narrow.py, the launcher's choice)
+        gl.static_assert(STAGES == 1)
+        INPLACE: gl.constexpr = True
+        # One slot, converted in place: TMA writes the fp8 boxes into the upper half of the fp16
+        # tile's 64 KB; fp16 chunk k (channels 128k.., bytes 16K k..) only overwrites boxes already
+        # read. ~100 KB of shared memory: two programs share an SM and hide each other's waits.
+        c16_all = gl.allocate_shared_memory(gl.float16, [1, PAGE, R], c16_l)
+        c16_smem = c16_all.index(0)
+        if NEW_REINTERPRET:
+            lat_smem = c16_all.reinterpret(gl.float8e4nv, [2 * NBOX, PAGE, BOXW], lat_desc.layout)
         else:
-            lat_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * NBOX, PAGE, BOXW], lat_desc.layout)
-            c16_smem = gl.allocate_shared_memory(gl.float16, [PAGE, R], c16_l)
-            BOX0: gl.constexpr = 0
+            lat_smem = c16_all._reinterpret(gl.float8e4nv, [2 * NBOX, PAGE, BOXW], lat_desc.layout)
+        BOX0: gl.constexpr = NBOX
         rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
         if QK_FP8:  # native e4m3 QK straight from the TMA slots (opt-in, fp8_mma="qk")
             q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BN, R],
@@ -118,9 +112,9 @@ if HAVE_GLUON:
         p_smem = gl.allocate_shared_memory(gl.float16, [BN, PAGE], gl.NVMMASharedLayout.get_default_for([BN, PAGE], gl.float16))
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
 
-        # ---- prologue: the first max(STAGES - 1, 1) pages in flight before anything else
+        # ---- prologue: the first page in flight before anything else
         bt_row = BT + b64 * stride_bt + p_lo
-        ahead: gl.constexpr = 1 if INPLACE else STAGES - 1
+        ahead: gl.constexpr = 1
         start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,
                     STAGES, ahead, NBOX, BOXW, BOX0)
 
@@ -144,18 +138,14 @@ if HAVE_GLUON:
         s_cur = gl.load(SCALE + page_cur * stride_sp + offs_t * stride_st,
                         mask=(p_lo * PAGE + offs_t) < length, other=0.0)
         for it in range(n_run):
-            slot = it % STAGES
+            slot = 0
             nxt = it + ahead
-            if not INPLACE:  # the slot of page it - 1 is free (its reads finished before last iteration's barriers)
-                issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
-                            rope_page_rows, nxt < n_run, NBOX, BOXW, BOX0)
-                page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
             page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
             base = (p_lo + it) * PAGE
             s_next = gl.load(SCALE + page_after * stride_sp + offs_t * stride_st,
                              mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
 
-            mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
+            mbarrier.wait(bars.index(slot), it & 1)
             if QK_FP8:  # the tensor cores start on QK while the warps convert the tile for PV
                 gl.static_assert(NBOX == 4)  # four boxes, four accumulators (the host checks r = 512)
                 q8 = q_smem.permute((1, 0))
@@ -174,7 +164,7 @@ if HAVE_GLUON:
             # fp8 codes -> fp16 tile; on a request's last page, tokens past its length -> 0
             widen_boxes(lat_smem, c16_smem, BOX0 + slot * NBOX, 0, NBOX // 2, base, length, offs_tc, cvt_l,
                          INPLACE, NBOX, BOXW, PAGE)
-            if QK_FP8 and INPLACE:  # the in-place chunks below overwrite the fp8 boxes the QK reads
+            if QK_FP8:  # the in-place chunks below overwrite the fp8 boxes the QK reads
                 k0, k1, k2, k3, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, k2, k3, rd))
             widen_boxes(lat_smem, c16_smem, BOX0 + slot * NBOX, NBOX // 2, NBOX, base, length, offs_tc, cvt_l,
                          INPLACE, NBOX, BOXW, PAGE)
@@ -182,8 +172,6 @@ if HAVE_GLUON:
 
             # scores^T [PAGE, BN]: NoPE (products of e4m3 values) + RoPE (bf16), fp32 accumulation
             if QK_FP8:
-                if not INPLACE:
-                    k0, k1, k2, k3, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, k2, k3, rd))
                 qk = gl.convert_layout(((k0 + k1) + (k2 + k3)), mma_l)  # the same registers (no data movement)
             else:
                 qk = warpgroup_mma(c16_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -200,11 +188,10 @@ if HAVE_GLUON:
             # every wgmma of the kernel (advisory C7515: the loop-carried accumulator)
             acc = warpgroup_mma(c16_smem.permute((1, 0)), p_smem.permute((1, 0)), acc * beta, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if INPLACE:  # the tile is read: the next page may land in it
-                cta_barrier()
-                issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, 0, page_next, lat_page_rows,
-                            rope_page_rows, nxt < n_run, NBOX, BOXW, BOX0)
-                page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
+            cta_barrier()  # the tile is read: the next page may land in it
+            issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, 0, page_next, lat_page_rows,
+                        rope_page_rows, nxt < n_run, NBOX, BOXW, BOX0)
+            page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
             s_cur = s_next
 
         for s in gl.static_range(STAGES):
