@@ -15,7 +15,7 @@
 #   followup          splits, then stream, then the GPU suite (TESTS_S, default 280): ~500 s, any GPU
 #   qk8               the native e4m3 QK in gluon.narrow (fp8_mma="qk") and both products native at 16 rows (gluon.narrow8,
 #                     fp8_mma=True): the narrow kernels' GPU tests, then the three
-#                     H = 16 shapes and 32x16x32768 beside FlashMLA (~330 s, any GPU)
+#                     H = 16 shapes and 32x16x32768 beside FlashMLA (~280 s, any GPU)
 # Rows land in results/bench/ on an H200 and in results/h100/ on any other GPU (never in the H200 tables).
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_session.sh [decode|eval|tests|all]
 set -o pipefail
@@ -89,9 +89,9 @@ case "$PART" in
     OUT="$OUT" timeout 110 bash "$0" stream
     TESTS_S="${TESTS_S:-280}" run_tests ;;
   qk8)  # the native e4m3 QK of gluon.narrow against the exact default, its reference tests first
-    OUT="$OUT/qk8" TAG=qk8 TEST_S=120 TESTS="narrow or (matches_the_reference and not wide and not seesaw)" \
-      BENCH_S=200 SHAPES=128x16x4096,32x16x16384,8x16x32768,32x16x32768 \
-      VARIANTS=bf16,snapmla,snapmla+gluon+fp8qk,snapmla+gluon+fp8mma16,snapmla+gluon+fp8qk+s1 bash scripts/device_widen.sh 2>&1 | tail -24 ;;
+    OUT="$OUT/qk8" TAG=qk8 TEST_S=100 TESTS="narrow or (matches_the_reference and not wide and not seesaw)" \
+      BENCH_S=170 SHAPES=128x16x4096,32x16x16384,8x16x32768,32x16x32768 \
+      VARIANTS=bf16,snapmla,snapmla+gluon+fp8qk,snapmla+gluon+fp8mma16 bash scripts/device_widen.sh 2>&1 | tail -24 ;;
   all)
     TESTS_S=250 run_tests
     run_decode ;;
