@@ -103,6 +103,26 @@ def test_loop_mix_picks_the_loop_with_the_mma():
     assert loop_mix("no loop here")["loop_total"] is None
 
 
+def test_loop_hot_path_leaves_out_what_a_forward_branch_skips():
+    """The page loop's hot path: a predicated forward branch inside the loop skips a cold block (the tail
+    zeroing of a request's last page); an unpredicated one, or one leaving the loop, skips nothing counted."""
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, R2 ;",
+        "        /*0010*/                   FADD R1, R1, R2 ;",
+        "        /*0020*/              @!P2 BRA 0x50 ;",
+        "        /*0030*/                   STS [R2], RZ ;",
+        "        /*0040*/                   STS [R2+0x10], RZ ;",
+        "        /*0050*/                   HGMMA.64x16x16.F32 R4, gdesc[UR4], R4 ;",
+        "        /*0060*/              @!P0 BRA 0x200 ;",
+        "        /*0070*/                   F2FP.F16.E4M3.UNPACK_B R8, R9 ;",
+        "        /*0080*/              @P0 BRA 0x10 ;",
+    ])
+    mix = loop_mix(sass)
+    assert mix["loop_total"] == 8  # 0x10 .. 0x80
+    assert mix["loop_hot"] == 6 and "STS" not in mix["loop_hot_ops"]
+    assert mix["loop_hot_ops"]["HGMMA"] == 1 and mix["loop_hot_ops"]["F2FP"] == 1 and mix["loop_hot_ops"]["BRA"] == 3
+
+
 def test_mufu_under_wgmma_counts_only_while_a_group_is_pending():
     """MUFUs between a group's commit (HGMMA with gsb0) and the wait that leaves none pending count; MUFUs after
     `DEPBAR.LE gsb0, 0x0`, or while only a wait with groups left pending has run, are told apart."""

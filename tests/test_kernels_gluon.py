@@ -73,6 +73,8 @@ def test_native_fp8_qk_variant_compiles_to_e4m3_qk_and_exact_pv(stages, kernel):
     assert st["smem"] <= SMEM_LIMIT // 2 - 1024
     if stages == 2 and st.get("loop_cvt") is not None:
         assert st["loop_cvt"] <= exact["loop_cvt"] / 2 + 8, (st["loop_cvt"], exact["loop_cvt"])
+        # QK's widening, its register loads and half its MMAs leave the page's hot path (Triton 3.6: 1120 -> 913)
+        assert st["loop_hot"] < 0.9 * exact["loop_hot"], (st["loop_hot"], exact["loop_hot"])
         assert st["smem"] < exact["smem"]  # the e4m3 query is half the fp16 one
     _unserialized(st)
 

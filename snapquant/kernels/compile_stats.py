@@ -26,6 +26,9 @@ target (sm_90 = Hopper by default) and reads back:
     loop_*              the SASS instruction mix of the page loop (the backward branch whose body
                         holds the most MMA instructions): total, MMA, conversions (F2FP/F2F/I2F...),
                         shared-memory loads/stores, global loads, MUFU (exp2, rcp), FP32 ALU
+    loop_hot, loop_hot_ops  the loop's hot path: its instructions less those a conditional forward branch inside
+                        the loop jumps over (on a full page: the tail-zeroing block of a request's last page, the
+                        divisions' slow paths), and that path's opcodes by count (the per-page issue work)
 These are predictions' raw material (docs/kernels.md), not timings. Triton versions differ in the
 exact numbers (the H200 machine runs 3.6, CI 3.9); the benchmark's `--compile-stats`
 (`snapquant.bench.compile_stats`) writes them per variant and shape.
@@ -208,26 +211,42 @@ _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s
 
 def loop_mix(sass: str) -> dict[str, Any]:
     """Instruction mix of the SASS loop (a backward branch) holding the most MMA instructions."""
-    instrs = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _INSTR.finditer(sass)]
+    instrs = [(int(m.group(1), 16), bool(m.group(2)), m.group(3), m.group(4)) for m in _INSTR.finditer(sass)]
     loops = []
-    for addr, op, args in instrs:
+    for addr, _, op, args in instrs:
         if op.startswith("BRA"):
             m = re.search(r"0x([0-9a-f]+)", args)
             if m and int(m.group(1), 16) < addr:
                 loops.append((int(m.group(1), 16), addr))
-    best: tuple[int, Counter] | None = None
+    best: tuple[int, Counter, list] | None = None
     for lo, hi in loops:
-        ops = Counter(op.split(".")[0] for a, op, _ in instrs if lo <= a <= hi)
+        body = [ins for ins in instrs if lo <= ins[0] <= hi]
+        ops = Counter(op.split(".")[0] for _, _, op, _ in body)
         n_mma = sum(ops[o] for o in SASS_GROUPS["mma"])
         if best is None or n_mma > best[0]:
-            best = (n_mma, ops)
+            best = (n_mma, ops, body)
     if best is None:
         return {"loop_total": None}
-    ops = best[1]
-    out = {"loop_total": sum(ops.values())}
+    ops, body = best[1], best[2]
+    out: dict[str, Any] = {"loop_total": sum(ops.values())}
     for g, names in SASS_GROUPS.items():
         out[f"loop_{g}"] = sum(ops[o] for o in names)
+    hot = _hot_path(body)
+    out["loop_hot"] = sum(hot.values())
+    out["loop_hot_ops"] = dict(hot.most_common())
     return out
+
+
+def _hot_path(body: list[tuple[int, bool, str, str]]) -> Counter:
+    """Opcodes of a loop body less every instruction that a predicated forward branch inside the body jumps
+    over: the blocks a full page does not run."""
+    end = body[-1][0]
+    cold: set[int] = set()
+    for addr, predicated, op, args in body:
+        m = re.search(r"0x([0-9a-f]+)", args) if predicated and op.startswith("BRA") else None
+        if m and addr < int(m.group(1), 16) <= end:
+            cold.update(a for a, _, _, _ in body if addr < a < int(m.group(1), 16))
+    return Counter(op.split(".")[0] for a, _, op, _ in body if a not in cold)
 
 
 _DEPBAR = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)")
