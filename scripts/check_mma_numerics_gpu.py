@@ -2,9 +2,10 @@
 
     python scripts/check_mma_numerics_gpu.py [--out results/kernels] [--quick] [--ref-device cuda|cpu]
 
-The opt-in native FP8 kernels (`fp8_mma=True`: gluon.narrow8, 32 rows per program, and gluon.wide8, 64)
-run QK and PV on wgmma's e4m3 path, whose accumulation keeps only some bits (docs/numerics.md, "MMA
-numerics"). On random snapmla caches (H = 64 and 128, fresh seeds, one KV split so that the kernel's
+The opt-in native FP8 kernels (`fp8_mma=True`: gluon.narrow8, 32 rows per program past 16 query rows and
+16 at <= 16, and gluon.wide8, 64; `fp8_mma="qk"`: gluon.narrow's QK at <= 16 rows) run their products on
+wgmma's e4m3 path, whose accumulation keeps only some bits (docs/numerics.md, "MMA
+numerics"). On random snapmla caches (H = 64 and 128, and 16 for the <= 16-row kernels, fresh seeds, one KV split so that the kernel's
 page order is the reference's) this compares each kernel's output with the reference run
 
   * with exact products (`mma="exact"`, the default kernels' arithmetic), and
@@ -14,8 +15,8 @@ page order is the reference's) this compares each kernel's output with the refer
 
 and reports, per (case, kernel, model): the bit-agreement rate (the fraction of output elements whose
 bf16 roundings are bitwise equal), the per-row relative error (rel-L2 over a row's 512 channels: max and
-median) and the largest LSE difference. The default exact kernel (gluon.wide) is compared with the exact
-reference as the control: its agreement is what summation order alone leaves. The best model per kernel
+median) and the largest LSE difference. The default exact kernels (gluon.wide, gluon.narrow) are compared with
+the exact reference as the controls: its agreement is what summation order alone leaves. The best model per kernel
 is the one with the highest mean agreement over the cases.
 
 The reference runs on `--ref-device` (default cuda: the model's float64 sums take seconds there, minutes on
@@ -42,11 +43,16 @@ from snapquant.atomic import atomic_write_text
 
 R, D = 512, 64
 TAU = 1 / math.sqrt(192)  # DeepSeek: 1 / sqrt(qk_nope + qk_rope)
-CASES = [(2, 64, 512, 0), (2, 64, 1024, 1), (1, 128, 512, 2), (1, 128, 1024, 3)]  # (B, H, L, seed)
-QUICK_CASES = [(1, 64, 256, 0), (1, 128, 256, 1)]
-KERNELS = {"gluon.narrow8": {"tile": "gluon", "fp8_mma": True, "block_m": 32},
-           "gluon.wide8": {"tile": "gluon", "fp8_mma": True, "block_m": 64},
-           "gluon.wide (exact, control)": {"tile": "gluon"}}
+# (B, H, L, seed): H = 64 / 128 for the kernels past 16 query rows, H = 16 for the <= 16-row ones
+CASES = [(2, 64, 512, 0), (2, 64, 1024, 1), (1, 128, 512, 2), (1, 128, 1024, 3), (4, 16, 512, 4), (4, 16, 1024, 5)]
+QUICK_CASES = [(1, 64, 256, 0), (1, 128, 256, 1), (2, 16, 256, 2)]
+# name -> (knobs, the query rows it runs: "narrow" <= 16, "wide" past that, which products are native)
+KERNELS = {"gluon.narrow8": ({"tile": "gluon", "fp8_mma": True, "block_m": 32}, "wide", "both"),
+           "gluon.wide8": ({"tile": "gluon", "fp8_mma": True, "block_m": 64}, "wide", "both"),
+           "gluon.wide (exact, control)": ({"tile": "gluon"}, "wide", "both"),
+           "gluon.narrow8 (16 rows)": ({"tile": "gluon", "fp8_mma": True}, "narrow", "both"),
+           "gluon.narrow (fp8_mma=qk)": ({"tile": "gluon", "fp8_mma": "qk"}, "narrow", "qk"),
+           "gluon.narrow (exact, control)": ({"tile": "gluon"}, "narrow", "both")}
 BITS, K_GROUPS = (12, 13, 14, 15, 16), (16, 32, 64, 128)
 KEYS = ["case", "kernel", "model", "bits", "k_group", "align_accumulator", "truncation", "n_elements",
         "bit_agree", "row_rel_max", "row_rel_median", "lse_abs_max"]
@@ -84,9 +90,10 @@ def make_case(B: int, H: int, L: int, seed: int) -> dict:
     cache = build_cache(config, B, L, g)
     q = torch.randn(B, 1, H, R + D, device="cuda", generator=g).to(torch.bfloat16)
     outs = {}
-    for name, knobs in KERNELS.items():
-        out, lse = mla_decode(q, cache, TAU, config, num_splits=1, **knobs)
-        outs[name] = (out.cpu(), lse.cpu())
+    for name, (knobs, rows, _) in KERNELS.items():
+        if (rows == "narrow") == (H <= 16):
+            out, lse = mla_decode(q, cache, TAU, config, num_splits=1, **knobs)
+            outs[name] = (out.cpu(), lse.cpu())
     lengths = cache.lengths.cpu()
     kvs = [sub_cache(cache, [i]).to_quantized_kv(max(int(lengths[i]), 1)) for i in range(B)]
     return {"label": f"B={B} H={H} L={L} seed={seed}", "q": q, "kvs": kvs, "lengths": lengths, "config": config,
@@ -117,12 +124,18 @@ def compare(kernel: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, 
 
 
 def measure(cases: list[dict], models: list, dev: str, rows: list[dict]) -> None:
+    """Each case's kernels against the reference under each model, the model's native products set to the
+    kernel's (gluon.narrow's fp8_mma="qk" has exact PV)."""
     for case in cases:
         for m in models:
-            ref = reference(case, m, dev)
+            refs: dict[str, tuple] = {}
             for kname, kout in case["outs"].items():
                 if "control" in kname and m.mode != "exact":
                     continue
+                products = KERNELS[kname][2]
+                if products not in refs:
+                    refs[products] = reference(case, m if m.mode == "exact" else m.replace(products=products), dev)
+                ref = refs[products]
                 rows.append({"case": case["label"], "kernel": kname, "model": model_name(m),
                              "bits": m.bits if m.mode != "exact" else None,
                              "k_group": m.k_group if m.mode != "exact" else None,

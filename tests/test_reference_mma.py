@@ -179,3 +179,39 @@ def test_native_products_need_e4m3_operands():
     assert bool(torch.isfinite(out[0]).all())
     with pytest.raises(ConfigError, match="query"):
         sq.mla_decode_reference(q, kv, lengths, 0.1, cfg.replace(query="bf16"), mma="hopper_fp8")
+
+
+def _numerics_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "check_mma_numerics_gpu.py"
+    spec = importlib.util.spec_from_file_location("check_mma_numerics_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_numerics_fit_models_each_kernels_own_native_products():
+    """The GPU fit compares gluon.narrow's fp8_mma="qk" (native QK, exact PV) with the model of native QK only,
+    and the both-native kernels with both: a stand-in kernel whose outputs are the qk model's agrees bit for bit
+    under the model the fit gives it, and the same model with native PV as well would not."""
+    from snapquant import PRESETS, mla_decode_reference
+    from snapquant.quant.quantizer import quantize_kv
+
+    fit = _numerics_script()
+    torch.manual_seed(7)
+    cfg = PRESETS["snapmla"]
+    kv = quantize_kv(torch.randn(1, 192, 512) * 3, torch.randn(1, 192, 64), cfg)
+    q = torch.randn(1, 1, 16, 576).to(torch.bfloat16)
+    lengths = torch.tensor([192])
+    qk_model = MMANumerics(mode="hopper_fp8", bits=12, products="qk")
+    qk_out = mla_decode_reference(q, kv, lengths, fit.TAU, cfg, mma=qk_model)
+    both_out = mla_decode_reference(q, kv, lengths, fit.TAU, cfg, mma=qk_model.replace(products="both"))
+    case = {"label": "cpu", "q": q, "kvs": [kv], "lengths": lengths, "config": cfg,
+            "outs": {"gluon.narrow (fp8_mma=qk)": qk_out, "gluon.narrow8 (16 rows)": both_out}}
+    rows: list[dict] = []
+    fit.measure([case], [MMANumerics(mode="hopper_fp8", bits=12)], "cpu", rows)
+    got = {r["kernel"]: r["bit_agree"] for r in rows}
+    assert got == {"gluon.narrow (fp8_mma=qk)": 1.0, "gluon.narrow8 (16 rows)": 1.0}
+    assert not torch.equal(qk_out[0], both_out[0])  # the two products' models differ: the routing is tested
