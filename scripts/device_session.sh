@@ -89,7 +89,7 @@ case "$PART" in
     OUT="$OUT" timeout 110 bash "$0" stream
     TESTS_S="${TESTS_S:-280}" run_tests ;;
   qk8)  # the native e4m3 QK of gluon.narrow against the exact default, its reference tests first
-    OUT="$OUT/qk8" TAG=qk8 TEST_S=80 TESTS="follow_the_mma_model or (gluon_kernel_matches_the_reference and (qk or True))" \
+    OUT="$OUT/qk8" TAG=qk8 TEST_S=80 TESTS="follow_the_mma_model or (test_gluon_kernel_matches_the_reference and (qk or True))" \
       BENCH_S=160 SHAPES=128x16x4096,32x16x16384,32x16x32768 \
       VARIANTS=bf16,snapmla,snapmla+gluon+fp8qk,snapmla+gluon+fp8mma16 bash scripts/device_widen.sh 2>&1 | tail -24 ;;
   all)
