@@ -15,7 +15,8 @@
 #   followup          splits, then stream, then the GPU suite (TESTS_S, default 280): ~500 s, any GPU
 #   qk8               the native e4m3 QK in gluon.narrow (fp8_mma="qk") and both products native at 16 rows (gluon.narrow8,
 #                     fp8_mma=True): their GPU tests, then three
-#                     H = 16 shapes (B x L = 128 x 4K, 32 x 16K, 32 x 32K) beside FlashMLA (~250 s, any GPU)
+#                     H = 16 shapes (B x L = 128 x 4K, 32 x 16K, 32 x 32K) beside FlashMLA (~250 s, any GPU; TEST_S,
+#                     BENCH_S and SHAPES shorten it)
 # Rows land in results/bench/ on an H200 and in results/h100/ on any other GPU (never in the H200 tables).
 #   SNAPQUANT_GIT_COMMIT=<hash of HEAD, written out> bash scripts/device_session.sh [decode|eval|tests|all]
 set -o pipefail
@@ -89,8 +90,9 @@ case "$PART" in
     OUT="$OUT" timeout 110 bash "$0" stream
     TESTS_S="${TESTS_S:-280}" run_tests ;;
   qk8)  # the native e4m3 QK of gluon.narrow against the exact default, its reference tests first
-    OUT="$OUT/qk8" TAG=qk8 TEST_S=80 TESTS="follow_the_mma_model or (test_gluon_kernel_matches_the_reference and (qk or True))" \
-      BENCH_S=160 SHAPES=128x16x4096,32x16x16384,32x16x32768 \
+    OUT="$OUT/qk8" TAG=qk8 TEST_S="${TEST_S:-80}" \
+      TESTS="follow_the_mma_model or (test_gluon_kernel_matches_the_reference and (qk or True))" \
+      BENCH_S="${BENCH_S:-160}" SHAPES="${SHAPES:-128x16x4096,32x16x16384,32x16x32768}" \
       VARIANTS=bf16,snapmla,snapmla+gluon+fp8qk,snapmla+gluon+fp8mma16 bash scripts/device_widen.sh 2>&1 | tail -24 ;;
   all)
     TESTS_S=250 run_tests
