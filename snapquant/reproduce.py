@@ -442,6 +442,13 @@ JOBS: tuple[Job, ...] = (
         "scripts/device_session.sh decode`, which writes decode_sidebyside_h200.* on an H200)", manual=True,
         code=BENCH),
     Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "qk8_h100", "--no-append", "--budget-s", "100",
+         "--shapes", "128x16x4096,32x16x32768", "--variants",
+         "bf16,snapmla,snapmla+gluon+fp8qk,snapmla+gluon+fp8mma16"),
+        ("decode_qk8_h100.*", "bench_qk8_h100.json"), "native FP8 products at <= 16 rows (gluon.narrow's native QK, "
+        "gluon.narrow8 with 16-row programs) against the exact default and FlashMLA, on an H100 (`TEST_S=0 "
+        "BENCH_S=140 SHAPES=128x16x4096,32x16x32768 bash scripts/device_session.sh qk8`)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
         ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "pf_h100", "--no-append", "--budget-s", "130",
          "--shapes", "128x16x4096,32x16x16384,32x16x32768", "--variants",
          "bf16,snapmla,snapmla+pf1,snapmla+pf2,snapmla+pf4,bf16+pf2,snapmla+splits8+narrow"),
