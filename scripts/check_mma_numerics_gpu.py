@@ -4,9 +4,9 @@
 
 The opt-in native FP8 kernels (`fp8_mma=True`: gluon.narrow8, 32 rows per program past 16 query rows and
 16 at <= 16, and gluon.wide8, 64; `fp8_mma="qk"`: gluon.narrow's QK at <= 16 rows) run their products on
-wgmma's e4m3 path, whose accumulation keeps only some bits (docs/numerics.md, "MMA
-numerics"). On random snapmla caches (H = 64 and 128, and 16 for the <= 16-row kernels, fresh seeds, one KV split so that the kernel's
-page order is the reference's) this compares each kernel's output with the reference run
+wgmma's e4m3 path, whose accumulation keeps only some bits (docs/numerics.md, "MMA numerics"). On random
+snapmla caches (H = 64 and 128, and 16 for the <= 16-row kernels, fresh seeds, one KV split so that the
+kernel's page order is the reference's) this compares each kernel's output with the reference run
 
   * with exact products (`mma="exact"`, the default kernels' arithmetic), and
   * with `mma="hopper_fp8"` over a grid: retained bits 12..16 x k-group 16 / 32 / 64 / 128 (accumulator
@@ -16,7 +16,7 @@ page order is the reference's) this compares each kernel's output with the refer
 and reports, per (case, kernel, model): the bit-agreement rate (the fraction of output elements whose
 bf16 roundings are bitwise equal), the per-row relative error (rel-L2 over a row's 512 channels: max and
 median) and the largest LSE difference. The default exact kernels (gluon.wide, gluon.narrow) are compared with
-the exact reference as the controls: its agreement is what summation order alone leaves. The best model per kernel
+the exact reference as the controls: their agreement is what summation order alone leaves. The best model per kernel
 is the one with the highest mean agreement over the cases.
 
 The reference runs on `--ref-device` (default cuda: the model's float64 sums take seconds there, minutes on

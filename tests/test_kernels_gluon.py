@@ -119,9 +119,9 @@ def test_gluon_tile_refuses_other_formats_and_schedules():
                     tile="gluon", fp8_mma="qk")
     from snapquant.kernels.dispatch import narrow_stages
 
-    # exact MMAs: gluon.narrow's two slots at r = 512, the in-place slot elsewhere; native FP8 QK: two slots
-    assert narrow_stages(None, False, 512) == 2 and narrow_stages(None, False, 256) == 1
-    assert narrow_stages(None, "qk", 512) == 2 and narrow_stages(1, "qk", 512) == 1
+    # gluon.narrow's two slots at r = 512 (exact or native QK), the in-place slot elsewhere or when asked for
+    assert narrow_stages(None, 512) == 2 and narrow_stages(None, 256) == 1
+    assert narrow_stages(1, 512) == 1 and narrow_stages(None, 256, "bf16") == 2
 
 
 @needs_gluon

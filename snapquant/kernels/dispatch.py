@@ -267,8 +267,8 @@ def gluon_reason(ops: KernelOperands, config: KVQuantConfig, rows: int, target: 
         return (f"tile='gluon' with fp8_mma=True at <= {GLUON_ROWS} query rows (gluon.narrow8, 16-row programs) runs "
                 f"num_stages=2 (two TMA slots), got num_stages={num_stages}")
     if not wide and fp8_mma is not True \
-            and narrow_kernel(narrow_stages(num_stages, fp8_mma, ops.kv_lora_rank, ops.layout), fp8_mma,
-                              ops.layout) == "gluon.narrow" and ops.kv_lora_rank != 512:
+            and narrow_kernel(narrow_stages(num_stages, ops.kv_lora_rank, ops.layout), ops.layout) == "gluon.narrow" \
+            and ops.kv_lora_rank != 512:
         return (f"tile='gluon' at <= {GLUON_ROWS} rows with num_stages >= 2 (register operands, gluon.narrow) is "
                 f"written for kv_lora_rank 512 (four 128-channel boxes), got {ops.kv_lora_rank}")
     if fp8_mma in ("qk", True) and ops.kv_lora_rank != 512:
@@ -302,19 +302,16 @@ def gluon_format_reason(layout: str, q_fp8: bool, p_fp8: bool, rows: int, r: int
 
 
 # ------------------------------------------------------------------------------------------- resolved knobs
-def narrow_stages(num_stages: int | None, fp8_mma: bool | str, r: int, layout: str = "snapmla") -> int:
-    """Ring slots of the <= 16-row Gluon kernel when not given: exact MMAs at r = 512 two (gluon.narrow:
-    register operands, two programs per SM, each with a page in flight); other widths the in-place slot
-    of gluon.narrow_tile (two programs per SM); native FP8 QK two separate slots (gluon.narrow_tile);
-    the bf16 layout two (gluon.narrow_bf16, one program per SM)."""
+def narrow_stages(num_stages: int | None, r: int, layout: str = "snapmla") -> int:
+    """Ring slots of the <= 16-row Gluon kernel when not given: at r = 512 two (gluon.narrow: register
+    operands, exact or with a native QK, two programs per SM, each with a page in flight); other widths the
+    in-place slot of gluon.narrow_tile (two programs per SM); the bf16 layout two (gluon.narrow_bf16)."""
     if num_stages is not None:
         return num_stages
-    if fp8_mma == "qk" or layout == "bf16":
-        return 2
-    return 2 if r == 512 else 1
+    return 2 if r == 512 or layout == "bf16" else 1
 
 
-def narrow_kernel(stages: int, fp8_mma: bool | str, layout: str = "snapmla") -> str:
+def narrow_kernel(stages: int, layout: str = "snapmla") -> str:
     """The <= 16-row Gluon kernel: gluon.narrow_bf16 for the bf16 layout; for snapmla two or more slots run
     gluon.narrow (register operands; with fp8_mma="qk" a native e4m3 QK from the slot), one the in-place
     fp16 tile (gluon.narrow_tile)."""
@@ -345,7 +342,7 @@ def uses_seesaw(ops: KernelOperands, rows: int, opts: DecodeOptions) -> bool:
             and opts.fp8_mma is not True)
 
 
-def narrow_resident(stages: int, fp8_mma: bool | str, layout: str = "snapmla", r: int = 512, d: int = 64) -> int:
+def narrow_resident(stages: int, layout: str = "snapmla", r: int = 512, d: int = 64) -> int:
     """Programs of the <= 16-row kernel per SM (shared memory): the in-place slot (~98 KB) and the
     register-operand kernel with two slots (~105 KB; ~97 KB with the fp8 query of fp8_mma="qk") fit two;
     the bf16 kernel two where its slots and query fit half an SM (`narrow_bf16_smem`: one 72 KB slot at
@@ -370,9 +367,9 @@ def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOp
     if rows <= GLUON_ROWS and opts.fp8_mma is True:  # both products native: gluon.narrow8 at 16 rows
         kernel, block_m, stages, warps, resident, max_run = "gluon.narrow8", GLUON_ROWS, 2, 4, 2, NARROW_MAX_RUN
     elif rows <= GLUON_ROWS:
-        stages = narrow_stages(opts.num_stages, opts.fp8_mma, r, ops.layout)
-        kernel, block_m, warps = narrow_kernel(stages, opts.fp8_mma, ops.layout), GLUON_ROWS, 4
-        resident = narrow_resident(stages, opts.fp8_mma, ops.layout, r, ops.rope_dim)
+        stages = narrow_stages(opts.num_stages, r, ops.layout)
+        kernel, block_m, warps = narrow_kernel(stages, ops.layout), GLUON_ROWS, 4
+        resident = narrow_resident(stages, ops.layout, r, ops.rope_dim)
         max_run = NARROW_MAX_RUN
     elif opts.fp8_mma is True:
         block_m = opts.block_m or 32

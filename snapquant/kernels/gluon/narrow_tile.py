@@ -18,7 +18,8 @@ One ring slot (STAGES = 1, the launcher's num_stages), converted in place: TMA w
 the upper half of the fp16 tile's 64 KB, ~98 KB of shared memory, so two programs share an SM and hide
 each other's latency. With two or more slots the launcher runs `narrow.py` instead (register operands,
 never a tile; with fp8_mma="qk" its QK is native too). Every wgmma is waited for within its own page: a
-wait deferred across the loop made ptxas serialize all of them (advisory C7515; `compile_stats` reports `wgmma_waits` and `ptxas_advice`).
+wait deferred across the loop made ptxas serialize all of them (advisory C7515; `compile_stats` reports
+`wgmma_waits` and `ptxas_advice`).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ if HAVE_GLUON:
         s_cur = gl.load(SCALE + page_cur * stride_sp + offs_t * stride_st,
                         mask=(p_lo * PAGE + offs_t) < length, other=0.0)
         for it in range(n_run):
-            slot = 0
+            slot = 0  # the one slot
             nxt = it + ahead
             page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
             base = (p_lo + it) * PAGE
