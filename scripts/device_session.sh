@@ -3,8 +3,9 @@
 #   decode (default)  the side-by-side table of the decode issue: our BF16, the FP8 default and the native FP8
 #                     kernel (opt-in) beside FlashMLA at the eight anchor shapes (TAG=sidebyside), ~250 s on an H200
 #   eval              the lm-eval end-to-end targets (`device_eval.sh 7`, ~530 s)
-#   tests             `pytest -m gpu` (the whole GPU suite) into results/<h200|h100>/pytest_gpu_*.txt, ~115 s on
-#                     an H200 (TESTS_S bounds it, default 500)
+#   tests             `scripts/check_kernels_gpu.py --no-bench` and `pytest -m gpu` (the whole GPU suite) into
+#                     results/<gpu_check|h100>/check_*.log and pytest_gpu_*.txt, ~115 s + the check on an H200
+#                     (CHECK_S and TESTS_S bound them, default 150 and 500)
 #   all               tests (bounded to 250 s), then decode: both in one machine start
 #   quick             the fused step kernels' GPU tests, the 32K batch-32 rows of both presets, the projections A/B
 #                     at 1K (~320 s, any GPU)
@@ -13,6 +14,8 @@
 #   stream            the page-ring stream probe (scripts/probe_stream.py) beside FlashMLA, and its GPU test (carry
 #                     .anchors)
 #   followup          splits, then stream, then the GPU suite (TESTS_S, default 280): ~500 s, any GPU
+#   slot1             gluon.narrow's native QK with one slot, three programs per SM: its GPU tests, then the H = 16
+#                     shapes beside the two-slot kernels and FlashMLA (~200 s, any GPU)
 #   qk8               the native e4m3 QK in gluon.narrow (fp8_mma="qk") and both products native at 16 rows (gluon.narrow8,
 #                     fp8_mma=True): their GPU tests, then three
 #                     H = 16 shapes (B x L = 128 x 4K, 32 x 16K, 32 x 32K) beside FlashMLA (~250 s, any GPU; TEST_S,
@@ -30,8 +33,14 @@ echo "gpu: $gpu, part: $PART"
 run_tests() {
   local dir=results/h100 name=pytest_gpu_h100.txt
   echo "$gpu" | grep -q H200 && { dir=results/gpu_check; name=pytest_gpu_h200.txt; }
+  name_check=${name/pytest_gpu/check}; name_check=${name_check%.txt}.log
   mkdir -p "$dir"
   source scripts/wheels_env.sh > "$OUT/wheels.txt" 2>&1  # lm-eval for the generation and refill tests
+  # every kernel against the reference (no timings): its log beside the suite's
+  { echo "# python scripts/check_kernels_gpu.py --no-bench at commit ${SNAPQUANT_GIT_COMMIT:-?} on $gpu"
+    timeout "${CHECK_S:-150}" python scripts/check_kernels_gpu.py --no-bench --out "$OUT/kernels_check" 2>&1 \
+      | grep -v "^USDT" | tail -40
+    echo "exit status: $?"; } | tee "$dir/$name_check" | tail -4
   { echo "# python -m pytest -m gpu -rfEs -q at commit ${SNAPQUANT_GIT_COMMIT:-?} on $gpu"
     timeout "${TESTS_S:-500}" python -m pytest -m gpu -rfEs -q -p no:cacheprovider 2>&1 | grep -v "^USDT"
     echo "exit status: $?"; } \
@@ -89,6 +98,12 @@ case "$PART" in
     OUT="$OUT" timeout 130 bash "$0" splits
     OUT="$OUT" timeout 110 bash "$0" stream
     TESTS_S="${TESTS_S:-280}" run_tests ;;
+  slot1)  # one slot and three programs per SM (gluon.narrow's native QK with num_stages=1): its GPU tests, then the
+          # H = 16 shapes beside the two-slot kernels and FlashMLA (~200 s, any GPU; TEST_S, BENCH_S, SHAPES)
+    OUT="$OUT/slot1" TAG=slot1 TEST_S="${TEST_S:-90}" TESTS="follow_the_mma_model or (matches_the_reference and qk)" \
+      BENCH_S="${BENCH_S:-150}" SHAPES="${SHAPES:-128x16x4096,32x16x16384,32x16x32768}" \
+      VARIANTS=bf16,snapmla,snapmla+gluon+fp8qk,snapmla+gluon+fp8qk+s1,snapmla+gluon+fp8mma16 \
+      bash scripts/device_widen.sh 2>&1 | tail -24 ;;
   qk8)  # the native e4m3 QK of gluon.narrow against the exact default, its reference tests first
     OUT="$OUT/qk8" TAG=qk8 TEST_S="${TEST_S:-80}" \
       TESTS="follow_the_mma_model or (test_gluon_kernel_matches_the_reference and (qk or True))" \
@@ -98,6 +113,6 @@ case "$PART" in
     TESTS_S=250 run_tests
     run_decode ;;
   *)
-    echo "unknown part '$PART': decode | eval | tests | all | quick | step | splits | stream | followup | qk8"; exit 2 ;;
+    echo "unknown part '$PART': decode | eval | tests | all | quick | step | splits | stream | followup | slot1 | qk8"; exit 2 ;;
 esac
 exit 0

@@ -72,7 +72,7 @@ def test_options_from_dict_aliases_and_merging():
     ("snapmla", 16, 1, 256, {}, "gluon.narrow_tile"),
     ("snapmla", 16, 1, 512, {"num_stages": 1}, "gluon.narrow_tile"),
     ("snapmla", 16, 1, 512, {"fp8_mma": "qk", "tile": "gluon"}, "gluon.narrow"),
-    ("snapmla", 16, 1, 512, {"fp8_mma": "qk", "tile": "gluon", "num_stages": 1}, "gluon.narrow_tile"),
+    ("snapmla", 16, 1, 512, {"fp8_mma": "qk", "tile": "gluon", "num_stages": 1}, "gluon.narrow"),  # 3 per SM
     ("snapmla", 16, 1, 512, {"fp8_mma": True, "tile": "gluon"}, "gluon.narrow8"),  # both native: 16-row programs
     ("snapmla", 16, 1, 512, {"fp8_mma": True}, "triton.rows"),  # at <= 16 rows Gluon is the default for exact MMAs
     ("snapmla", 17, 1, 512, {}, "gluon.wide"),

@@ -196,7 +196,8 @@ VARIANTS: tuple[Variant, ...] = (
     # Gluon (snapquant/kernels/gluon/): TMA ring + swap-AB wgmma, one 16-row tile per request
     _v("snapmla+gluon+fp8qk+s1", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-2, where="rows16",
        tile="gluon", fp8_mma="qk", num_stages=1,
-       note="native e4m3 QK with the in-place slot (the conversion waits for the QK halfway): no faster than exact"),
+       note="gluon.narrow's native e4m3 QK with one slot (~57 KB, 168 registers): three programs per SM, each page "
+            "asked for as soon as the last one's codes are in registers"),
     _v("snapmla+pairs", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="pairs",
        note="the plain-Triton pairs tile (the default where the Gluon kernel does not run)"),
     _v("snapmla+gluon", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tile="gluon",

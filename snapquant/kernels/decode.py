@@ -29,7 +29,7 @@ from ..config import KVQuantConfig
 from ..errors import ConfigError, ShapeError
 from ._checks import check_tensor
 from ._launch import for_device
-from .dispatch import KernelChoice, Target, choose_kernel
+from .dispatch import NARROW_ONE_SLOT_MAXNREG, KernelChoice, Target, choose_kernel
 from .layouts import LAYOUT_ID, PAGE_SIZE, layout_of, unsupported_reason
 from .operands import KernelOperands
 from .options import DEFAULT_L2_PREFETCH, DEFAULT_WIDEN, P_DIVS, WIDENS, DecodeOptions, as_options
@@ -369,9 +369,9 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
             consts.update(PF=ahead)
         if choice.kernel == "gluon.narrow":
             qk_int, pv_int = WIDENS[opts.widen or DEFAULT_WIDEN]
-            consts.update(QK_INT=qk_int, PV_INT=pv_int)
-        if choice.kernel in ("gluon.narrow", "gluon.narrow_tile"):
-            consts.update(QK_FP8=opts.fp8_mma == "qk")
+            consts.update(QK_INT=qk_int, PV_INT=pv_int, QK_FP8=opts.fp8_mma == "qk")
+            if choice.num_stages == 1:  # the native QK with one slot: three programs per SM
+                consts.update(maxnreg=NARROW_ONE_SLOT_MAXNREG)
         grid = (B, 1, splits)
     else:
         grid = (triton.cdiv(S * H, choice.block_m), B, splits)

@@ -128,13 +128,15 @@ if HAVE_GLUON:
         p_smem = gl.allocate_shared_memory(gl.float16, [BN, PAGE], gl.NVMMASharedLayout.get_default_for([BN, PAGE], gl.float16))
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
 
-        # ---- prologue: STAGES - 1 pages in flight before anything else
+        # ---- prologue: STAGES - 1 pages in flight before anything else (one slot: the first page, which the
+        # slot's refill inside the loop then follows)
+        AHEAD: gl.constexpr = STAGES - 1 if STAGES > 1 else 1
         bt_row = BT + b64 * stride_bt + p_lo
         start_ring(lat_desc, rope_desc, lat_smem, rope_smem, bars, bt_row, n_run, lat_page_rows, rope_page_rows,
-                    STAGES, STAGES - 1, NBOX, BOXW, 0)
+                    STAGES, AHEAD, NBOX, BOXW, 0)
         # L2 prefetch (PF > 0): the pages the ring asks for before the loop's first prefetch lands
         for j in gl.static_range(1, PF):
-            prefetch_run_page(LAT, ROPE, bt_row, STAGES - 1 + j, n_run, lat_page_bytes, rope_page_bytes,
+            prefetch_run_page(LAT, ROPE, bt_row, AHEAD + j, n_run, lat_page_bytes, rope_page_bytes,
                               lat_span, rope_span, num_warps)
 
         # ---- query: q^ as fp16 in the QK view's channel order, q~r as bf16; sigma per row
@@ -154,19 +156,20 @@ if HAVE_GLUON:
         fence_async_shared()
         cta_barrier()
 
-        page_next = gl.load(bt_row + STAGES - 1, mask=STAGES - 1 < n_run, other=0).to(gl.int64)
+        page_next = gl.load(bt_row + AHEAD, mask=AHEAD < n_run, other=0).to(gl.int64)
         s_cur = gl.load(SCALE + gl.load(bt_row, mask=n_run > 0, other=0).to(gl.int64) * stride_sp
                         + offs_t * stride_st, mask=(p_lo * PAGE + offs_t) < length, other=0.0)
         for it in range(n_run):
             slot = it % STAGES
-            nxt = it + STAGES - 1
+            nxt = it + AHEAD
             box0 = slot * NBOX
-            # the slot of page it - 1 is free: its last reads were before last iteration's barrier
-            issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
-                        rope_page_rows, nxt < n_run, NBOX, BOXW, 0)
+            if STAGES > 1:  # the slot of page it - 1 is free: its last reads were before last iteration's barrier
+                issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, nxt % STAGES, page_next, lat_page_rows,
+                            rope_page_rows, nxt < n_run, NBOX, BOXW, 0)
             if PF > 0:  # and the page PF after it into L2: when its slot asks for it, it comes from L2
                 prefetch_run_page(LAT, ROPE, bt_row, nxt + PF, n_run, lat_page_bytes, rope_page_bytes, lat_span,
                                   rope_span, num_warps)
+            page_ask = page_next  # page nxt (one slot: asked for once this page's codes are in registers)
             page_next = gl.load(bt_row + nxt + 1, mask=nxt + 1 < n_run, other=0).to(gl.int64)
             page_after = gl.load(bt_row + it + 1, mask=it + 1 < n_run, other=0).to(gl.int64)
             base = (p_lo + it) * PAGE
@@ -228,6 +231,13 @@ if HAVE_GLUON:
             acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1,))
             acc2 = warpgroup_mma(a16, pt, acc2 * beta, is_async=True)
             a16 = widen_e4m3(_box_view(lat_smem, box0 + 3, PV_VIEW, [BOXW, PAGE]).load(a_l), PV_INT > 3)
+            if STAGES == 1:
+                # one slot: its last reads (box 3's codes, now in registers) are done once every warp is here, so
+                # the next page is asked for now and lands under PV's MMAs and the next page's prologue; the
+                # programs beside this one on the SM (three with one slot each) stream theirs meanwhile
+                cta_barrier()
+                issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, 0, page_ask, lat_page_rows,
+                            rope_page_rows, nxt < n_run, NBOX, BOXW, 0)
             acc2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc2,))
             acc3 = warpgroup_mma(a16, pt, acc3 * beta, is_async=True)
             acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))

@@ -16,8 +16,8 @@
 
 One ring slot (STAGES = 1, the launcher's num_stages), converted in place: TMA writes the fp8 boxes into
 the upper half of the fp16 tile's 64 KB, ~98 KB of shared memory, so two programs share an SM and hide
-each other's latency. With two or more slots the launcher runs `narrow.py` instead (register operands,
-never a tile; with fp8_mma="qk" its QK is native too). Every wgmma is waited for within its own page: a
+each other's latency. With two or more slots, or with fp8_mma="qk", the launcher runs `narrow.py` instead
+(register operands, never a tile). Every wgmma is waited for within its own page: a
 wait deferred across the loop made ptxas serialize all of them (advisory C7515; `compile_stats` reports
 `wgmma_waits` and `ptxas_advice`).
 """
@@ -56,7 +56,7 @@ if HAVE_GLUON:
         stride_ob, stride_om, stride_os, stride_lb, stride_lm, stride_ls,
         H, NSPLIT,
         S: gl.constexpr, R: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, P_DIV: gl.constexpr, QK_FP8: gl.constexpr, LSE_NATURAL: gl.constexpr,
+        CAUSAL: gl.constexpr, P_DIV: gl.constexpr, LSE_NATURAL: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         BN: gl.constexpr = 16  # query rows (wgmma N)
@@ -66,8 +66,6 @@ if HAVE_GLUON:
         # ---- layouts: the MMA accumulator (tokens or channels x rows), and plain blocked tiles
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, BN, 16])
-        mma8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BN, 32])
         tok_l: gl.constexpr = gl.SliceLayout(1, mma_l)  # along M (tokens / channels)
         row_l: gl.constexpr = gl.SliceLayout(0, mma_l)  # along N (query rows)
         # The softmax runs in a layout where each warp owns whole query rows (8 lanes x 8 registers
@@ -103,12 +101,7 @@ if HAVE_GLUON:
             lat_smem = c16_all._reinterpret(gl.float8e4nv, [2 * NBOX, PAGE, BOXW], lat_desc.layout)
         BOX0: gl.constexpr = NBOX
         rope_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PAGE, D], rope_desc.layout)
-        if QK_FP8:  # native e4m3 QK straight from the TMA slots (opt-in, fp8_mma="qk")
-            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BN, R],
-                                               gl.NVMMASharedLayout.get_default_for([BN, R], gl.float8e4nv))
-        else:
-            q_smem = gl.allocate_shared_memory(gl.float16, [BN, R],
-                                               gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
+        q_smem = gl.allocate_shared_memory(gl.float16, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16))
         p_smem = gl.allocate_shared_memory(gl.float16, [BN, PAGE], gl.NVMMASharedLayout.get_default_for([BN, PAGE], gl.float16))
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -120,14 +113,13 @@ if HAVE_GLUON:
                     STAGES, ahead, NBOX, BOXW, BOX0)
 
         # ---- query: per-row fp8 scale sigma, q^ = e4m3(q / sigma) as fp16, q~r = bf16(q_r / sigma)
-        sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, QK_FP8,
+        sigma = query_operands(Q, q_smem, qr_smem, b64, row0, stride_qb, stride_qs, stride_qh, H, S, R, D, BN, False,
                                 q_l)
         rows = row0 + gl.arange(0, BN, layout=row_l)
         row_ok = rows < S * H
         limit, coef, m_i, l_i, pi_i, pi_max = row_state(length, row0, sigma, sm_scale_log2, H, S, BN, CAUSAL, srow_l)
         acc = gl.zeros([R, BN], gl.float32, mma_l)  # O^T
         zero_s = gl.zeros([PAGE, BN], gl.float32, mma_l)
-        zero_s8 = gl.zeros([PAGE, BN], gl.float32, mma8_l)
         zero_sm = gl.zeros([PAGE, BN], gl.float32, sm_l)
         offs_t = gl.arange(0, PAGE, layout=stok_l)
         offs_tc = gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))
@@ -147,38 +139,16 @@ if HAVE_GLUON:
                              mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
 
             mbarrier.wait(bars.index(slot), it & 1)
-            if QK_FP8:  # the tensor cores start on QK while the warps convert the tile for PV
-                gl.static_assert(NBOX == 4)  # four boxes, four accumulators (the host checks r = 512)
-                q8 = q_smem.permute((1, 0))
-                # one accumulator per 128-channel box, summed in fp32: Hopper's FP8 MMA keeps ~14 bits
-                # inside an accumulation chain (DeepSeek-V3 promotes every 128 products the same way)
-                k0 = warpgroup_mma(lat_smem.index(BOX0 + slot * NBOX), q8.slice(0, BOXW), zero_s8, use_acc=False,
-                                   is_async=True)
-                k1 = warpgroup_mma(lat_smem.index(BOX0 + slot * NBOX + 1), q8.slice(BOXW, BOXW), zero_s8, use_acc=False,
-                                   is_async=True)
-                k2 = warpgroup_mma(lat_smem.index(BOX0 + slot * NBOX + 2), q8.slice(2 * BOXW, BOXW), zero_s8,
-                                   use_acc=False, is_async=True)
-                k3 = warpgroup_mma(lat_smem.index(BOX0 + slot * NBOX + 3), q8.slice(3 * BOXW, BOXW), zero_s8,
-                                   use_acc=False, is_async=True)
-                rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
-                                   is_async=True)
             # fp8 codes -> fp16 tile; on a request's last page, tokens past its length -> 0
-            widen_boxes(lat_smem, c16_smem, BOX0 + slot * NBOX, 0, NBOX // 2, base, length, offs_tc, cvt_l,
-                         INPLACE, NBOX, BOXW, PAGE)
-            if QK_FP8:  # the in-place chunks below overwrite the fp8 boxes the QK reads
-                k0, k1, k2, k3, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, k2, k3, rd))
-            widen_boxes(lat_smem, c16_smem, BOX0 + slot * NBOX, NBOX // 2, NBOX, base, length, offs_tc, cvt_l,
+            widen_boxes(lat_smem, c16_smem, BOX0 + slot * NBOX, 0, NBOX, base, length, offs_tc, cvt_l,
                          INPLACE, NBOX, BOXW, PAGE)
             fence_async_shared()
 
             # scores^T [PAGE, BN]: NoPE (products of e4m3 values) + RoPE (bf16), fp32 accumulation
-            if QK_FP8:
-                qk = gl.convert_layout(((k0 + k1) + (k2 + k3)), mma_l)  # the same registers (no data movement)
-            else:
-                qk = warpgroup_mma(c16_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
-                                   is_async=True)
-                qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
+            qk = warpgroup_mma(c16_smem, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            rd = warpgroup_mma(rope_smem.index(slot), qr_smem.permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+            qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
 
             rescale, m_i, l_i, pi_i, pi_max = page_p_smem(gl.convert_layout(qk + rd, sm_l), s_cur, coef,
                                                            base + offs_t, limit, m_i, l_i, pi_i, pi_max, zero_sm,
