@@ -45,7 +45,7 @@ run_tests() {
     timeout "${TESTS_S:-500}" python -m pytest -m gpu -rfEs -q -p no:cacheprovider 2>&1 | grep -v "^USDT"
     echo "exit status: $?"; } \
     | tee "$dir/$name" | tail -8
-  cp "$dir/$name" "$OUT"/
+  cp "$dir/$name" "$dir/$name_check" "$OUT"/
 }
 run_decode() {
   OUT="$OUT/decode" TAG=sidebyside VARIANTS=bf16,snapmla,snapmla+gluon+fp8mma TEST_S=0 BENCH_S="${BENCH_S:-300}" \
