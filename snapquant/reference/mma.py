@@ -141,8 +141,8 @@ class MMANumerics:
         Without fp8_mma every kernel is exact. With it: the native8 Gluon kernels as the defaults say;
         the Triton tiles promote every 32 products (`max_num_imprecise_acc=32`: each K = 32 step starts
         from zero and is added in fp32). gluon.narrow's fp8_mma="qk" runs narrow8's QK (two 256-channel chains)
-        and exact PV. gluon.narrow_tile's fp8_mma="qk" sums four 128-channel chains pairwise, which this model
-        does not express: a ConfigError."""
+        and exact PV, with one slot or two. Any other kernel with native products (gluon.narrow_tile runs exact
+        MMAs only) is a ConfigError."""
         mma = {"none": False, "both": True}.get(fp8_mma, fp8_mma) if isinstance(fp8_mma, str) else fp8_mma
         if mma is False:
             return cls()
