@@ -153,7 +153,11 @@ GLUON = {"snapmla+gluon": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H 
          "snapmla+gluon+fp8qk": ("snapmla", {"tile": "gluon", "fp8_mma": "qk", "num_stages": 2,
                                              "_tol": (3e-3, 5e-3)}),
          "snapmla+gluon+fp8qk+s1": ("snapmla", {"tile": "gluon", "fp8_mma": "qk", "num_stages": 1,
-                                                "_tol": (3e-3, 5e-3)})}
+                                                "_tol": (3e-3, 5e-3)}),
+         # both products native at 16 rows (gluon.narrow8): two slots, or one with three programs per SM
+         "snapmla+gluon+fp8mma16": ("snapmla", {"tile": "gluon", "fp8_mma": True, "_tol": (1e-2, 1e-2)}),
+         "snapmla+gluon+fp8mma16+s1": ("snapmla", {"tile": "gluon", "fp8_mma": True, "num_stages": 1,
+                                                   "_tol": (1e-2, 1e-2)})}
 GLUON_WIDE = {"snapmla+gluon-wide": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H > 16: 64-row tiles
               "bf16+gluon-wide": ("bf16", {"tile": "gluon"}),
               # native FP8 QK and PV (gluon.narrow8, 32-row programs; gluon.wide8, 64): the FP8 MMA's

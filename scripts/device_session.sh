@@ -102,7 +102,7 @@ case "$PART" in
           # H = 16 shapes beside the two-slot kernels and FlashMLA (~200 s, any GPU; TEST_S, BENCH_S, SHAPES)
     OUT="$OUT/slot1" TAG=slot1 TEST_S="${TEST_S:-90}" TESTS="follow_the_mma_model or (matches_the_reference and qk)" \
       BENCH_S="${BENCH_S:-150}" SHAPES="${SHAPES:-128x16x4096,32x16x16384,32x16x32768}" \
-      VARIANTS=bf16,snapmla,snapmla+gluon+fp8qk,snapmla+gluon+fp8qk+s1,snapmla+gluon+fp8mma16 \
+      VARIANTS=bf16,snapmla,snapmla+gluon+fp8qk,snapmla+gluon+fp8qk+s1,snapmla+gluon+fp8mma16,snapmla+gluon+fp8mma16+s1 \
       bash scripts/device_widen.sh 2>&1 | tail -24 ;;
   qk8)  # the native e4m3 QK of gluon.narrow against the exact default, its reference tests first
     OUT="$OUT/qk8" TAG=qk8 TEST_S="${TEST_S:-80}" \

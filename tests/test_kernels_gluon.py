@@ -84,6 +84,22 @@ def test_native_fp8_qk_variant_compiles_to_e4m3_qk_and_exact_pv(stages):
     _unserialized(st, max_spill=128 if stages == 2 else 320)
 
 
+@needs_gluon
+@pytest.mark.parametrize("stages", [2, 1])
+def test_native_fp8_16_row_programs_compile_to_fp8_mmas_only(stages):
+    """fp8_mma=True at <= 16 rows (gluon.narrow8, 16-row programs): per page QK r / 32 and PV r / 32 e4m3
+    m64n16k32 beside RoPE d / 16 bf16, no fp16 MMA and almost no conversions. Two slots (~97 KB): two
+    programs per SM; one slot (~55 KB, 168 registers): three, its wgmma chain still asynchronous."""
+    st = sm90_stats("snapmla", **NARROW, tile="gluon", fp8_mma=True, num_stages=stages)
+    assert st["kernel"] == "decode_gluon_narrow8"
+    assert wgmma_mix(st, ROPE16) == {ROPE16: 1, "e4m3.e4m3 m64n16k32": 2 * 512 / 32 / 4}
+    resident = 2 if stages == 2 else 3
+    assert st["smem"] <= SMEM_LIMIT // resident - 1024
+    if st.get("regs") is not None:
+        assert st["regs"] * 128 * resident <= 65536, st["regs"]
+    _unserialized(st, max_spill=128 if stages == 2 else 320)
+
+
 def _cache(B=2, L=100, H=16):
     cfg = PRESETS["snapmla"]
     cache = PagedMLACache.empty(B, L, 512, 64, cfg)
@@ -157,7 +173,8 @@ def test_gluon_format_reason_names_the_field():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
-@pytest.mark.parametrize("fp8_mma,stages", [(False, 2), (False, 1), (False, 3), ("qk", 2), ("qk", 1), (True, 2)])
+@pytest.mark.parametrize("fp8_mma,stages", [(False, 2), (False, 1), (False, 3), ("qk", 2), ("qk", 1), (True, 2),
+                                            (True, 1)])
 @pytest.mark.parametrize("B,H,S,L,splits", [(6, 16, 1, 700, None), (3, 8, 2, 130, 1), (5, 16, 1, 64, 3)])
 def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages, r=512, d=64):
     """Against `mla_decode_reference` (CPU, the definitive semantics) on requests of mixed lengths
@@ -197,7 +214,7 @@ def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages,
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("fp8_mma,kernel,stages", [("qk", "gluon.narrow", 2), ("qk", "gluon.narrow", 1),
-                                                   (True, "gluon.narrow8", 2)])
+                                                   (True, "gluon.narrow8", 2), (True, "gluon.narrow8", 1)])
 def test_native_narrow_kernels_follow_the_mma_model(fp8_mma, kernel, stages, B=3, H=16, L=900, r=512, d=64):
     """The <= 16-row native FP8 kernels against the reference's model of their MMAs (`MMANumerics.for_kernel`:
     ~14 bits kept inside a chain, two 256-channel QK chains, PV carried through the MMA): the model must

@@ -381,6 +381,8 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
             consts.update(STAGES=choice.num_stages)
         if choice.kernel == "gluon.narrow8":
             consts.update(BN=choice.block_m)
+            if choice.num_stages == 1:  # 16-row programs with one slot: three per SM
+                consts.update(maxnreg=NARROW_ONE_SLOT_MAXNREG)
     return KernelLaunch(name, kernel, grid, args, dict(**consts, num_warps=choice.num_warps))
 
 

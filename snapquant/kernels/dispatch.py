@@ -263,9 +263,9 @@ def gluon_reason(ops: KernelOperands, config: KVQuantConfig, rows: int, target: 
         return f"tile='gluon' runs exact fp16 MMAs{native8} at {rows} query rows, got fp8_mma={fp8_mma!r}"
     if target.arch is not None and not target.hopper:
         return f"tile='gluon' runs on Hopper (sm_90) only, not {target.gpu_name or f'sm_{target.arch}'}"
-    if not wide and fp8_mma is True and num_stages not in (None, 2):
+    if not wide and fp8_mma is True and num_stages not in (None, 1, 2):
         return (f"tile='gluon' with fp8_mma=True at <= {GLUON_ROWS} query rows (gluon.narrow8, 16-row programs) runs "
-                f"num_stages=2 (two TMA slots), got num_stages={num_stages}")
+                f"num_stages 2 (two TMA slots) or 1 (one, three programs per SM), got num_stages={num_stages}")
     if not wide and fp8_mma is not True \
             and narrow_kernel(narrow_stages(num_stages, ops.kv_lora_rank, ops.layout), ops.layout, fp8_mma) \
             == "gluon.narrow" \
@@ -322,10 +322,10 @@ def narrow_kernel(stages: int, layout: str = "snapmla", fp8_mma: bool | str = Fa
     return "gluon.narrow" if stages >= 2 or fp8_mma == "qk" else "gluon.narrow_tile"
 
 
-# gluon.narrow with one slot (~57 KB with the native QK's fp8 query): three programs share an SM when a thread
-# keeps to 65536 / (3 x 128) = 170 registers (rounded down to the allocation unit of 8). Compiled for sm_90 the
-# native-QK kernel stays asynchronous there and spills ~136 bytes; the exact kernel serializes its wgmma chain
-# (ptxas C7512), so only the native QK runs this way
+# gluon.narrow with one slot (~57 KB with the native QK's fp8 query) and gluon.narrow8's 16-row programs with
+# one (~55 KB): three programs share an SM when a thread keeps to 65536 / (3 x 128) = 170 registers (rounded down
+# to the allocation unit of 8). Compiled for sm_90 both native kernels stay asynchronous there and spill 128-160
+# bytes; the exact kernel serializes its wgmma chain (ptxas C7512), so only the native ones run this way
 NARROW_ONE_SLOT_MAXNREG = 168
 
 
@@ -378,7 +378,8 @@ def narrow_bf16_smem(stages: int, r: int, d: int) -> int:
 def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOptions) -> KernelChoice:
     B, r = ops.block_table.shape[0], ops.kv_lora_rank
     if rows <= GLUON_ROWS and opts.fp8_mma is True:  # both products native: gluon.narrow8 at 16 rows
-        kernel, block_m, stages, warps, resident, max_run = "gluon.narrow8", GLUON_ROWS, 2, 4, 2, NARROW_MAX_RUN
+        stages = opts.num_stages or 2  # one slot: three programs per SM (`NARROW_ONE_SLOT_MAXNREG`)
+        kernel, block_m, warps, resident, max_run = "gluon.narrow8", GLUON_ROWS, 4, 3 if stages == 1 else 2, NARROW_MAX_RUN
     elif rows <= GLUON_ROWS:
         stages = narrow_stages(opts.num_stages, r, ops.layout)
         kernel, block_m, warps = narrow_kernel(stages, ops.layout, opts.fp8_mma), GLUON_ROWS, 4

@@ -158,12 +158,19 @@ if HAVE_GLUON:
             acc_a = warpgroup_mma(vt_operand(page_smem.slice(0, 2 * PAGE, dim=0), PAIR_VIEW_T, V_LOAD4, HALF, PAGE,
                                               a_o), pt, acc_a * beta, is_async=True)
             vt_b = vt_operand(page_smem.slice(2 * PAGE, 2 * PAGE, dim=0), PAIR_VIEW_T, V_LOAD4, HALF, PAGE, a_o)
+            if STAGES == 1:
+                # one slot (16-row programs, three per SM): V^T is in registers, so once every warp is here the
+                # slot is read and the next page is asked for under PV's MMAs
+                cta_barrier()
+                issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, slot, page_refill, lat_page_rows,
+                            rope_page_rows, it + STAGES < n_run, NBOX, BOXW, PAGE)
             acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
             acc_b = warpgroup_mma(vt_b, pt, acc_b * beta, is_async=True)
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
             cta_barrier()  # every warp has read the slot (QK, V^T) and P^: refill the slot
-            issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, slot, page_refill, lat_page_rows, rope_page_rows,
-                        it + STAGES < n_run, NBOX, BOXW, PAGE)
+            if STAGES > 1:
+                issue_slot(lat_desc, rope_desc, lat4, rope_smem, bars, slot, page_refill, lat_page_rows,
+                            rope_page_rows, it + STAGES < n_run, NBOX, BOXW, PAGE)
 
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
