@@ -14,8 +14,8 @@
 #   stream            the page-ring stream probe (scripts/probe_stream.py) beside FlashMLA, and its GPU test (carry
 #                     .anchors)
 #   followup          splits, then stream, then the GPU suite (TESTS_S, default 280): ~500 s, any GPU
-#   slot1             gluon.narrow's native QK with one slot, three programs per SM: its GPU tests, then the H = 16
-#                     shapes beside the two-slot kernels and FlashMLA (~200 s, any GPU)
+#   slot1             the <= 16-row kernels with one slot, three programs per SM (exact, native QK, both native):
+#                     their GPU tests, then two H = 16 shapes beside the two-slot kernels and FlashMLA (~250 s)
 #   qk8               the native e4m3 QK in gluon.narrow (fp8_mma="qk") and both products native at 16 rows (gluon.narrow8,
 #                     fp8_mma=True): their GPU tests, then three
 #                     H = 16 shapes (B x L = 128 x 4K, 32 x 16K, 32 x 32K) beside FlashMLA (~250 s, any GPU; TEST_S,
@@ -98,11 +98,12 @@ case "$PART" in
     OUT="$OUT" timeout 130 bash "$0" splits
     OUT="$OUT" timeout 110 bash "$0" stream
     TESTS_S="${TESTS_S:-280}" run_tests ;;
-  slot1)  # one slot and three programs per SM (gluon.narrow's native QK with num_stages=1): its GPU tests, then the
-          # H = 16 shapes beside the two-slot kernels and FlashMLA (~200 s, any GPU; TEST_S, BENCH_S, SHAPES)
-    OUT="$OUT/slot1" TAG=slot1 TEST_S="${TEST_S:-90}" TESTS="follow_the_mma_model or (matches_the_reference and qk)" \
-      BENCH_S="${BENCH_S:-150}" SHAPES="${SHAPES:-128x16x4096,32x16x16384,32x16x32768}" \
-      VARIANTS=bf16,snapmla,snapmla+gluon+fp8qk,snapmla+gluon+fp8qk+s1,snapmla+gluon+fp8mma16,snapmla+gluon+fp8mma16+s1 \
+  slot1)  # one slot and three programs per SM (num_stages=1: gluon.narrow exact and native QK, gluon.narrow8 at 16 rows):
+          # their GPU tests, then two H = 16 shapes beside the two-slot kernels and FlashMLA (~250 s, any GPU; TEST_S,
+          # BENCH_S, SHAPES)
+    OUT="$OUT/slot1" TAG=slot1 TEST_S="${TEST_S:-90}" TESTS="follow_the_mma_model or matches_the_reference or one_slot" \
+      BENCH_S="${BENCH_S:-160}" SHAPES="${SHAPES:-128x16x4096,32x16x32768}" \
+      VARIANTS=bf16,snapmla,snapmla+gluon+s1,snapmla+gluon+fp8qk,snapmla+gluon+fp8qk+s1,snapmla+gluon+fp8mma16,snapmla+gluon+fp8mma16+s1 \
       bash scripts/device_widen.sh 2>&1 | tail -24 ;;
   qk8)  # the native e4m3 QK of gluon.narrow against the exact default, its reference tests first
     OUT="$OUT/qk8" TAG=qk8 TEST_S="${TEST_S:-80}" \

@@ -122,9 +122,9 @@ def configs() -> dict[str, callable]:
     c["gluon_regs_h16_1split"] = lambda: _decode_plan("snapmla", 8, 16, 2048, tile="gluon", num_splits=1)
     c["gluon_tile_r256"] = lambda: _decode_plan("snapmla", 4, 16, 1024, r=256, d=32, tile="gluon")
     c["gluon_tile_r128"] = lambda: _decode_plan("snapmla", 4, 16, 1024, r=128, d=64, tile="gluon")
-    c["gluon_tile_s1_r512"] = lambda: _decode_plan("snapmla", 8, 16, 2048, tile="gluon", num_stages=1)
+    c["gluon_narrow_s1"] = lambda: _decode_plan("snapmla", 8, 16, 2048, tile="gluon", num_stages=1)
     c["gluon_tile_fp8qk_s2"] = lambda: _decode_plan("snapmla", 8, 16, 2048, tile="gluon", fp8_mma="qk")
-    c["gluon_tile_fp8qk_s1"] = lambda: _decode_plan("snapmla", 8, 16, 2048, tile="gluon", fp8_mma="qk",
+    c["gluon_narrow_fp8qk_s1"] = lambda: _decode_plan("snapmla", 8, 16, 2048, tile="gluon", fp8_mma="qk",
                                                     num_stages=1)
     c["gluon_wide_snapmla_h64"] = lambda: _decode_plan("snapmla", 32, 64, 8192, tile="gluon")
     c["gluon_wide_bf16_h64"] = lambda: _decode_plan("bf16", 32, 64, 8192, tile="gluon")

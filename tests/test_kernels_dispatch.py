@@ -70,7 +70,7 @@ def test_options_from_dict_aliases_and_merging():
     ("snapmla", 16, 1, 512, {}, "gluon.narrow"),
     ("snapmla", 8, 2, 512, {}, "gluon.narrow"),  # S * H query rows
     ("snapmla", 16, 1, 256, {}, "gluon.narrow_tile"),
-    ("snapmla", 16, 1, 512, {"num_stages": 1}, "gluon.narrow_tile"),
+    ("snapmla", 16, 1, 512, {"num_stages": 1}, "gluon.narrow"),  # one slot: 3 per SM
     ("snapmla", 16, 1, 512, {"fp8_mma": "qk", "tile": "gluon"}, "gluon.narrow"),
     ("snapmla", 16, 1, 512, {"fp8_mma": "qk", "tile": "gluon", "num_stages": 1}, "gluon.narrow"),  # 3 per SM
     ("snapmla", 16, 1, 512, {"fp8_mma": True, "tile": "gluon"}, "gluon.narrow8"),  # both native: 16-row programs

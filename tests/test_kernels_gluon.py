@@ -44,18 +44,23 @@ def _unserialized(st, max_spill=128):
 
 
 @needs_gluon
-@pytest.mark.parametrize("stages,kernel", [(2, "decode_gluon_narrow"), (1, "decode_gluon_narrow_tile")])
-def test_narrow_gluon_kernels_compile_to_exact_16bit_wgmma(stages, kernel):
-    """<= 16 rows, exact MMAs: the default at r = 512 (gluon.narrow: register A operands widened from two TMA
-    slots) and the in-place slot (gluon.narrow_tile). Per page QK r / 16 and PV r / 16 fp16 m64n16k16 wgmma
-    (the codes widened to fp16, by cvt e4m3x2 -> f16x2), RoPE d / 16 in bf16; no mma.sync, no e4m3 MMA;
-    <= half an SM's shared memory (two programs per SM)."""
+@pytest.mark.parametrize("stages", [2, 1])
+def test_narrow_gluon_kernels_compile_to_exact_16bit_wgmma(stages):
+    """<= 16 rows, exact MMAs (gluon.narrow, register A operands widened from the TMA slots): per page QK r / 16
+    and PV r / 16 fp16 m64n16k16 wgmma (the codes widened to fp16, by cvt e4m3x2 -> f16x2), RoPE d / 16 in
+    bf16; no mma.sync, no e4m3 MMA. Two slots: <= half an SM's shared memory (two programs per SM). One slot:
+    <= a third, and 168 registers with the wgmma chain still asynchronous (each box's MMA waited for before
+    the next box is loaded), so three programs share an SM."""
     st = sm90_stats("snapmla", **NARROW, tile="gluon", num_stages=stages)
-    assert st["kernel"] == kernel
+    assert st["kernel"] == "decode_gluon_narrow"
     assert wgmma_mix(st, ROPE16) == {ROPE16: 1, "f16.f16 m64n16k16": 2 * 512 / 64}
     assert st["mma_sync"] == 0 and st["async_loads"] > 0 and st["cvt_e4m3"] > 0
-    assert 0 < st["smem"] <= SMEM_LIMIT // 2 - 1024
-    _unserialized(st)
+    resident = 2 if stages == 2 else 3
+    assert 0 < st["smem"] <= SMEM_LIMIT // resident - 1024
+    if st.get("regs") is not None:
+        assert st["regs"] * 128 * resident <= 65536, st["regs"]
+    # 168 registers: one slot spills a little (Triton 3.6: 48 bytes, 3.9: 168), never its wgmma chain
+    _unserialized(st, max_spill=128 if stages == 2 else 320)
 
 
 @needs_gluon
@@ -193,8 +198,7 @@ def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages,
                           num_stages=stages)
     kernel = mla_decode_plan(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma,
                              num_stages=stages).launches[0].name
-    assert kernel == ("decode_gluon_narrow8" if fp8_mma is True else "decode_gluon_narrow"
-                      if stages >= 2 or fp8_mma == "qk" else "decode_gluon_narrow_tile")
+    assert kernel == ("decode_gluon_narrow8" if fp8_mma is True else "decode_gluon_narrow")
     assert torch.isfinite(out).all()
     base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="pairs")
     kv = cache.to_quantized_kv(int(cache.lengths.max())).to("cpu")
@@ -888,16 +892,16 @@ def test_register_operand_kernel_plans_and_refusals():
     assert plan.knobs["num_splits"] == 4  # two programs per SM: 264 slots / 2 requests, capped by the 4 pages
     qk = _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_stages=2, fp8_mma="qk")
     assert qk.launches[0].name == "decode_gluon_narrow" and qk.knobs["num_splits"] == 4  # two programs per SM too
-    # one slot with the native QK: gluon.narrow at 168 registers, three programs per SM (one wave: 132 x 3
-    # slots / 33 requests = 12 splits, against 8 with two slots); the exact kernel with one slot is the
-    # in-place tile (it serializes its wgmma at 168 registers)
-    kw = dict(B=33, H=16, L=64 * 100, arch=None, tile="gluon", fp8_mma="qk")
-    one, two = meta_plan("snapmla", num_stages=1, **kw), meta_plan("snapmla", num_stages=2, **kw)
-    assert one.launches[0].name == "decode_gluon_narrow" and one.launches[0].kwargs["maxnreg"] == 168
-    assert one.launches[0].kwargs["STAGES"] == 1 and one.knobs["num_splits"] == 12
-    assert "maxnreg" not in two.launches[0].kwargs and two.knobs["num_splits"] == 8
-    assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", num_stages=1).launches[0].name \
-        == "decode_gluon_narrow_tile"
+    # one slot, exact or with the native QK: gluon.narrow at 168 registers, three programs per SM (one wave:
+    # 132 x 3 slots / 33 requests = 12 splits, against 8 with two slots)
+    for fp8_mma in (False, "qk"):
+        kw = dict(B=33, H=16, L=64 * 100, arch=None, tile="gluon", fp8_mma=fp8_mma)
+        one, two = meta_plan("snapmla", num_stages=1, **kw), meta_plan("snapmla", num_stages=2, **kw)
+        assert one.launches[0].name == "decode_gluon_narrow" and one.launches[0].kwargs["maxnreg"] == 168
+        assert one.launches[0].kwargs["STAGES"] == 1 and one.knobs["num_splits"] == 12
+        assert "maxnreg" not in two.launches[0].kwargs and two.knobs["num_splits"] == 8
+    # other widths: the in-place tile, one slot
+    assert _meta_plan(PRESETS["snapmla"], 16, r=256, d=32, tile="gluon").launches[0].name == "decode_gluon_narrow_tile"
     with pytest.raises(ConfigError, match=r"widen='int_qk'.*fp8_mma='qk'"):
         _meta_plan(PRESETS["snapmla"], 16, tile="gluon", fp8_mma="qk", widen="int_qk")
     assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", fp8_mma="qk", widen="int_pv").launches[0].name \
@@ -931,7 +935,7 @@ def test_integer_widening_is_refused_where_gluon_narrow_does_not_run():
     """widen is gluon.narrow's knob: asked of another kernel it is an error naming the knob and the kernel."""
     assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", widen="int").launches[0].name == "decode_gluon_narrow"
     assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", widen="cvt").launches[0].name == "decode_gluon_narrow"
-    for knobs, kernel in [(dict(tile="gluon", num_stages=1), "gluon.narrow_tile"), (dict(tile="pairs"), "triton.pairs")]:
+    for knobs, kernel in [(dict(tile="gluon", r=256, d=32), "gluon.narrow_tile"), (dict(tile="pairs"), "triton.pairs")]:
         with pytest.raises(ConfigError, match=f"widen='int' is a knob of gluon.narrow.*{kernel}"):
             _meta_plan(PRESETS["snapmla"], 16, widen="int", **knobs)
     with pytest.raises(ConfigError, match=r"widen='int' is a knob of gluon.narrow.*gluon.wide"):
@@ -962,6 +966,30 @@ def test_integer_widening_gives_the_cvt_kernels_bits(widen, B=6, H=16, L=700, r=
     assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("fp8_mma", [False, "qk", True])
+def test_one_slot_gives_the_two_slot_kernels_bits(fp8_mma, B=6, H=16, L=1500, r=512, d=64):
+    """One slot and three programs per SM change when pages arrive and which registers hold what, not the
+    products or their order: output and LSE bit for bit the two-slot kernel's (exact, native QK, both native),
+    with the same splits, on mixed lengths with NaN codes past the longest request."""
+    torch.manual_seed(12)
+    cfg = PRESETS["snapmla"]
+    lengths = torch.tensor([max(1, L - 211 * i) for i in range(B)], dtype=torch.int32)
+    cache = PagedMLACache.empty(B, L, r, d, cfg, device="cuda")
+    cache.append(torch.randn(B, L, r, device="cuda"), torch.randn(B, L, d, device="cuda"))
+    cache.lengths.copy_(lengths.cuda())
+    cache.latent[cache.block_table[0, (L - 1) // 64], L % 64:].view(torch.uint8).fill_(0x7F)
+    q = torch.randn(B, 1, H, r + d, device="cuda").to(torch.bfloat16)
+    knobs = dict(tile="gluon", fp8_mma=fp8_mma, num_splits=5)
+    two = mla_decode(q, cache, 0.07, cfg, num_stages=2, **knobs)
+    one = mla_decode(q, cache, 0.07, cfg, num_stages=1, **knobs)
+    assert mla_decode_plan(q, cache, 0.07, cfg, num_stages=1, **knobs).launches[0].kwargs["STAGES"] == 1
+    assert torch.isfinite(one[0]).all()
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
 @needs_gluon
 @pytest.mark.parametrize("preset,kernel", [("snapmla", "decode_gluon_narrow"), ("bf16", "decode_gluon_narrow_bf16")])
 @pytest.mark.parametrize("ahead", [1, 2, 4])
@@ -981,7 +1009,7 @@ def test_l2_prefetch_adds_bulk_prefetches_and_nothing_else(preset, kernel, ahead
 @needs_gluon
 def test_l2_prefetch_is_refused_where_the_narrow_kernels_do_not_run():
     assert _meta_plan(PRESETS["snapmla"], 16, tile="gluon", l2_prefetch=2).launches[0].name == "decode_gluon_narrow"
-    for knobs, kernel in [(dict(tile="gluon", num_stages=1), "gluon.narrow_tile"), (dict(tile="pairs"), "triton.pairs")]:
+    for knobs, kernel in [(dict(tile="gluon", r=256, d=32), "gluon.narrow_tile"), (dict(tile="pairs"), "triton.pairs")]:
         with pytest.raises(ConfigError, match=f"l2_prefetch=2 is a knob of gluon.narrow / gluon.narrow_bf16.*{kernel}"):
             _meta_plan(PRESETS["snapmla"], 16, l2_prefetch=2, **knobs)
     with pytest.raises(ConfigError, match=r"l2_prefetch=2 is a knob.*gluon.wide"):
@@ -1019,7 +1047,8 @@ def test_l2_prefetch_gives_the_same_bits(preset, ahead, B=6, H=16, L=1500, r=512
 # versions skip; to add one, print `sm90_stats(...)["wgmma_kinds"]` of each case there.
 SNAPSHOT_CASES = {
     "narrow": ("snapmla", NARROW, {"tile": "gluon", "num_stages": 2}),
-    "narrow_tile": ("snapmla", NARROW, {"tile": "gluon", "num_stages": 1}),
+    "narrow s1": ("snapmla", NARROW, {"tile": "gluon", "num_stages": 1}),
+    "narrow_tile": ("snapmla", dict(NARROW, r=256, d=32), {"tile": "gluon"}),
     "narrow fp8 qk s1": ("snapmla", NARROW, {"tile": "gluon", "fp8_mma": "qk", "num_stages": 1}),
     "narrow fp8 qk": ("snapmla", NARROW, {"tile": "gluon", "fp8_mma": "qk", "num_stages": 2}),
     "wide": ("snapmla", WIDE, {"tile": "gluon"}),
@@ -1031,7 +1060,8 @@ SNAPSHOT_CASES = {
 WGMMA_SNAPSHOTS = {
     "3.9.0": {
         "narrow": {ROPE16: 4, "f16.f16 m64n16k16": 64},
-        "narrow_tile": {ROPE16: 4, "f16.f16 m64n16k16": 64},
+        "narrow s1": {ROPE16: 4, "f16.f16 m64n16k16": 64},
+        "narrow_tile": {ROPE16: 2, "f16.f16 m64n16k16": 32},
         "narrow fp8 qk s1": {ROPE16: 4, "e4m3.e4m3 m64n16k32": 16, "f16.f16 m64n16k16": 32},
         "narrow fp8 qk": {ROPE16: 4, "e4m3.e4m3 m64n16k32": 16, "f16.f16 m64n16k16": 32},
         "wide": {ROPE32: 4, "f16.f16 m64n256k16": 4, "f16.f16 m64n32k16": 32},

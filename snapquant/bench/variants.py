@@ -204,7 +204,8 @@ VARIANTS: tuple[Variant, ...] = (
        note="Gluon kernels: <= 16 rows TMA, swap-AB wgmma with register A operands widened from two slots, "
             "2 programs/SM (gluon.narrow); more rows: 64-row tiles, two warpgroups (gluon.wide)"),
     _v("snapmla+gluon+s1", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
-       num_stages=1, note="<= 16 rows: one slot widened in place into an fp16 tile (gluon.narrow_tile), 2 programs/SM"),
+       num_stages=1, note="<= 16 rows: gluon.narrow with one slot (~64 KB, 168 registers, one box's operand live at a "
+                          "time): three programs per SM, each page asked for once the last one's codes are in registers"),
     _v("bf16+gluon", "bf16", "bf16", priority=1, check="bf16", tile="gluon",
        note="the Gluon kernels on the bf16 layout, wgmma reading the TMA slots directly: <= 16 rows swap AB, two "
             "72 KB slots, one program per SM (gluon.narrow_bf16, opt-in); more rows 64-row tiles (gluon.wide)"),

@@ -63,12 +63,13 @@ class KernelSpec:
 KERNELS: dict[str, KernelSpec] = {
     "gluon.narrow": KernelSpec(
         "gluon", "gluon/narrow.py", "default",
-        "<= 16 query rows; snapmla layout, fp8 query and P, exact MMAs; kv_lora_rank 512; with fp8_mma='qk' "
-        "(experimental) native FP8 QK from the TMA slot; Hopper"),
+        "<= 16 query rows; snapmla layout, fp8 query and P, exact MMAs; kv_lora_rank 512; two slots (two programs "
+        "per SM) or num_stages=1 (one slot, three per SM); with fp8_mma='qk' (experimental) native FP8 QK from the "
+        "TMA slot; Hopper"),
     "gluon.narrow_tile": KernelSpec(
         "gluon", "gluon/narrow_tile.py", "default",
-        "<= 16 query rows; snapmla layout, fp8 query and P, exact MMAs; kv_lora_rank 128 or 256 (or num_stages=1); "
-        "with fp8_mma='qk' and num_stages=1 (experimental) native FP8 QK; Hopper"),
+        "<= 16 query rows; snapmla layout, fp8 query and P, exact MMAs; kv_lora_rank 128 or 256; one slot widened "
+        "in place, two programs per SM; Hopper"),
     "gluon.narrow_bf16": KernelSpec(
         "gluon", "gluon/narrow_bf16.py", "default",
         "<= 16 query rows; the bf16 layout (bf16 query and P); kv_lora_rank 128, 256 or 512; 2 ring slots (one "
@@ -266,10 +267,8 @@ def gluon_reason(ops: KernelOperands, config: KVQuantConfig, rows: int, target: 
     if not wide and fp8_mma is True and num_stages not in (None, 1, 2):
         return (f"tile='gluon' with fp8_mma=True at <= {GLUON_ROWS} query rows (gluon.narrow8, 16-row programs) runs "
                 f"num_stages 2 (two TMA slots) or 1 (one, three programs per SM), got num_stages={num_stages}")
-    if not wide and fp8_mma is not True \
-            and narrow_kernel(narrow_stages(num_stages, ops.kv_lora_rank, ops.layout), ops.layout, fp8_mma) \
-            == "gluon.narrow" \
-            and ops.kv_lora_rank != 512:
+    if not wide and fp8_mma is not True and ops.layout == "snapmla" and ops.kv_lora_rank != 512 \
+            and narrow_stages(num_stages, ops.kv_lora_rank, ops.layout) != 1:
         return (f"tile='gluon' at <= {GLUON_ROWS} rows with num_stages >= 2 (register operands, gluon.narrow) is "
                 f"written for kv_lora_rank 512 (four 128-channel boxes), got {ops.kv_lora_rank}")
     if fp8_mma in ("qk", True) and ops.kv_lora_rank != 512:
@@ -312,20 +311,20 @@ def narrow_stages(num_stages: int | None, r: int, layout: str = "snapmla") -> in
     return 2 if r == 512 or layout == "bf16" else 1
 
 
-def narrow_kernel(stages: int, layout: str = "snapmla", fp8_mma: bool | str = False) -> str:
-    """The <= 16-row Gluon kernel: gluon.narrow_bf16 for the bf16 layout; for snapmla two or more slots run
-    gluon.narrow (register operands; with fp8_mma="qk" a native e4m3 QK from the slot), one the in-place
-    fp16 tile (gluon.narrow_tile), except with fp8_mma="qk": gluon.narrow with one slot, three programs per SM
-    (`NARROW_ONE_SLOT_MAXNREG`)."""
+def narrow_kernel(stages: int, layout: str = "snapmla", r: int = 512) -> str:
+    """The <= 16-row Gluon kernel: gluon.narrow_bf16 for the bf16 layout; for snapmla at r = 512 gluon.narrow
+    (register operands; with fp8_mma="qk" a native e4m3 QK from the slot; one slot runs three programs per SM,
+    `NARROW_ONE_SLOT_MAXNREG`), at other widths the in-place fp16 tile (gluon.narrow_tile, one slot)."""
     if layout == "bf16":
         return "gluon.narrow_bf16"
-    return "gluon.narrow" if stages >= 2 or fp8_mma == "qk" else "gluon.narrow_tile"
+    return "gluon.narrow" if r == 512 else "gluon.narrow_tile"
 
 
-# gluon.narrow with one slot (~57 KB with the native QK's fp8 query) and gluon.narrow8's 16-row programs with
-# one (~55 KB): three programs share an SM when a thread keeps to 65536 / (3 x 128) = 170 registers (rounded down
-# to the allocation unit of 8). Compiled for sm_90 both native kernels stay asynchronous there and spill 128-160
-# bytes; the exact kernel serializes its wgmma chain (ptxas C7512), so only the native ones run this way
+# gluon.narrow with one slot (~64 KB exact, ~57 KB with the native QK's fp8 query) and gluon.narrow8's 16-row
+# programs with one (~55 KB): three programs share an SM when a thread keeps to 65536 / (3 x 128) = 170
+# registers (rounded down to the allocation unit of 8). Compiled for sm_90 they stay asynchronous there and
+# spill 48-160 bytes (the exact kernel once each box's MMA is waited for before the next box is loaded: with
+# two boxes' operands live ptxas serializes its wgmma chain, C7512)
 NARROW_ONE_SLOT_MAXNREG = 168
 
 
@@ -351,16 +350,15 @@ def uses_seesaw(ops: KernelOperands, rows: int, opts: DecodeOptions) -> bool:
             and opts.fp8_mma is not True)
 
 
-def narrow_resident(stages: int, layout: str = "snapmla", r: int = 512, d: int = 64,
-                    fp8_mma: bool | str = False) -> int:
+def narrow_resident(stages: int, layout: str = "snapmla", r: int = 512, d: int = 64) -> int:
     """Programs of the <= 16-row kernel per SM (shared memory, registers): the in-place slot (~98 KB) and the
     register-operand kernel with two slots (~105 KB; ~97 KB with the fp8 query of fp8_mma="qk") fit two, the
-    native-QK kernel with one slot (~57 KB, `NARROW_ONE_SLOT_MAXNREG`) three; the bf16 kernel two where its
-    slots and query fit half an SM (`narrow_bf16_smem`: one 72 KB slot at r = 512, two at r <= 256); the other
-    configurations one."""
+    register-operand kernel with one slot (~57-64 KB, `NARROW_ONE_SLOT_MAXNREG`) three; the bf16 kernel two
+    where its slots and query fit half an SM (`narrow_bf16_smem`: one 72 KB slot at r = 512, two at r <= 256);
+    the other configurations one."""
     if layout == "bf16":
         return 2 if narrow_bf16_smem(stages, r, d) <= HALF_SM_SMEM else 1
-    if stages == 1 and fp8_mma == "qk":
+    if stages == 1 and narrow_kernel(stages, layout, r) == "gluon.narrow":
         return 3
     return 2 if stages <= 2 else 1
 
@@ -382,8 +380,8 @@ def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOp
         kernel, block_m, warps, resident, max_run = "gluon.narrow8", GLUON_ROWS, 4, 3 if stages == 1 else 2, NARROW_MAX_RUN
     elif rows <= GLUON_ROWS:
         stages = narrow_stages(opts.num_stages, r, ops.layout)
-        kernel, block_m, warps = narrow_kernel(stages, ops.layout, opts.fp8_mma), GLUON_ROWS, 4
-        resident = narrow_resident(stages, ops.layout, r, ops.rope_dim, opts.fp8_mma)
+        kernel, block_m, warps = narrow_kernel(stages, ops.layout, r), GLUON_ROWS, 4
+        resident = narrow_resident(stages, ops.layout, r, ops.rope_dim)
         max_run = NARROW_MAX_RUN
     elif opts.fp8_mma is True:
         block_m = opts.block_m or 32

@@ -68,6 +68,19 @@ if HAVE_GLUON:
             return lat_smem.index(box)._reinterpret(gl.float8e4nv, SHAPE, VIEW)
 
     @gluon.jit
+    def _next_operand(acc, lat_smem, box, VIEW: gl.constexpr, SHAPE: gl.constexpr, a_l: gl.constexpr,
+                      INT: gl.constexpr, ONE_LIVE: gl.constexpr):
+        """The next box's widened A operand, with the MMA in flight (`acc`) waited for: after the load (two
+        boxes' operands live, the load under the MMA) or, ONE_LIVE, before it (one box live, fewer registers)."""
+        if ONE_LIVE:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            a16 = widen_e4m3(_box_view(lat_smem, box, VIEW, SHAPE).load(a_l), INT)
+        else:
+            a16 = widen_e4m3(_box_view(lat_smem, box, VIEW, SHAPE).load(a_l), INT)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        return acc, a16
+
+    @gluon.jit
     def _zero_tail(lat_smem, box0, base, length, NBOX: gl.constexpr, PAGE: gl.constexpr, cvt_l: gl.constexpr):
         """A request's last page: the codes of tokens past its length -> 0 in the slot (they may be NaN)."""
         keep = gl.expand_dims((base + gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))) < length, 1)
@@ -199,15 +212,15 @@ if HAVE_GLUON:
                 k0, k1, rd = warpgroup_mma_wait(num_outstanding=0, deps=(k0, k1, rd))
                 qk = gl.convert_layout(k0 + k1, mma_l) + rd  # the same registers (no data movement)
             else:
-                # four boxes of e4m3 values widened in registers (exact fp16 products); one box's A operand
-                # live at a time: each MMA is waited for before the box after next is loaded (an async wgmma
-                # holds its register operands until it completes)
+                # four boxes of e4m3 values widened in registers (exact fp16 products). An async wgmma holds its
+                # register operands until it completes, so each MMA is waited for before the box after next is
+                # loaded (two boxes' operands live); with one slot (168 registers, three programs per SM) before
+                # the next box is loaded (one box live: ptxas would otherwise serialize every wgmma, C7512)
                 qk = warpgroup_mma(widen_e4m3(_box_view(lat_smem, box0, QK_VIEW, [PAGE, BOXW]).load(a_l), QK_INT),
                                    q_smem.slice(0, BOXW, dim=1).permute((1, 0)), zero_s, use_acc=False,
                                    is_async=True)
                 for k in gl.static_range(1, NBOX):
-                    a16 = widen_e4m3(_box_view(lat_smem, box0 + k, QK_VIEW, [PAGE, BOXW]).load(a_l), QK_INT)
-                    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+                    qk, a16 = _next_operand(qk, lat_smem, box0 + k, QK_VIEW, [PAGE, BOXW], a_l, QK_INT, STAGES == 1)
                     qk = warpgroup_mma(a16, q_smem.slice(k * BOXW, BOXW, dim=1).permute((1, 0)), qk, is_async=True)
                 qk, rd = warpgroup_mma_wait(num_outstanding=0, deps=(qk, rd))
                 if QK_INT:  # the integer widening gave the codes' values times 2^-8: one exact fma undoes it
@@ -224,21 +237,18 @@ if HAVE_GLUON:
             # boxes below PV_INT widen by integer operations (their accumulators hold O^T times 2^-8)
             acc0 = warpgroup_mma(widen_e4m3(_box_view(lat_smem, box0, PV_VIEW, [BOXW, PAGE]).load(a_l), PV_INT > 0),
                                  pt, acc0 * beta, is_async=True)
-            a16 = widen_e4m3(_box_view(lat_smem, box0 + 1, PV_VIEW, [BOXW, PAGE]).load(a_l), PV_INT > 1)
-            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
+            acc0, a16 = _next_operand(acc0, lat_smem, box0 + 1, PV_VIEW, [BOXW, PAGE], a_l, PV_INT > 1, STAGES == 1)
             acc1 = warpgroup_mma(a16, pt, acc1 * beta, is_async=True)
-            a16 = widen_e4m3(_box_view(lat_smem, box0 + 2, PV_VIEW, [BOXW, PAGE]).load(a_l), PV_INT > 2)
-            acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1,))
+            acc1, a16 = _next_operand(acc1, lat_smem, box0 + 2, PV_VIEW, [BOXW, PAGE], a_l, PV_INT > 2, STAGES == 1)
             acc2 = warpgroup_mma(a16, pt, acc2 * beta, is_async=True)
-            a16 = widen_e4m3(_box_view(lat_smem, box0 + 3, PV_VIEW, [BOXW, PAGE]).load(a_l), PV_INT > 3)
+            acc2, a16 = _next_operand(acc2, lat_smem, box0 + 3, PV_VIEW, [BOXW, PAGE], a_l, PV_INT > 3, STAGES == 1)
             if STAGES == 1:
                 # one slot: its last reads (box 3's codes, now in registers) are done once every warp is here, so
-                # the next page is asked for now and lands under PV's MMAs and the next page's prologue; the
+                # the next page is asked for now and lands under PV's last MMA and the next page's prologue; the
                 # programs beside this one on the SM (three with one slot each) stream theirs meanwhile
                 cta_barrier()
                 issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, 0, page_ask, lat_page_rows,
                             rope_page_rows, nxt < n_run, NBOX, BOXW, 0)
-            acc2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc2,))
             acc3 = warpgroup_mma(a16, pt, acc3 * beta, is_async=True)
             acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
             cta_barrier()  # every warp's reads of this slot (and of P) are done: the slot may be refilled
