@@ -101,7 +101,7 @@ case "$PART" in
   slot1)  # one slot and three programs per SM (num_stages=1: gluon.narrow exact and native QK, gluon.narrow8 at 16 rows):
           # their GPU tests, then two H = 16 shapes beside the two-slot kernels and FlashMLA (~250 s, any GPU; TEST_S,
           # BENCH_S, SHAPES, VARIANTS shorten it)
-    OUT="$OUT/slot1" TAG=slot1 TEST_S="${TEST_S:-90}" TESTS="follow_the_mma_model or matches_the_reference or one_slot" \
+    OUT="$OUT/slot1" TAG=slot1 TEST_S="${TEST_S:-90}" TESTS="${TESTS:-follow_the_mma_model or matches_the_reference or one_slot}" \
       BENCH_S="${BENCH_S:-160}" SHAPES="${SHAPES:-128x16x4096,32x16x32768}" \
       VARIANTS="${VARIANTS:-bf16,snapmla,snapmla+gluon+s1,snapmla+gluon+fp8qk,snapmla+gluon+fp8qk+s1,snapmla+gluon+fp8mma16,snapmla+gluon+fp8mma16+s1}" \
       bash scripts/device_widen.sh 2>&1 | tail -24 ;;
