@@ -449,6 +449,14 @@ JOBS: tuple[Job, ...] = (
         "gluon.narrow8 with 16-row programs) against the exact default and FlashMLA, on an H100 (`TEST_S=0 "
         "BENCH_S=140 SHAPES=128x16x4096,32x16x32768 bash scripts/device_session.sh qk8`)", manual=True, code=BENCH),
     Job("results/h100", "gpu",
+        ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "slot1_h100", "--no-append", "--budget-s", "70",
+         "--shapes", "128x16x4096", "--variants", "bf16,snapmla,snapmla+gluon+s1,snapmla+gluon+fp8qk,"
+         "snapmla+gluon+fp8qk+s1,snapmla+gluon+fp8mma16,snapmla+gluon+fp8mma16+s1"),
+        ("decode_slot1_h100.*", "bench_slot1_h100.json"), "one slot and three programs per SM (num_stages=1) against "
+        "two slots and two programs, exact, native QK and both products native, beside FlashMLA at 128x16x4096, on "
+        "an H100 (at 09a34f3: `TEST_S=50 TESTS=one_slot BENCH_S=110 SHAPES=128x16x4096 bash scripts/device_session.sh "
+        "slot1`)", manual=True, code=BENCH),
+    Job("results/h100", "gpu",
         ("scripts/bench_decode.py", "--out", "results/h100", "--tag", "pf_h100", "--no-append", "--budget-s", "130",
          "--shapes", "128x16x4096,32x16x16384,32x16x32768", "--variants",
          "bf16,snapmla,snapmla+pf1,snapmla+pf2,snapmla+pf4,bf16+pf2,snapmla+splits8+narrow"),
