@@ -370,8 +370,6 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
         if choice.kernel == "gluon.narrow":
             qk_int, pv_int = WIDENS[opts.widen or DEFAULT_WIDEN]
             consts.update(QK_INT=qk_int, PV_INT=pv_int, QK_FP8=opts.fp8_mma == "qk")
-            if choice.num_stages == 1:  # the native QK with one slot: three programs per SM
-                consts.update(maxnreg=NARROW_ONE_SLOT_MAXNREG)
         grid = (B, 1, splits)
     else:
         grid = (triton.cdiv(S * H, choice.block_m), B, splits)
@@ -381,8 +379,8 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
             consts.update(STAGES=choice.num_stages)
         if choice.kernel == "gluon.narrow8":
             consts.update(BN=choice.block_m)
-            if choice.num_stages == 1:  # 16-row programs with one slot: three per SM
-                consts.update(maxnreg=NARROW_ONE_SLOT_MAXNREG)
+    if choice.kernel in ("gluon.narrow", "gluon.narrow8") and choice.num_stages == 1:
+        consts.update(maxnreg=NARROW_ONE_SLOT_MAXNREG)  # one slot (<= 16 rows): three programs per SM
     return KernelLaunch(name, kernel, grid, args, dict(**consts, num_warps=choice.num_warps))
 
 
