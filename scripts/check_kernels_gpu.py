@@ -147,6 +147,8 @@ GLUON = {"snapmla+gluon": ("snapmla", {"tile": "gluon"}),  # Hopper only, S * H 
          "snapmla+gluon+exact+s3": ("snapmla", {"tile": "gluon", "p_div": "exact", "num_stages": 3}),
          "snapmla+gluon+s2": ("snapmla", {"tile": "gluon", "num_stages": 2}),
          "snapmla+gluon+s1": ("snapmla", {"tile": "gluon", "num_stages": 1}),  # gluon.narrow, one slot, 3 per SM
+         # gluon.narrow_halves: two warpgroups split each page's channels (exact products, fp32 order only)
+         "snapmla+gluon+halves": ("snapmla", {"tile": "gluon", "num_warps": 8}),
          "bf16+gluon": ("bf16", {"tile": "gluon"}),  # gluon.narrow_bf16 (opt-in): two slots, one program per SM
          "bf16+gluon+s1": ("bf16", {"tile": "gluon", "num_stages": 1}),  # ... one slot, two programs per SM
          # native FP8 QK: 2e-4..1.2e-3 from the reference measured (H200); judged by its own tolerances

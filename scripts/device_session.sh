@@ -16,6 +16,8 @@
 #   followup          splits, then stream, then the GPU suite (TESTS_S, default 280): ~500 s, any GPU
 #   slot1             the <= 16-row kernels with one slot, three programs per SM (exact, native QK, both native):
 #                     their GPU tests, then two H = 16 shapes beside the two-slot kernels and FlashMLA (~250 s)
+#   halves            gluon.narrow_halves (num_warps=8 at <= 16 rows): its reference tests, then three H = 16 shapes beside
+#                     the default and FlashMLA (~200 s, any GPU)
 #   qk8               the native e4m3 QK in gluon.narrow (fp8_mma="qk") and both products native at 16 rows (gluon.narrow8,
 #                     fp8_mma=True): their GPU tests, then three
 #                     H = 16 shapes (B x L = 128 x 4K, 32 x 16K, 32 x 32K) beside FlashMLA (~250 s, any GPU; TEST_S,
@@ -105,6 +107,11 @@ case "$PART" in
       BENCH_S="${BENCH_S:-160}" SHAPES="${SHAPES:-128x16x4096,32x16x32768}" \
       VARIANTS="${VARIANTS:-bf16,snapmla,snapmla+gluon+s1,snapmla+gluon+fp8qk,snapmla+gluon+fp8qk+s1,snapmla+gluon+fp8mma16,snapmla+gluon+fp8mma16+s1}" \
       bash scripts/device_widen.sh 2>&1 | tail -24 ;;
+  halves)  # gluon.narrow_halves (num_warps=8: two warpgroups split each page's channels): its reference tests, then
+           # three H = 16 shapes beside the default and FlashMLA (~200 s, any GPU; TEST_S, BENCH_S, SHAPES shorten it)
+    OUT="$OUT/halves" TAG=halves TEST_S="${TEST_S:-60}" TESTS="${TESTS:-matches_the_reference and False-2-8}" \
+      BENCH_S="${BENCH_S:-150}" SHAPES="${SHAPES:-128x16x4096,32x16x16384,8x16x32768}" \
+      VARIANTS="${VARIANTS:-bf16,snapmla,snapmla+gluon+halves}" bash scripts/device_widen.sh 2>&1 | tail -24 ;;
   qk8)  # the native e4m3 QK of gluon.narrow against the exact default, its reference tests first
     OUT="$OUT/qk8" TAG=qk8 TEST_S="${TEST_S:-80}" \
       TESTS="follow_the_mma_model or (test_gluon_kernel_matches_the_reference and (qk or True))" \
@@ -114,6 +121,6 @@ case "$PART" in
     TESTS_S=250 run_tests
     run_decode ;;
   *)
-    echo "unknown part '$PART': decode | eval | tests | all | quick | step | splits | stream | followup | slot1 | qk8"; exit 2 ;;
+    echo "unknown part '$PART': decode | eval | tests | all | quick | step | splits | stream | followup | slot1 | halves | qk8"; exit 2 ;;
 esac
 exit 0

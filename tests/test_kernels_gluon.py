@@ -178,10 +178,10 @@ def test_gluon_format_reason_names_the_field():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
-@pytest.mark.parametrize("fp8_mma,stages", [(False, 2), (False, 1), (False, 3), ("qk", 2), ("qk", 1), (True, 2),
-                                            (True, 1)])
+@pytest.mark.parametrize("fp8_mma,stages,warps", [(False, 2, None), (False, 1, None), (False, 3, None), ("qk", 2, None),
+                                                  ("qk", 1, None), (True, 2, None), (True, 1, None), (False, 2, 8)])
 @pytest.mark.parametrize("B,H,S,L,splits", [(6, 16, 1, 700, None), (3, 8, 2, 130, 1), (5, 16, 1, 64, 3)])
-def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages, r=512, d=64):
+def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages, warps, r=512, d=64):
     """Against `mla_decode_reference` (CPU, the definitive semantics) on requests of mixed lengths
     (partial pages, empty splits): the same arithmetic up to fp32 summation order inside the MMAs."""
     torch.manual_seed(B * 100 + L)
@@ -195,11 +195,11 @@ def test_gluon_kernel_matches_the_reference(B, H, S, L, splits, fp8_mma, stages,
     q = torch.randn(B, S, H, r + d, device="cuda").to(torch.bfloat16)
     tau = 1 / math.sqrt(192)
     out, lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma,
-                          num_stages=stages)
+                          num_stages=stages, num_warps=warps)
     kernel = mla_decode_plan(q, cache, tau, cfg, num_splits=splits, tile="gluon", fp8_mma=fp8_mma,
-                             num_stages=stages).launches[0].name
-    assert kernel == ("decode_gluon_narrow8" if fp8_mma is True else "decode_gluon_narrow" if r == 512
-                      else "decode_gluon_narrow_tile")
+                             num_stages=stages, num_warps=warps).launches[0].name
+    assert kernel == ("decode_gluon_narrow8" if fp8_mma is True else "decode_gluon_narrow_halves" if warps == 8
+                      else "decode_gluon_narrow" if r == 512 else "decode_gluon_narrow_tile")
     assert torch.isfinite(out).all()
     base, base_lse = mla_decode(q, cache, tau, cfg, num_splits=splits, tile="pairs")
     kv = cache.to_quantized_kv(int(cache.lengths.max())).to("cpu")

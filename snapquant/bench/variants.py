@@ -206,6 +206,10 @@ VARIANTS: tuple[Variant, ...] = (
     _v("snapmla+gluon+s1", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", where="rows16", tile="gluon",
        num_stages=1, note="<= 16 rows: gluon.narrow with one slot (~64 KB, 168 registers, one box's operand live at a "
                           "time): three programs per SM, each page asked for once the last one's codes are in registers"),
+    _v("snapmla+gluon+halves", "fp8", "snapmla", Q8, P8, priority=1, check="snapmla", tol=1e-4, where="rows16",
+       tile="gluon", num_warps=8,
+       note="<= 16 rows: gluon.narrow_halves (experimental), eight warps whose two warpgroups split each page's "
+            "channels (QK, PV) at two programs per SM (128 registers)"),
     _v("bf16+gluon", "bf16", "bf16", priority=1, check="bf16", tile="gluon",
        note="the Gluon kernels on the bf16 layout, wgmma reading the TMA slots directly: <= 16 rows swap AB, two "
             "72 KB slots, one program per SM (gluon.narrow_bf16, opt-in); more rows 64-row tiles (gluon.wide)"),

@@ -29,7 +29,7 @@ from ..config import KVQuantConfig
 from ..errors import ConfigError, ShapeError
 from ._checks import check_tensor
 from ._launch import for_device
-from .dispatch import NARROW_ONE_SLOT_MAXNREG, KernelChoice, Target, choose_kernel
+from .dispatch import NARROW_HALVES_MAXNREG, NARROW_ONE_SLOT_MAXNREG, KernelChoice, Target, choose_kernel
 from .layouts import LAYOUT_ID, PAGE_SIZE, layout_of, unsupported_reason
 from .operands import KernelOperands
 from .options import DEFAULT_L2_PREFETCH, DEFAULT_WIDEN, P_DIVS, WIDENS, DecodeOptions, as_options
@@ -332,6 +332,8 @@ _GLUON_KERNELS = {  # dispatch name -> (module under snapquant.kernels, function
     "gluon.wide": ("gluon.wide", "_mla_decode_gluon_wide", "decode_gluon_wide"),
     "gluon.seesaw": ("gluon.seesaw", "_bf16_decode_gluon_seesaw", "decode_gluon_seesaw"),
     "gluon.seesaw_fp8": ("gluon.seesaw_fp8", "_snapmla_decode_gluon_seesaw", "decode_gluon_seesaw_fp8"),
+    "gluon.narrow_halves": ("gluon.experimental.narrow_halves", "_snapmla_decode_gluon_halves",
+                            "decode_gluon_narrow_halves"),
     "gluon.narrow8": ("gluon.experimental.narrow8", "_mla_decode_gluon_narrow8", "decode_gluon_narrow8"),
     "gluon.wide8": ("gluon.experimental.wide8", "_mla_decode_gluon_wide8", "decode_gluon_wide8"),
 }
@@ -361,7 +363,7 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
                   P_DIV=P_DIVS.index(opts.p_div), LSE_NATURAL=splits == 1)
     module, fn, name = _GLUON_KERNELS[choice.kernel]
     kernel = getattr(importlib.import_module(f"{__package__}.{module}"), fn)
-    if choice.kernel in ("gluon.narrow", "gluon.narrow_tile", "gluon.narrow_bf16"):
+    if choice.kernel in ("gluon.narrow", "gluon.narrow_tile", "gluon.narrow_bf16", "gluon.narrow_halves"):
         consts.update(STAGES=choice.num_stages)
         if choice.kernel != "gluon.narrow_tile":
             ahead = DEFAULT_L2_PREFETCH if opts.l2_prefetch is None else opts.l2_prefetch
@@ -381,6 +383,8 @@ def _gluon_launch(q, ops, choice, o_part, lse_part, sm_scale_log2, causal) -> Ke
             consts.update(BN=choice.block_m)
     if choice.kernel in ("gluon.narrow", "gluon.narrow8") and choice.num_stages == 1:
         consts.update(maxnreg=NARROW_ONE_SLOT_MAXNREG)  # one slot (<= 16 rows): three programs per SM
+    if choice.kernel == "gluon.narrow_halves":
+        consts.update(maxnreg=NARROW_HALVES_MAXNREG)  # eight warps, two programs per SM
     return KernelLaunch(name, kernel, grid, args, dict(**consts, num_warps=choice.num_warps))
 
 

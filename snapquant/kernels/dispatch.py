@@ -12,6 +12,7 @@ schedule, never on launch knobs:
         <= 16 rows, snapmla with fp8 query and P, exact MMAs   gluon.narrow (r = 512) / gluon.narrow_tile
         <= 16 rows, fp8_mma="qk" / True with tile="gluon"      gluon.narrow / gluon.narrow8 (16-row programs)
         <= 16 rows, bf16 layout (bf16 query and P)             gluon.narrow_bf16
+        <= 16 rows, snapmla exact, num_warps=8 (experimental)  gluon.narrow_halves
         > 16 rows, bf16 layout, r = 512, d = 64                gluon.seesaw (warp_specialize=False: gluon.wide)
         > 16 rows, snapmla, r = 512, d = 64, warp_specialize   gluon.seesaw_fp8 (opt-in)
         > 16 rows, exact MMAs (snapmla fp8 q and P, other bf16) gluon.wide
@@ -74,6 +75,10 @@ KERNELS: dict[str, KernelSpec] = {
         "gluon", "gluon/narrow_bf16.py", "default",
         "<= 16 query rows; the bf16 layout (bf16 query and P); kv_lora_rank 128, 256 or 512; 2 ring slots (one "
         "program per SM) or num_stages=1 (two); Hopper"),
+    "gluon.narrow_halves": KernelSpec(
+        "gluon", "gluon/experimental/narrow_halves.py", "experimental",
+        "<= 16 query rows; snapmla layout, fp8 query and P, exact MMAs; kv_lora_rank 512, rope_dim 64; num_warps=8: "
+        "two warpgroups split each page's channels (QK, PV), two slots, two programs per SM; Hopper"),
     "gluon.wide": KernelSpec(
         "gluon", "gluon/wide.py", "default",
         "> 16 query rows (64-row tiles); snapmla layout with fp8 query and P, or the bf16 layout where gluon.seesaw "
@@ -241,6 +246,14 @@ def gluon_reason(ops: KernelOperands, config: KVQuantConfig, rows: int, target: 
                     f"{ops.layout} layout, {rows} query rows, kv_lora_rank {ops.kv_lora_rank}, rope_dim "
                     f"{ops.rope_dim}, fp8_mma={fp8_mma!r}")
     warps = 8 if wide and native8_rows != 32 and not uses_seesaw(ops, rows, options) else 4
+    if not wide and num_warps == HALVES_WARPS:  # gluon.narrow_halves: two warpgroups split each page's channels
+        if (ops.layout, fp8_mma, ops.kv_lora_rank, ops.rope_dim) != ("snapmla", False, 512, 64) \
+                or num_stages not in (None, 2):
+            return (f"tile='gluon' with num_warps={HALVES_WARPS} at <= {GLUON_ROWS} query rows (gluon.narrow_halves) "
+                    f"runs the snapmla layout with exact MMAs at kv_lora_rank 512, rope_dim 64 and two slots; got the "
+                    f"{ops.layout} layout, fp8_mma={fp8_mma!r}, kv_lora_rank {ops.kv_lora_rank}, rope_dim "
+                    f"{ops.rope_dim}, num_stages={num_stages}")
+        warps = HALVES_WARPS
     if num_warps not in (None, warps):
         return f"tile='gluon' at {rows} query rows runs num_warps={warps}, got num_warps={num_warps}"
     if wide and fp8_mma is True and num_stages not in (None, 2, 3, 4):
@@ -328,6 +341,12 @@ def narrow_kernel(stages: int, layout: str = "snapmla", r: int = 512) -> str:
 NARROW_ONE_SLOT_MAXNREG = 168
 
 
+# gluon.narrow_halves (num_warps=8 at <= 16 rows): eight warps per program, two programs per SM (~105 KB each), so a
+# thread keeps to 65536 / (2 x 256) = 128 registers
+HALVES_WARPS = 8
+NARROW_HALVES_MAXNREG = 128
+
+
 # the pair-schedule kernel of each layout, and the layouts where it is the default past 16 rows (measured faster
 # than gluon.wide at every shape, docs/performance.md); elsewhere warp_specialize=True asks for it
 SEESAW_KERNELS = {"bf16": "gluon.seesaw", "snapmla": "gluon.seesaw_fp8"}
@@ -378,6 +397,8 @@ def _gluon_choice(ops: KernelOperands, rows: int, target: Target, opts: DecodeOp
     if rows <= GLUON_ROWS and opts.fp8_mma is True:  # both products native: gluon.narrow8 at 16 rows
         stages = opts.num_stages or 2  # one slot: three programs per SM (`NARROW_ONE_SLOT_MAXNREG`)
         kernel, block_m, warps, resident, max_run = "gluon.narrow8", GLUON_ROWS, 4, 3 if stages == 1 else 2, NARROW_MAX_RUN
+    elif rows <= GLUON_ROWS and opts.num_warps == HALVES_WARPS:  # two warpgroups per page, two programs per SM
+        kernel, block_m, warps, stages, resident, max_run = "gluon.narrow_halves", GLUON_ROWS, 8, 2, 2, NARROW_MAX_RUN
     elif rows <= GLUON_ROWS:
         stages = narrow_stages(opts.num_stages, r, ops.layout)
         kernel, block_m, warps = narrow_kernel(stages, ops.layout, r), GLUON_ROWS, 4

@@ -50,6 +50,49 @@ def pv_channel(m):
     return ((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5)
 
 
+def pv_channel_pair(m):
+    """`pv_channel` over two boxes for `narrow_halves.py`'s eight warps: logical row m of the [256, 64] PV
+    operand of boxes 2j, 2j + 1 -> channel of the pair (box 2j + 1's channels from 128). wgmma gives a thread
+    rows m with bits 0-2 = lane group, bit 3 = the +8 half, bits 4-5 = its warp in the warpgroup, bit 6 = its
+    warpgroup, bit 7 = the second 128-row repeat: m bits 3 and 7 -> channel bits 0, 1 (four contiguous bytes
+    per thread, as `pv_channel`), lanes -> bits 2-4, warps -> bits 5-6, the warpgroup -> the box."""
+    return (((m >> 3) & 1) | (((m >> 7) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5)
+            | (((m >> 6) & 1) << 7))
+
+
+def pair_view_bases(kind: str) -> list[list[int]]:
+    """SharedLinearLayout offset bases of two consecutive TMA boxes read as one A operand of `narrow_halves.py`
+    (eight warps; rows 64-127 of each 128 are the second warpgroup's): "qk" the [128 rows, 128 k] view whose
+    rows 0-63 are the first box's tokens and 64-127 the second's (k -> channel `qk_channel`, as
+    `box_view_bases("qk")`); "pv" the [256 m, 64 tokens] view with m -> `pv_channel_pair(m)`."""
+    if kind == "qk":
+        return [*box_view_bases("qk"), [PAGE_SIZE, 0]]  # byte offset 8192: the next box, rows + 64
+    if kind != "pv":
+        raise ValueError(f"kind must be 'qk' or 'pv', got {kind!r}")
+    box_bytes = PAGE_SIZE * BOX_BYTES
+    logical_of = {pv_channel_pair(j): j for j in range(2 * BOX_BYTES)}
+    bases = []
+    for i in range((2 * box_bytes).bit_length() - 1):
+        box, within = divmod(1 << i, box_bytes)
+        t, c = _swizzled_position(within)
+        bases.append([logical_of[box * BOX_BYTES + c], t])
+    return bases
+
+
+def rope_halves_bases(d: int = 64) -> list[list[int]]:
+    """SharedLinearLayout offset bases (in bf16 elements) that read a [64 tokens, d] bf16 RoPE tile (TMA's
+    128-byte swizzle: d = 64) as `narrow_halves.py`'s [128, d / 2] A operand: row t + 64 h, column k is
+    token t, channel h d / 2 + k (each warpgroup multiplies half of the RoPE channels)."""
+    if d != 64:
+        raise ValueError(f"the RoPE halves view is written for rope_dim 64 (128-byte rows), got {d}")
+    bases = []
+    for i in range((PAGE_SIZE * d).bit_length() - 1):
+        t, c = _swizzled_position(2 << i)  # byte offset of element 2^i; 128-byte rows of 64 bf16
+        col = c // 2
+        bases.append([t + PAGE_SIZE * (col // (d // 2)), col % (d // 2)])
+    return bases
+
+
 SLOT_BOXES = 4  # a page slot of r = 512: four boxes, 32 KB
 
 

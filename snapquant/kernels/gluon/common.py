@@ -32,7 +32,7 @@ import torch
 
 from ... import constants
 from ..layouts import GLUON_BOX
-from .box_views import pv_channel, qk_channel
+from .box_views import pv_channel, pv_channel_pair, qk_channel
 
 try:  # Gluon ships with triton >= 3.5; older installs simply have no tile="gluon"
     from triton.experimental import gluon
@@ -124,6 +124,7 @@ if HAVE_GLUON:
 
     _qk_channel = gluon.jit(qk_channel)
     _pv_channel = gluon.jit(pv_channel)
+    _pv_channel_pair = gluon.jit(pv_channel_pair)
 
     @gluon.jit
     def issue_page(lat_desc, rope_desc, lat_smem, rope_smem, bars, slot, page, lat_page_rows, rope_page_rows,
@@ -412,7 +413,7 @@ if HAVE_GLUON:
                       PV_PERM: gl.constexpr = False):
         """out = acc / l (rows along axis AX of acc: 1 for O^T), lse = m + log2(l pi); rows that saw
         nothing give 0 and -inf. acc holds output channels CH0..CH0 + R - 1 (PV_PERM: in `narrow.py`'s
-        PV order, row m being channel CH0 + pv_channel(m))."""
+        PV order, row m being channel CH0 + pv_channel(m); PV_PERM=2: `pv_channel_pair(m)`)."""
         CA: gl.constexpr = 1 - AX  # the channels' axis
         empty = l_i == 0.0
         out = acc / gl.expand_dims(gl.where(empty, 1.0, l_i), CA)
@@ -420,7 +421,9 @@ if HAVE_GLUON:
         if LSE_NATURAL:
             lse = lse * LN2
         offs_c = gl.arange(0, R, layout=ch_l)
-        if PV_PERM:
+        if PV_PERM == 2:  # `narrow_halves.py`'s eight-warp order
+            offs_c = _pv_channel_pair(offs_c)
+        elif PV_PERM:
             offs_c = _pv_channel(offs_c)
         o_ptr = (O_PART + b64 * stride_ob + split * stride_os + gl.expand_dims(rows * stride_om, CA)
                  + gl.expand_dims(CH0 + offs_c, AX))
