@@ -105,6 +105,35 @@ def test_native_fp8_16_row_programs_compile_to_fp8_mmas_only(stages):
     _unserialized(st, max_spill=128 if stages == 2 else 320)
 
 
+@needs_gluon
+def test_channel_halves_kernel_compiles_to_half_a_chain_per_warpgroup():
+    """num_warps=8 at <= 16 rows (gluon.narrow_halves): per page and warpgroup QK over two boxes as fp16
+    m64n32k16 (r / 2 / 16: half the channels, both warpgroups' query columns), RoPE over half its channels
+    (d / 2 / 16 bf16 m64n32k16) and PV over two boxes as fp16 m64n16k16 (r / 2 / 16); exact products (cvt).
+    Two programs of 256 threads per SM: <= half an SM's shared memory and <= 128 registers, the chain
+    asynchronous. Each thread's hot path is well under the four-warp kernel's (Triton 3.6: 767 against 1120)."""
+    st = sm90_stats("snapmla", **NARROW, tile="gluon", num_warps=8)
+    assert st["kernel"] == "decode_gluon_narrow_halves"
+    assert wgmma_mix(st, ROPE32) == {ROPE32: 1, "f16.f16 m64n32k16": 512 / 2 / 16 / 2, "f16.f16 m64n16k16": 512 / 2 / 16 / 2}
+    assert st["mma_sync"] == 0 and st["async_loads"] > 0 and st["cvt_e4m3"] > 0
+    assert 0 < st["smem"] <= SMEM_LIMIT // 2 - 1024
+    if st.get("regs") is not None:
+        assert st["regs"] * 256 * 2 <= 65536, st["regs"]
+        four = sm90_stats("snapmla", **NARROW, tile="gluon", num_stages=2)
+        assert st["loop_hot"] < 0.8 * four["loop_hot"], (st["loop_hot"], four["loop_hot"])
+    _unserialized(st, max_spill=160)
+
+
+def test_channel_halves_kernel_refuses_what_it_is_not_written_for():
+    """num_warps=8 at <= 16 rows names the kernel and what it runs: exact MMAs, r = 512, d = 64, two slots."""
+    for knobs in (dict(fp8_mma="qk"), dict(num_stages=1)):
+        plan_knobs = dict(tile="gluon", num_warps=8, **knobs)
+        with pytest.raises(ConfigError, match=r"gluon\.narrow_halves"):
+            meta_plan("snapmla", **NARROW, **plan_knobs)
+    with pytest.raises(ConfigError, match=r"gluon\.narrow_halves"):
+        meta_plan("snapmla", **NARROW, d=32, tile="gluon", num_warps=8)
+
+
 def _cache(B=2, L=100, H=16):
     cfg = PRESETS["snapmla"]
     cache = PagedMLACache.empty(B, L, 512, 64, cfg)
@@ -848,6 +877,73 @@ def test_v_operand_load_and_transpose_give_the_mma_fragment(warp_bits):
             for r in range(128):
                 m, t = coord(regs, r)
                 assert loaded[r] == page[physical(m ^ m0 ^ m1, t ^ t0 ^ t1)], (lane, warp, r)
+
+def _swizzled(rows: torch.Tensor) -> torch.Tensor:
+    """A [n, 128-byte] tile as TMA's 128-byte swizzle stores it: 16-byte chunk c of row t at position c ^ (t % 8)."""
+    n = rows.shape[0]
+    smem = torch.empty(n * 128, dtype=torch.uint8)
+    for t in range(n):
+        for c in range(128):
+            smem[t * 128 + (((c // 16) ^ (t % 8)) * 16) + c % 16] = rows[t, c]
+    return smem
+
+
+def _read_view(smem: torch.Tensor, bases: list, shape: tuple, unit: int = 1) -> torch.Tensor:
+    """What a SharedLinearLayout with `bases` reads from `smem` (elements of `unit` bytes, as int64 of their
+    bytes): the logical index of element offset o is the XOR of the bases of o's set bits, every offset once."""
+    view = torch.full(shape, -1, dtype=torch.int64)
+    for off in range(smem.numel() // unit):
+        i = j = 0
+        for bit, (bi, bj) in enumerate(bases):
+            if off >> bit & 1:
+                i, j = i ^ bi, j ^ bj
+        assert view[i, j] == -1, "two offsets map to one logical element"
+        view[i, j] = int.from_bytes(bytes(smem[off * unit:(off + 1) * unit].tolist()), "little")
+    return view
+
+
+@pytest.mark.parametrize("kind", ["qk", "pv"])
+def test_pair_views_give_each_warpgroup_its_box(kind):
+    """gluon.narrow_halves' views of two consecutive TMA boxes (16 KB), applied as Triton applies a
+    SharedLinearLayout: QK [128, 128] rows 0-63 = box 0's tokens, 64-127 = box 1's, k -> qk_channel; PV
+    [256 m, 64 tokens] = the pair's channel pv_channel_pair(m), rows of the second warpgroup (m bit 6) in
+    box 1, a thread's four rows (m bits 3, 7) four contiguous bytes. A random pair, every offset."""
+    from snapquant.kernels.gluon.box_views import pair_view_bases, pv_channel_pair, qk_channel
+
+    gen = torch.Generator().manual_seed(11)
+    pair = torch.randint(0, 256, (2, 64, 128), generator=gen, dtype=torch.uint8)
+    smem = torch.cat([_swizzled(pair[0]), _swizzled(pair[1])])
+    bases = pair_view_bases(kind)
+    assert len(bases) == 14
+    if kind == "qk":
+        view = _read_view(smem, bases, (128, 128))
+        expect = torch.cat([pair[0], pair[1]])[:, [qk_channel(k) for k in range(128)]]
+    else:
+        view = _read_view(smem, bases, (256, 64))
+        both = torch.cat([pair[0], pair[1]], dim=1)  # [64 tokens, 256 channels of the pair]
+        expect = both[:, [pv_channel_pair(m) for m in range(256)]].T
+        assert all(pv_channel_pair(m) // 128 == (m >> 6) & 1 for m in range(256))  # warpgroup -> box
+        for m in range(0, 256, 1):  # a thread's rows m, m + 8, m + 128, m + 136: four contiguous channels
+            if m & 0b10001000 == 0:
+                chans = sorted(pv_channel_pair(m + o) for o in (0, 8, 128, 136))
+                assert chans == list(range(chans[0], chans[0] + 4)) and chans[0] % 4 == 0
+    assert torch.equal(view, expect.to(torch.int64))
+
+
+def test_rope_halves_view_splits_the_rope_channels_by_warpgroup():
+    """The RoPE view of gluon.narrow_halves: a [64, 64] bf16 tile (128-byte swizzle) read as [128, 32], row
+    t + 64 h, column k = token t, channel 32 h + k. A random tile, every element."""
+    from snapquant.kernels.gluon.box_views import rope_halves_bases
+
+    gen = torch.Generator().manual_seed(12)
+    tile = torch.randint(0, 2**15, (64, 64), generator=gen, dtype=torch.int16)
+    smem = _swizzled(tile.view(torch.uint8).view(64, 128))
+    view = _read_view(smem, rope_halves_bases(64), (128, 32), unit=2)
+    expect = torch.cat([tile[:, :32], tile[:, 32:]]).to(torch.int64)
+    assert torch.equal(view, expect)
+    with pytest.raises(ValueError, match="rope_dim 64"):
+        rope_halves_bases(32)
+
 
 
 @pytest.mark.parametrize("kind", ["qk", "pv"])

@@ -107,7 +107,7 @@ if HAVE_GLUON:
         cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
         q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-        ldr_l: gl.constexpr = gl.BlockedLayout([1, 2], [2, 16], [num_warps, 1], [1, 0])
+        ldr_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])
 
         b = gl.program_id(0)
         row0 = gl.program_id(1) * BN
@@ -148,8 +148,10 @@ if HAVE_GLUON:
         q_parts1 = q_smem.slice(BOXW, BOXW, dim=1).load(ld_l)
         q_parts2 = q_smem.slice(2 * BOXW, BOXW, dim=1).load(ld_l)
         q_parts3 = q_smem.slice(3 * BOXW, BOXW, dim=1).load(ld_l)
-        qr_lo = qr_smem.slice(0, D // 2, dim=1).load(ldr_l)
-        qr_hi = qr_smem.slice(D // 2, D // 2, dim=1).load(ldr_l)
+        # the RoPE query's halves by a register split (a slice inside the 128-byte swizzle is no place to load from)
+        qr3 = gl.permute(gl.reshape(qr_smem.load(ldr_l), [BN, 2, D // 2]), (0, 2, 1))
+        qr_lo, qr_hi = gl.split(gl.convert_layout(qr3, gl.BlockedLayout([1, 1, 2], [2, 16, 1], [num_warps, 1, 1],
+                                                                        [2, 1, 0])))
         cta_barrier()
         q2_smem.slice(0, BN, dim=0).store(q_parts0)
         q2_smem.slice(BN, BN, dim=0).store(q_parts1)
