@@ -201,11 +201,11 @@ if HAVE_GLUON:
             # channels 32 h .. 32 h + 31, in its columns 16 h .. 16 h + 15; one box's operand live at a time
             a_r = _view(rope_smem.index(slot), gl.bfloat16, [2 * PAGE, D // 2], ROPE_HALVES).load(a_qk)
             qk = warpgroup_mma(a_r, qr2_smem.permute((1, 0)), zero_qk, use_acc=False, is_async=True)
+            a16 = _qk_pair(page_smem, 0, a_qk)  # under the RoPE MMA
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-            a16 = _qk_pair(page_smem, 0, a_qk)
             qk = warpgroup_mma(a16, q2_smem.slice(0, 2 * BN, dim=0).permute((1, 0)), qk, is_async=True)
+            a16 = _qk_pair(page_smem, 2, a_qk)  # under the first pair's MMA (two pairs' operands live)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-            a16 = _qk_pair(page_smem, 2, a_qk)
             qk = warpgroup_mma(a16, q2_smem.slice(2 * BN, 2 * BN, dim=0).permute((1, 0)), qk, is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
             # each warpgroup's own 16 columns, then the two halves' sum (one exchange through shared memory)
