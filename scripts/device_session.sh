@@ -18,6 +18,7 @@
 #                     their GPU tests, then two H = 16 shapes beside the two-slot kernels and FlashMLA (~250 s)
 #   halves            gluon.narrow_halves (num_warps=8 at <= 16 rows): its reference tests, then three H = 16 shapes beside
 #                     the default and FlashMLA (~200 s, any GPU)
+#   profile16         ncu of the default H = 16 kernel, gluon.narrow_halves and FlashMLA at 128x16x4096 (~200 s)
 #   qk8               the native e4m3 QK in gluon.narrow (fp8_mma="qk") and both products native at 16 rows (gluon.narrow8,
 #                     fp8_mma=True): their GPU tests, then three
 #                     H = 16 shapes (B x L = 128 x 4K, 32 x 16K, 32 x 32K) beside FlashMLA (~250 s, any GPU; TEST_S,
@@ -112,6 +113,16 @@ case "$PART" in
     OUT="$OUT/halves" TAG=halves TEST_S="${TEST_S:-60}" TESTS="${TESTS:-matches_the_reference and False-2-8}" \
       BENCH_S="${BENCH_S:-150}" SHAPES="${SHAPES:-128x16x4096,32x16x16384,8x16x32768}" \
       VARIANTS="${VARIANTS:-bf16,snapmla,snapmla+gluon+halves}" bash scripts/device_widen.sh 2>&1 | tail -24 ;;
+  profile16)  # ncu of the H = 16 kernels at 128x16x4096: the default, gluon.narrow_halves and FlashMLA (warp states,
+              # source hot spots, memory workload) into results/<kernels|h100>/profile16_*.{md,csv} (~200 s; PROFILE_S)
+    source scripts/anchor_env.sh > "$OUT/anchor.txt" 2>&1
+    dest=results/kernels; echo "$gpu" | grep -q H200 || dest=results/h100
+    mkdir -p "$OUT/p16"
+    timeout "${PROFILE_S:-230}" python scripts/profile_decode.py run --shapes 128x16x4096 --time-shapes 128x16x4096 \
+      --variants snapmla,snapmla+gluon+halves,flashmla --out "$OUT/p16" --ncu-dir "$OUT/p16/ncu" \
+      --budget-s "$(( ${PROFILE_S:-230} - 20 ))" --time-budget-s 60 2>&1 | grep -v "^USDT" | tail -12
+    for f in "$OUT"/p16/profile_*; do [ -f "$f" ] && cp "$f" "$dest/profile16_${f##*/profile_}"; done
+    rm -rf "$OUT/p16/ncu" ;;
   qk8)  # the native e4m3 QK of gluon.narrow against the exact default, its reference tests first
     OUT="$OUT/qk8" TAG=qk8 TEST_S="${TEST_S:-80}" \
       TESTS="follow_the_mma_model or (test_gluon_kernel_matches_the_reference and (qk or True))" \
@@ -121,6 +132,6 @@ case "$PART" in
     TESTS_S=250 run_tests
     run_decode ;;
   *)
-    echo "unknown part '$PART': decode | eval | tests | all | quick | step | splits | stream | followup | slot1 | halves | qk8"; exit 2 ;;
+    echo "unknown part '$PART': decode | eval | tests | all | quick | step | splits | stream | followup | slot1 | halves | profile16 | qk8"; exit 2 ;;
 esac
 exit 0

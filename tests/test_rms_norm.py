@@ -91,9 +91,13 @@ def test_16bit_roundings_as_torch_orders_them(dtype, w_dtype):
     diff = (out.double() - ref).abs()
     assert (diff <= 2 * _ulp(ref, out_dtype)).all(), seed
     assert (diff > 0).float().mean() <= 0.01, seed
-    # and against torch's own expression on the same inputs (its fp32 sum in another order)
+    # and against torch's own expression on the same inputs (its fp32 sum in another order): where that order
+    # puts torch's fp32 y on the other side of a rounding boundary of `dtype`, the two differ by one ulp of
+    # y in `dtype` times w (with fp32 weights, 2^16 fp32 ulps: seed 13667594222257809916, 21 of 32768 elements)
     torch_out = rms_norm_reference(x, w, eps).double()
-    assert ((out.double() - torch_out).abs() <= 2 * _ulp(torch_out, out_dtype)).all(), seed
+    y16 = y.to(dtype).double()
+    tol = 2 * _ulp(torch_out, out_dtype) + w.double().abs() * _ulp(y16, dtype)
+    assert ((out.double() - torch_out).abs() <= tol).all(), seed
     assert (out.double() != torch_out).float().mean() <= 0.01, seed
 
 

@@ -249,7 +249,7 @@ def gluon_reason(ops: KernelOperands, config: KVQuantConfig, rows: int, target: 
     if not wide and num_warps == HALVES_WARPS:  # gluon.narrow_halves: two warpgroups split each page's channels
         if (ops.layout, fp8_mma, ops.kv_lora_rank, ops.rope_dim) != ("snapmla", False, 512, 64) \
                 or num_stages not in (None, 2):
-            return (f"tile='gluon' with num_warps={HALVES_WARPS} at <= {GLUON_ROWS} query rows (gluon.narrow_halves) "
+            return (f"tile='gluon' at {rows} query rows runs num_warps=4; num_warps={HALVES_WARPS} (gluon.narrow_halves) "
                     f"runs the snapmla layout with exact MMAs at kv_lora_rank 512, rope_dim 64 and two slots; got the "
                     f"{ops.layout} layout, fp8_mma={fp8_mma!r}, kv_lora_rank {ops.kv_lora_rank}, rope_dim "
                     f"{ops.rope_dim}, num_stages={num_stages}")

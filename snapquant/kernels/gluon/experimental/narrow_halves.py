@@ -47,7 +47,7 @@ if HAVE_GLUON:
         store_result,
         widen_e4m3,
     )
-    from .native8 import _zero_tail_slot, issue_slot
+    from .native8 import issue_slot, zero_tail_slot
 
     QK_PAIR = gl.constexpr(gl.SharedLinearLayout(offset_bases=pair_view_bases("qk")))
     PV_PAIR = gl.constexpr(gl.SharedLinearLayout(offset_bases=pair_view_bases("pv")))
@@ -193,7 +193,7 @@ if HAVE_GLUON:
                              mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
             mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
             if base + PAGE > length:
-                _zero_tail_slot(lat4, slot, base, length, NBOX, PAGE, cvt_l)
+                zero_tail_slot(lat4, slot, base, length, NBOX, PAGE, cvt_l)
                 cta_barrier()
             page_smem = lat4.index(slot)
 

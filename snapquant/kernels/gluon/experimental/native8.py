@@ -86,7 +86,7 @@ if HAVE_GLUON:
         return lat4, rope_smem, q_smem, qr_smem, p_smem, bars
 
     @gluon.jit
-    def _zero_tail_slot(lat4, slot, base, length, NBOX: gl.constexpr, PAGE: gl.constexpr, cvt_l: gl.constexpr):
+    def zero_tail_slot(lat4, slot, base, length, NBOX: gl.constexpr, PAGE: gl.constexpr, cvt_l: gl.constexpr):
         """A request's last page: the codes of tokens past its length -> 0 in the slot, before any product
         reads it (they may be NaN, and P = 0 does not cancel a NaN)."""
         keep = gl.expand_dims((base + gl.arange(0, PAGE, layout=gl.SliceLayout(1, cvt_l))) < length, 1)
@@ -120,7 +120,7 @@ if HAVE_GLUON:
                          mask=(it + 1 < n_run) & (base + PAGE + offs_t < length), other=0.0)
         mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
         if base + PAGE > length:
-            _zero_tail_slot(lat4, slot, base, length, NBOX, PAGE, cvt_l)
+            zero_tail_slot(lat4, slot, base, length, NBOX, PAGE, cvt_l)
             fence_async_shared()  # the QK MMAs read the slot through the async proxy
             cta_barrier()
         return slot, base, page_refill, s_next, after
