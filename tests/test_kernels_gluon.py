@@ -124,6 +124,19 @@ def test_channel_halves_kernel_compiles_to_half_a_chain_per_warpgroup():
     _unserialized(st, max_spill=160)
 
 
+@pytest.mark.parametrize("B,L", [(128, 4096), (32, 16384), (8, 32768)])
+def test_channel_halves_plan_keeps_the_default_schedule(B, L):
+    """gluon.narrow_halves runs the default's schedule (two programs per SM: the same split counts and grid)
+    with eight warps capped at 128 registers (two programs of 256 threads fill the register file)."""
+    halves = meta_plan("snapmla", B=B, H=16, L=L, tile="gluon", num_warps=8)
+    default = meta_plan("snapmla", B=B, H=16, L=L)
+    assert (halves.knobs["kernel"], default.knobs["kernel"]) == ("gluon.narrow_halves", "gluon.narrow")
+    assert halves.knobs["num_splits"] == default.knobs["num_splits"]
+    launch = halves.launches[0]
+    assert launch.grid == default.launches[0].grid
+    assert launch.kwargs["num_warps"] == 8 and launch.kwargs["maxnreg"] * 256 * 2 <= 65536
+
+
 def test_channel_halves_kernel_refuses_what_it_is_not_written_for():
     """num_warps=8 at <= 16 rows names the kernel and what it runs: exact MMAs, r = 512, d = 64, two slots."""
     for knobs in (dict(fp8_mma="qk"), dict(num_stages=1)):
